@@ -1,0 +1,87 @@
+"""The master-based baseline: everything goes through one rank.
+
+all_reduce gathers every buffer to rank 0, reduces there and sends the result
+back: simple, and the scheme a first distributed trainer uses, but not
+scalable: rank 0 receives and sends (P-1) full buffers one after another,
+
+    cost = 2(P-1) alpha + 2(P-1) n beta   at the root,
+
+so time grows linearly with P while ring's stays nearly flat. It is kept as
+the reference the others are checked against, and as the portable fallback
+for gather, scatter, all_gather and all_to_all on backends without native ones.
+"""
+from .. import ops
+from . import TAG, scratch
+
+
+def all_reduce(group, buf, code, op):
+    P, me = group.world_size, group.rank
+    if P == 1:
+        return
+    if me == 0:
+        tmp = scratch(buf)
+        for q in range(1, P):
+            group._recv(tmp, code, q, TAG)
+            ops.combine(buf, buf, tmp, op, code)
+        if op == "avg":
+            ops.finish_avg(buf, P, code)
+        for q in range(1, P):
+            group._send(buf, code, q, TAG)
+    else:
+        group._send(buf, code, 0, TAG)
+        group._recv(buf, code, 0, TAG)
+
+
+def gather(group, out, buf, code, dst):
+    """out: list of P buffers on dst (None elsewhere). (P-1) alpha + (P-1) n beta at dst."""
+    if group.rank == dst:
+        for q in range(group.world_size):
+            if q == dst:
+                out[q][...] = buf
+            else:
+                group._recv(out[q], code, q, TAG)
+    else:
+        group._send(buf, code, dst, TAG)
+
+
+def scatter(group, buf, inp, code, src):
+    if group.rank == src:
+        for q in range(group.world_size):
+            if q == src:
+                buf[...] = inp[q]
+            else:
+                group._send(inp[q], code, q, TAG)
+    else:
+        group._recv(buf, code, src, TAG)
+
+
+def all_gather(group, out, buf, code):
+    """Pairwise exchange: in step s, send to rank+s and receive from rank-s.
+    (P-1) alpha + (P-1) n beta, with no root bottleneck."""
+    P, me = group.world_size, group.rank
+    out[me][...] = buf
+    for s in range(1, P):
+        dst, src = (me + s) % P, (me - s) % P
+        group._sendrecv(buf, dst, out[src], src, code, TAG)
+
+
+def all_to_all(group, out, inp, code):
+    """Pairwise exchange of piece j with rank j; pieces may differ in size."""
+    P, me = group.world_size, group.rank
+    out[me][...] = inp[me]
+    for s in range(1, P):
+        dst, src = (me + s) % P, (me - s) % P
+        group._sendrecv(inp[dst], dst, out[src], src, code, TAG)
+
+
+def reduce_scatter(group, out, inp, code, op):
+    """Each rank receives piece r from every other rank and reduces it: (P-1)(alpha + n beta)."""
+    P, me = group.world_size, group.rank
+    out[...] = inp[me]
+    tmp = scratch(out)
+    for s in range(1, P):
+        dst, src = (me + s) % P, (me - s) % P
+        group._sendrecv(inp[dst], dst, tmp, src, code, TAG)
+        ops.combine(out, out, tmp, op, code)
+    if op == "avg":
+        ops.finish_avg(out, P, code)

@@ -1,0 +1,358 @@
+"""ProcessGroup: the one collective API every backend offers.
+
+Names and argument order follow torch.distributed so that code moves over
+unchanged: ``all_reduce(tensor, op="sum", async_op=False)`` and so on. Tensors
+are CPU torch tensors or numpy arrays; results are written in place.
+
+This base class owns what is the same for every backend: argument checking,
+the ``async_op`` lanes, the debug-mode check that all ranks called the same
+thing, and the choice of algorithm. A backend provides point-to-point
+``_send``/``_recv`` of flat buffers and may override any ``_<collective>``
+with a faster native version; every collective also has a portable version
+built from point-to-point in ``comm/algorithms/``, so a new backend works as
+soon as it can send and receive.
+"""
+import os
+
+import numpy as np
+
+from . import ops
+from .algorithms import naive, ring, tree
+from .errors import MismatchError
+from .work import CompletedWork, Lanes
+
+DEFAULT_TIMEOUT = 300.0
+INTERNAL_TAG = 1 << 24  # tags at and above this are the algorithms' own traffic
+
+# Descriptor codes: what a rank says it is calling, compared across ranks.
+COLLECTIVES = ("barrier", "broadcast", "reduce", "all_reduce", "reduce_scatter",
+               "all_gather", "gather", "scatter", "all_to_all")
+COLL_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
+
+ALGORITHMS = {"naive": naive, "ring": ring, "tree": tree}
+
+
+def timeout_from_env():
+    return float(os.environ.get("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT))
+
+
+def debug_checks():
+    return os.environ.get("PARATRAIN_DEBUG", "0") not in ("", "0", "false", "no")
+
+
+def describe(desc):
+    """Human words for a descriptor row [seq, coll, op, dtype, numel, root, extra, _]."""
+    seq, coll, op, code, numel, root, *_ = (int(x) for x in desc)
+    name = COLLECTIVES[coll - 1] if 1 <= coll <= len(COLLECTIVES) else f"collective #{coll}"
+    parts = []
+    if code:
+        parts.append(f"{str(ops.CODE_TORCH.get(code, code)).replace('torch.', '')} x {numel}")
+    if op:
+        parts.append(f"op={ops.REDUCE_OPS[op - 1]}")
+    if name in ("broadcast", "reduce", "gather", "scatter"):
+        parts.append(f"root={root}")
+    return f"{name}({', '.join(parts)}) [call #{seq}]"
+
+
+def check_descriptors(rows, what, ranks):
+    """Raise MismatchError naming the disagreeing ranks if the rows are not all equal."""
+    rows = np.asarray(rows)
+    first = rows[0]
+    bad = [i for i in range(len(rows)) if not np.array_equal(rows[i, 1:7], first[1:7])]
+    if bad:
+        lines = [f"  rank {ranks[i]}: {describe(rows[i])}" for i in range(len(rows))]
+        raise MismatchError(
+            f"ranks called different collectives or with different shapes/dtypes/ops in {what}; "
+            f"ranks {[ranks[i] for i in bad]} disagree with rank {ranks[0]}:\n" + "\n".join(lines))
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else None
+
+
+class ProcessGroup:
+    """A set of ranks that communicate. ``rank`` is this process's index in the group."""
+
+    backend = "base"
+
+    def __init__(self, rank, world_size, ranks=None, timeout=None):
+        self.rank = rank
+        self.world_size = world_size
+        self.ranks = list(ranks) if ranks is not None else list(range(world_size))  # global ranks
+        self.timeout = timeout_from_env() if timeout is None else float(timeout)
+        self._lanes = Lanes(f"paratrain-{self.backend}")
+        self._seq = 0
+        self._debug = debug_checks()
+
+    def __repr__(self):
+        return f"<{type(self).__name__} rank {self.rank}/{self.world_size} backend={self.backend}>"
+
+    def size(self):
+        return self.world_size
+
+    def get_rank(self):
+        return self.rank
+
+    # ---- running blocking or async ------------------------------------------------
+
+    def _run(self, lane, fn, async_op, what):
+        if async_op:
+            return self._lanes.submit(lane, fn, what)
+        self._lanes.drain(lane)
+        fn()
+        return None
+
+    def _check_peer(self, peer, what):
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
+            raise ValueError(f"{what}: rank {peer!r} is not in this group of {self.world_size} ranks "
+                             "(ranks are group-local: 0..world_size-1)")
+        return int(peer)
+
+    def _descriptor(self, coll, code=0, op=None, numel=0, root=0, extra=0):
+        self._seq += 1
+        return np.array([self._seq, COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code,
+                         numel, root, extra, 0], dtype=np.int64)
+
+    def _agree(self, desc):
+        """Make sure every rank is calling the same thing (debug mode on backends
+        without a cheaper always-on check)."""
+        if self._debug and self.world_size > 1:
+            rows = np.zeros((self.world_size, 8), dtype=np.int64)
+            self._all_gather(rows.reshape(-1), desc, ops.INT64)
+            check_descriptors(rows, describe(desc), self.ranks)
+
+    def _algorithm(self, algorithm, nbytes):
+        name = algorithm or os.environ.get("PARATRAIN_ALGO") or self.default_algorithm(nbytes)
+        if name in ALGORITHMS:
+            return ALGORITHMS[name]
+        native = getattr(self, "native_algorithms", ())
+        if name in native:
+            return None
+        raise ValueError(f"unknown algorithm {name!r}; choose from {sorted(set(ALGORITHMS) | set(native))}")
+
+    def default_algorithm(self, nbytes):
+        """Small messages are latency-bound: tree (log P steps); large ones ring (bandwidth-optimal)."""
+        return "tree" if nbytes <= 64 * 1024 else "ring"
+
+    # ---- point to point -----------------------------------------------------------
+
+    def send(self, tensor, dst, tag=0):
+        buf, code = ops.as_buffer(tensor)
+        dst = self._check_peer(dst, "send")
+        self._run("send", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
+
+    def recv(self, tensor, src, tag=0):
+        buf, code = ops.as_buffer(tensor)
+        src = self._check_peer(src, "recv")
+        self._run("recv", lambda: self._recv(buf, code, src, tag), False, f"recv from {src}")
+        return src
+
+    def isend(self, tensor, dst, tag=0):
+        buf, code = ops.as_buffer(tensor)
+        dst = self._check_peer(dst, "isend")
+        return self._run("send", lambda: self._send(buf, code, dst, tag), True, f"isend to {dst}")
+
+    def irecv(self, tensor, src, tag=0):
+        buf, code = ops.as_buffer(tensor)
+        src = self._check_peer(src, "irecv")
+        return self._run("recv", lambda: self._recv(buf, code, src, tag), True, f"irecv from {src}")
+
+    def _send(self, buf, code, dst, tag):
+        raise NotImplementedError
+
+    def _recv(self, buf, code, src, tag):
+        raise NotImplementedError
+
+    def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
+        """Send to dst while receiving from src (both may be the same peer): the step of a ring."""
+        work = self._lanes.submit("send", lambda: self._send(send_buf, code, dst, tag), "sendrecv")
+        self._recv(recv_buf, code, src, tag)
+        work.wait()
+
+    # ---- collectives: public API --------------------------------------------------
+
+    def barrier(self, async_op=False):
+        desc = self._descriptor("barrier")
+        return self._run("coll", lambda: self._checked(desc, self._barrier), async_op, "barrier")
+
+    def broadcast(self, tensor, src=0, async_op=False):
+        buf, code = ops.as_buffer(tensor)
+        src = self._check_peer(src, "broadcast")
+        desc = self._descriptor("broadcast", code, None, buf.size, src)
+        return self._run("coll", lambda: self._checked(desc, self._broadcast, buf, code, src),
+                         async_op, "broadcast")
+
+    def all_reduce(self, tensor, op="sum", async_op=False, algorithm=None):
+        op = ops.normalize_op(op)
+        buf, code = ops.as_buffer(tensor)
+        ops.check_op_dtype(op, code)
+        desc = self._descriptor("all_reduce", code, op, buf.size)
+        algo = self._algorithm(algorithm, buf.nbytes)
+        return self._run("coll", lambda: self._checked(desc, self._all_reduce_with, algo, buf, code, op),
+                         async_op, "all_reduce")
+
+    def reduce(self, tensor, dst=0, op="sum", async_op=False):
+        op = ops.normalize_op(op)
+        buf, code = ops.as_buffer(tensor)
+        ops.check_op_dtype(op, code)
+        dst = self._check_peer(dst, "reduce")
+        desc = self._descriptor("reduce", code, op, buf.size, dst)
+        return self._run("coll", lambda: self._checked(desc, self._reduce, buf, code, op, dst),
+                         async_op, "reduce")
+
+    def all_gather(self, output, tensor, async_op=False):
+        """output: a list of world_size tensors shaped like ``tensor``, or one tensor of
+        world_size x tensor.numel() elements (torch's all_gather_into_tensor)."""
+        buf, code = ops.as_buffer(tensor, "all_gather input")
+        out = self._gathered(output, buf, code, "all_gather output")
+        desc = self._descriptor("all_gather", code, None, buf.size)
+        return self._run("coll", lambda: self._checked(desc, self._all_gather_into, out, buf, code),
+                         async_op, "all_gather")
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        """input: a list of world_size tensors shaped like ``output``, or one tensor of
+        world_size x output.numel() elements. Rank r receives the reduction of everyone's piece r."""
+        op = ops.normalize_op(op)
+        out, code = ops.as_buffer(output, "reduce_scatter output")
+        ops.check_op_dtype(op, code)
+        inp = self._gathered(input, out, code, "reduce_scatter input", writable=False)
+        desc = self._descriptor("reduce_scatter", code, op, out.size)
+        return self._run("coll", lambda: self._checked(desc, self._reduce_scatter, out, inp, code, op),
+                         async_op, "reduce_scatter")
+
+    def gather(self, tensor, gather_list=None, dst=0, async_op=False):
+        buf, code = ops.as_buffer(tensor, "gather input")
+        dst = self._check_peer(dst, "gather")
+        out = None
+        if self.rank == dst:
+            if gather_list is None:
+                raise ValueError("gather: the destination rank must pass gather_list")
+            out = self._gathered(gather_list, buf, code, "gather_list")
+        desc = self._descriptor("gather", code, None, buf.size, dst)
+        return self._run("coll", lambda: self._checked(desc, self._gather, out, buf, code, dst),
+                         async_op, "gather")
+
+    def scatter(self, tensor, scatter_list=None, src=0, async_op=False):
+        buf, code = ops.as_buffer(tensor, "scatter output")
+        src = self._check_peer(src, "scatter")
+        inp = None
+        if self.rank == src:
+            if scatter_list is None:
+                raise ValueError("scatter: the source rank must pass scatter_list")
+            inp = self._gathered(scatter_list, buf, code, "scatter_list", writable=False)
+        desc = self._descriptor("scatter", code, None, buf.size, src)
+        return self._run("coll", lambda: self._checked(desc, self._scatter, buf, inp, code, src),
+                         async_op, "scatter")
+
+    def all_to_all(self, output, input, async_op=False):
+        """Piece j of this rank's input goes to rank j, landing as piece (this rank) of its output.
+        output/input: lists of world_size tensors, or single tensors split evenly."""
+        in_list = _as_list(input)
+        if in_list is None:
+            flat, code = ops.as_buffer(input, "all_to_all input")
+            if flat.size % self.world_size:
+                raise ValueError(f"all_to_all input has {flat.size} elements, not divisible by world size "
+                                 f"{self.world_size}; pass lists for uneven pieces")
+            n = flat.size // self.world_size
+            inp = [flat[i * n:(i + 1) * n] for i in range(self.world_size)]
+        else:
+            inp = self._pieces(in_list, "all_to_all input")
+            code = self._same_code(in_list, "all_to_all input")
+        out_list = _as_list(output)
+        if out_list is None:
+            flat, ocode = ops.as_buffer(output, "all_to_all output")
+            if flat.size % self.world_size:
+                raise ValueError(f"all_to_all output has {flat.size} elements, not divisible by world size "
+                                 f"{self.world_size}")
+            n = flat.size // self.world_size
+            out = [flat[i * n:(i + 1) * n] for i in range(self.world_size)]
+        else:
+            out = self._pieces(out_list, "all_to_all output")
+            ocode = self._same_code(out_list, "all_to_all output")
+        if ocode != code:
+            raise TypeError("all_to_all input and output dtypes differ")
+        even = len({p.size for p in inp} | {p.size for p in out}) == 1
+        desc = self._descriptor("all_to_all", code, None, sum(p.size for p in inp), 0, int(even))
+        return self._run("coll", lambda: self._checked(desc, self._all_to_all, out, inp, code, even),
+                         async_op, "all_to_all")
+
+    # ---- argument helpers ---------------------------------------------------------
+
+    def _pieces(self, lst, what):
+        if len(lst) != self.world_size:
+            raise ValueError(f"{what} has {len(lst)} tensors; it needs one per rank ({self.world_size})")
+        return [ops.as_buffer(t, f"{what}[{i}]")[0] for i, t in enumerate(lst)]
+
+    def _same_code(self, lst, what):
+        codes = {ops.as_buffer(t, what)[1] for t in lst}
+        if len(codes) > 1:
+            raise TypeError(f"{what} mixes dtypes")
+        return codes.pop()
+
+    def _gathered(self, output, like, code, what, writable=True):
+        """world_size pieces, each shaped like ``like``: from a list or one big tensor."""
+        lst = _as_list(output)
+        if lst is None:
+            flat, ocode = ops.as_buffer(output, what)
+            if flat.size != like.size * self.world_size:
+                raise ValueError(f"{what} has {flat.size} elements; it needs world_size x {like.size} "
+                                 f"= {like.size * self.world_size}")
+            pieces = [flat[i * like.size:(i + 1) * like.size] for i in range(self.world_size)]
+        else:
+            pieces = self._pieces(lst, what)
+            ocode = self._same_code(lst, what)
+            for i, p in enumerate(pieces):
+                if p.size != like.size:
+                    raise ValueError(f"{what}[{i}] has {p.size} elements, expected {like.size}")
+        if ocode != code:
+            raise TypeError(f"{what} dtype differs from the tensor's "
+                            f"({ops.CODE_TORCH[ocode]} vs {ops.CODE_TORCH[code]})")
+        return pieces
+
+    def _checked(self, desc, fn, *args):
+        self._agree(desc)
+        self._current = desc
+        fn(*args)
+
+    # ---- collectives: portable versions over point-to-point -------------------------
+    # A backend overrides these with native ones where it has them.
+
+    def _all_reduce_with(self, algo, buf, code, op):
+        if algo is None:
+            self._all_reduce(buf, code, op)
+        else:
+            algo.all_reduce(self, buf, code, op)
+
+    def _all_reduce(self, buf, code, op):
+        ring.all_reduce(self, buf, code, op)
+
+    def _barrier(self):
+        tree.all_reduce(self, np.zeros(1, np.uint8), ops.UINT8, "max")
+
+    def _broadcast(self, buf, code, src):
+        tree.broadcast(self, buf, code, src)
+
+    def _reduce(self, buf, code, op, dst):
+        tree.reduce(self, buf, code, op, dst)
+
+    def _all_gather_into(self, out, buf, code):
+        naive.all_gather(self, out, buf, code)
+
+    def _all_gather(self, out_flat, buf, code):
+        n = buf.size
+        self._all_gather_into([out_flat[i * n:(i + 1) * n] for i in range(self.world_size)], buf, code)
+
+    def _reduce_scatter(self, out, inp, code, op):
+        naive.reduce_scatter(self, out, inp, code, op)
+
+    def _gather(self, out, buf, code, dst):
+        naive.gather(self, out, buf, code, dst)
+
+    def _scatter(self, buf, inp, code, src):
+        naive.scatter(self, buf, inp, code, src)
+
+    def _all_to_all(self, out, inp, code, even):
+        naive.all_to_all(self, out, inp, code)
+
+    def destroy(self):
+        self._lanes.shutdown()

@@ -1,0 +1,110 @@
+"""Reduce ops and dtypes: how paratrain names them and how it computes them.
+
+Buffers travel as numpy arrays of the element's raw type. numpy has no
+bfloat16, so a bfloat16 buffer is a ``uint16`` array of the same bits; its
+reductions, and float16's (numpy emulates float16 about 8x slower than torch's
+vectorised kernels), run in torch on zero-copy views of the same memory.
+"""
+import numpy as np
+import torch
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+
+# code on the wire / in descriptors, torch dtype, numpy storage dtype
+_DTYPES = [
+    (1, torch.float16, np.float16),
+    (2, torch.bfloat16, np.uint16),
+    (3, torch.float32, np.float32),
+    (4, torch.float64, np.float64),
+    (5, torch.int32, np.int32),
+    (6, torch.int64, np.int64),
+    (7, torch.uint8, np.uint8),
+]
+DTYPE_CODE = {t: c for c, t, _ in _DTYPES}
+CODE_TORCH = {c: t for c, t, _ in _DTYPES}
+CODE_NUMPY = {c: n for c, _, n in _DTYPES}
+NUMPY_CODE = {np.dtype(n): c for c, t, n in _DTYPES if t is not torch.bfloat16}
+_HALF_CODES = {1, 2}
+_INT_CODES = {5, 6, 7}
+INT64, UINT8 = 6, 7
+REDUCE_CODE = {name: i + 1 for i, name in enumerate(REDUCE_OPS)}
+
+
+def normalize_op(op):
+    """Accept "sum", pt.ReduceOp.SUM-like objects and torch.distributed.ReduceOp values."""
+    name = getattr(op, "name", None) or str(op)
+    name = name.rsplit(".", 1)[-1].lower()
+    name = {"average": "avg", "product": "prod"}.get(name, name)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    return name
+
+
+def check_op_dtype(op, code):
+    if op == "avg" and code in _INT_CODES:
+        raise ValueError(
+            f"op='avg' on {CODE_TORCH[code]} is ambiguous (integer division); "
+            "all_reduce with op='sum' and divide as you need")
+
+
+def _torch_view(a, code):
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if code == 2 else t
+
+
+_NP_FUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+_TORCH_FUNCS = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
+
+
+def combine(out, a, b, op, code):
+    """out = a (op) b, elementwise, in the buffers' own dtype. out may alias a or b."""
+    if code in _HALF_CODES:
+        _TORCH_FUNCS[op](_torch_view(a, code), _torch_view(b, code), out=_torch_view(out, code))
+    else:
+        _NP_FUNCS[op](a, b, out=out)
+
+
+def finish_avg(buf, world_size, code):
+    """Turn a sum into the mean (floating dtypes only; see check_op_dtype)."""
+    if code in _HALF_CODES:
+        _torch_view(buf, code).div_(world_size)
+    else:
+        np.divide(buf, world_size, out=buf)
+
+
+def as_buffer(tensor, what="tensor"):
+    """A flat numpy view of a CPU torch tensor or numpy array, sharing its memory.
+
+    Returns (flat_view, dtype_code). Non-contiguous or non-CPU input is refused
+    rather than silently copied, since collectives write their result in place.
+    """
+    if isinstance(tensor, torch.Tensor):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{what} is on {tensor.device}; the shm and mpi backends take CPU tensors "
+                             "(use backend='torch' with NCCL for GPU tensors)")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what} is not contiguous; call .contiguous() first")
+        code = DTYPE_CODE.get(tensor.dtype)
+        if code is None:
+            raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {supported_dtypes()}")
+        t = tensor.detach()
+        if code == 2:
+            t = t.view(torch.int16)
+        arr = t.reshape(-1).numpy()
+        if code == 2:
+            arr = arr.view(np.uint16)
+        return arr, code
+    if isinstance(tensor, np.ndarray):
+        code = NUMPY_CODE.get(tensor.dtype)
+        if code is None:
+            raise TypeError(f"{what} has numpy dtype {tensor.dtype}; supported: {supported_dtypes()}")
+        if not tensor.flags.c_contiguous:
+            raise ValueError(f"{what} is not C-contiguous; use np.ascontiguousarray first")
+        if not tensor.flags.writeable:
+            raise ValueError(f"{what} is read-only; collectives write in place")
+        return tensor.reshape(-1), code
+    raise TypeError(f"{what} must be a CPU torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
+
+
+def supported_dtypes():
+    return ", ".join(str(t).replace("torch.", "") for _, t, _ in _DTYPES)

@@ -1,0 +1,1 @@
+"""The same-host engine: shared-memory segments and blocking semaphores."""

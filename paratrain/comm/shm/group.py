@@ -1,0 +1,337 @@
+"""ShmGroup: the ProcessGroup of ranks on one host, over one shared-memory segment.
+
+Layout of the segment (all offsets 64-byte aligned):
+
+    meta      int64[8]        magic, world size, slot bytes, chunk bytes
+    pids      int64[P]        each rank's pid: how a waiting rank notices a dead peer
+    arrived   int64[P]        barriers each rank has entered: names who is behind
+    desc      int64[2][P][8]  what each rank is calling (double-buffered by call parity)
+    bar_sems  sem_t[P]        rank r's barrier semaphore; every other rank posts to it
+    p2p_sems  sem_t[P][P][2]  channel src->dst: "full" and "empty" counts
+    slots     P x 2 x slot_bytes   each rank's collective buffers, double-buffered by round
+    frames    P x P x 2 x (32 + chunk_bytes)  point-to-point channels, two frames each
+
+Collectives are built from rounds of "write my slot, barrier, read anyone's slot"
+(see comm/algorithms/direct.py). Double-buffered slots need one barrier per
+round instead of two: a rank writes buffer b again in round j+2 only after it
+passed a barrier of round j+1, which every peer reaches only after finishing
+its reads of round j.
+
+Point-to-point messages stream through a channel's two frames, each a fixed
+header (comm/wire.py) and up to chunk_bytes of payload: the receiver copies
+frame k while the sender fills frame k+1.
+"""
+import ctypes
+import os
+import secrets
+import threading
+import time
+from datetime import timedelta
+
+import numpy as np
+
+from .. import ops
+from ..algorithms import direct, naive
+from ..errors import CommTimeout, FrameError, MismatchError, PeerError
+from ..group import ProcessGroup, check_descriptors, describe
+from ..wire import HEADER_SIZE, decode_header, encode_header
+from . import segment
+from .semaphore import SEM_STRIDE, Semaphore
+
+MAGIC = 0x7061726174726E31  # "paratrn1"
+MAX_MESSAGE = 1 << 40
+
+
+def _align(n, a=64):
+    return (n + a - 1) // a * a
+
+
+def _env_bytes(name, default):
+    return int(os.environ.get(name, default))
+
+
+class Layout:
+    """Byte offsets of every region, computed the same way on every rank."""
+
+    def __init__(self, P, slot_bytes, chunk_bytes):
+        self.P, self.slot_bytes, self.chunk_bytes = P, slot_bytes, chunk_bytes
+        off = 64
+        self.pids = off
+        off += _align(8 * P)
+        self.arrived = off
+        off += _align(8 * P)
+        self.desc = off
+        off += _align(2 * P * 8 * 8)
+        self.bar_sems = off
+        off += SEM_STRIDE * P
+        self.p2p_sems = off
+        off += SEM_STRIDE * P * P * 2
+        self.slots = off = _align(off, 4096)
+        off += P * 2 * slot_bytes
+        self.frame_bytes = _align(HEADER_SIZE + chunk_bytes)
+        self.frames = off
+        off += P * P * 2 * self.frame_bytes
+        self.size = off
+
+
+def _alive(pid):
+    """True unless the process is gone or a zombie (a dead child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class ShmGroup(ProcessGroup):
+    """Ranks on one host, talking through shared memory with blocking semaphores."""
+
+    backend = "shm"
+    native_algorithms = ("direct",)
+
+    def __init__(self, store, key, rank, ranks, timeout=None, slot_bytes=None, chunk_bytes=None):
+        super().__init__(rank, len(ranks), ranks, timeout)
+        P = self.world_size
+        slot_bytes = slot_bytes or _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 4 << 20)
+        chunk_bytes = chunk_bytes or _env_bytes("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20)
+        self.layout = L = Layout(P, _align(slot_bytes), _align(chunk_bytes))
+        self.slot_bytes, self.chunk_bytes = L.slot_bytes, L.chunk_bytes
+        spin_us = os.environ.get("PARATRAIN_SHM_SPIN_US")
+        oversubscribed = P > (os.cpu_count() or 1)
+        self.spin_s = (float(spin_us) if spin_us is not None else (0 if oversubscribed else 200)) * 1e-6
+        wait = timedelta(seconds=self.timeout)
+        if rank == 0:
+            name = f"{os.environ.get('PARATRAIN_JOB_ID', 'job')}-{key}-{os.getpid()}-{secrets.token_hex(4)}"
+            self._path, self._mm = segment.create(name, L.size)
+            self._map()
+            self._meta[:4] = [MAGIC, P, L.slot_bytes, L.chunk_bytes]
+            for s in self._bar_sems:
+                s.init(0)
+            for i, s in enumerate(self._p2p_sem_list):
+                s.init(0 if i % 2 == 0 else 2)  # full starts empty, empty starts at two free frames
+            store.set(f"{key}/segment", name)
+        else:
+            store.wait([f"{key}/segment"], wait)
+            name = store.get(f"{key}/segment").decode()
+            self._mm = segment.attach(name, L.size)
+            self._map()
+            if list(self._meta[:4]) != [MAGIC, P, L.slot_bytes, L.chunk_bytes]:
+                raise FrameError(f"shared-memory segment {name} has header {list(self._meta[:4])}, expected "
+                                 f"{[MAGIC, P, L.slot_bytes, L.chunk_bytes]}: ranks disagree on "
+                                 "PARATRAIN_SHM_* settings or paratrain versions")
+        self._pids[rank] = os.getpid()
+        store.set(f"{key}/attached/{rank}", "1")
+        if rank == 0:
+            store.wait([f"{key}/attached/{r}" for r in range(P)], wait)
+            segment.unlink(self._path)  # from here on nothing can leak: the memory dies with the last process
+        self._epoch = 0
+        self._round = 0
+        self._send_seq = [0] * P
+        self._recv_seq = [0] * P
+        self._send_frame = [0] * P
+        self._recv_frame = [0] * P
+        self._send_locks = [threading.Lock() for _ in range(P)]
+        self._recv_locks = [threading.Lock() for _ in range(P)]
+        self._need_check = False
+        self._current = None
+        self._barrier_raw("group set-up")
+
+    # ---- mapping ------------------------------------------------------------------
+
+    def _map(self):
+        L, P, mm = self.layout, self.world_size, self._mm
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        raw = np.frombuffer(mm, dtype=np.uint8)
+        self._raw = raw
+        self._meta = raw[:64].view(np.int64)
+        self._pids = raw[L.pids:L.pids + 8 * P].view(np.int64)
+        self._arrived = raw[L.arrived:L.arrived + 8 * P].view(np.int64)
+        self._desc = raw[L.desc:L.desc + 2 * P * 64].view(np.int64).reshape(2, P, 8)
+        self._bar_sems = [Semaphore(self._base + L.bar_sems + SEM_STRIDE * r) for r in range(P)]
+        self._p2p_sem_list = [Semaphore(self._base + L.p2p_sems + SEM_STRIDE * i) for i in range(P * P * 2)]
+        # slots[parity][rank] -> uint8 view of slot_bytes
+        self._slots = [[raw[L.slots + (2 * r + par) * L.slot_bytes:L.slots + (2 * r + par + 1) * L.slot_bytes]
+                        for r in range(P)] for par in range(2)]
+        fb = L.frame_bytes
+        self._frames = [[[raw[L.frames + ((s * P + d) * 2 + k) * fb:L.frames + ((s * P + d) * 2 + k + 1) * fb]
+                          for k in range(2)] for d in range(P)] for s in range(P)]
+
+    def _full(self, src, dst):
+        return self._p2p_sem_list[(src * self.world_size + dst) * 2]
+
+    def _empty(self, src, dst):
+        return self._p2p_sem_list[(src * self.world_size + dst) * 2 + 1]
+
+    # ---- waiting, with a dead peer or a deadline turned into an error ------------
+
+    def _what(self):
+        return describe(self._current) if self._current is not None else "collective"
+
+    def _watch(self, peers_fn, what, deadline):
+        """on_slice callback for Semaphore.acquire: raise if a peer we wait for died or time ran out."""
+        def on_slice():
+            peers = peers_fn()
+            dead = [q for q in peers if not _alive(int(self._pids[q]))]
+            if dead:
+                names = ", ".join(f"rank {self.ranks[q]} (pid {int(self._pids[q])})" for q in dead)
+                raise PeerError(f"{names} died while rank {self.ranks[self.rank]} waited for it in {what}",
+                                [self.ranks[q] for q in dead])
+            if time.time() >= deadline:
+                last = {self.ranks[q]: describe(self._desc[:, q][np.argmax(self._desc[:, q, 0])])
+                        for q in peers}
+                raise CommTimeout(
+                    f"rank {self.ranks[self.rank]} timed out after {self.timeout:g}s in {what} waiting for ranks "
+                    f"{[self.ranks[q] for q in peers]} (alive, but not there; their last calls: {last}). "
+                    "Ranks must call the same collectives in the same order; raise PARATRAIN_TIMEOUT "
+                    "if a rank is legitimately slow", [self.ranks[q] for q in peers])
+        return on_slice
+
+    def _barrier_raw(self, what):
+        """All-to-all barrier on counting semaphores: each rank posts to every other's
+        semaphore, then takes P-1 units from its own. Tokens from a rank already in
+        the next barrier are safe: that rank could only get there after everyone
+        arrived here, so a rank never passes while someone has not arrived."""
+        P, me = self.world_size, self.rank
+        if P == 1:
+            return
+        self._epoch += 1
+        epoch = self._epoch
+        self._arrived[me] = epoch
+        for q in range(P):
+            if q != me:
+                self._bar_sems[q].post()
+        sem = self._bar_sems[me]
+        deadline = time.time() + self.timeout
+        on_slice = self._watch(lambda: [q for q in range(P) if self._arrived[q] < epoch], what, deadline)
+        for _ in range(P - 1):
+            sem.acquire(self.spin_s, deadline, on_slice)
+
+    # ---- the round structure the direct algorithms use ----------------------------
+
+    def _checked(self, desc, fn, *args):
+        """Always-on, cheap check: each rank publishes its descriptor; the first
+        barrier of the collective (in _sync) compares all of them."""
+        self._current = desc
+        self._desc[desc[0] & 1, self.rank] = desc
+        self._need_check = True
+        try:
+            fn(*args)
+        finally:
+            self._need_check = False
+
+    def _next_slots(self):
+        """This round's slot of every rank (uint8 views); alternates between the two buffers."""
+        slots = self._slots[self._round & 1]
+        self._round += 1
+        return slots
+
+    def _sync(self):
+        self._barrier_raw(self._what())
+        if self._need_check:
+            self._need_check = False
+            seq = int(self._current[0])
+            check_descriptors(self._desc[seq & 1], self._what(), self.ranks)
+
+    # ---- point to point -----------------------------------------------------------
+
+    def _send(self, buf, code, dst, tag):
+        me = self.rank
+        if dst == me:
+            raise ValueError("send to self is not supported; copy the tensor instead")
+        raw = buf.view(np.uint8)
+        total, cap = raw.size, self.chunk_bytes
+        what = f"send of {total} bytes to rank {self.ranks[dst]} (tag {tag})"
+        full, empty = self._full(me, dst), self._empty(me, dst)
+        frames = self._frames[me][dst]
+        with self._send_locks[dst]:
+            seq = self._send_seq[dst]
+            self._send_seq[dst] += 1
+            for i in range(max(1, -(-total // cap))):
+                part = raw[i * cap:(i + 1) * cap]
+                deadline = time.time() + self.timeout
+                empty.acquire(self.spin_s, deadline, self._watch(lambda: [dst], what, deadline))
+                frame = frames[self._send_frame[dst]]
+                self._send_frame[dst] ^= 1
+                encode_header(frame, 0, code=code, tag=tag, seq=seq, total=total, index=i, length=part.size)
+                frame[HEADER_SIZE:HEADER_SIZE + part.size] = part
+                full.post()
+
+    def _recv(self, buf, code, src, tag):
+        me = self.rank
+        if src == me:
+            raise ValueError("recv from self is not supported")
+        raw = buf.view(np.uint8)
+        total, cap = raw.size, self.chunk_bytes
+        what = f"recv of {total} bytes from rank {self.ranks[src]} (tag {tag})"
+        full, empty = self._full(src, me), self._empty(src, me)
+        frames = self._frames[src][me]
+        with self._recv_locks[src]:
+            seq = self._recv_seq[src] & 0xFFFFFFFF
+            self._recv_seq[src] += 1
+            for i in range(max(1, -(-total // cap))):
+                deadline = time.time() + self.timeout
+                full.acquire(self.spin_s, deadline, self._watch(lambda: [src], what, deadline))
+                frame = frames[self._recv_frame[src]]
+                self._recv_frame[src] ^= 1
+                rcode, rtag, rseq, rtotal, index, length = decode_header(
+                    frame[:HEADER_SIZE].tobytes(), capacity=cap, max_total=MAX_MESSAGE)
+                if (rtotal, rcode, rtag) != (total, code, tag):
+                    raise MismatchError(
+                        f"rank {self.ranks[src]} sent {rtotal} bytes of {ops.CODE_TORCH[rcode]} with tag {rtag}, "
+                        f"but rank {self.ranks[me]} is receiving {total} bytes of {ops.CODE_TORCH[code]} with "
+                        f"tag {tag}: sends and receives must match in size, dtype and tag")
+                if rseq != seq or index != i or length != min(cap, total - i * cap):
+                    raise FrameError(f"out-of-order frame from rank {self.ranks[src]}: message {rseq} chunk "
+                                     f"{index} ({length} bytes), expected message {seq} chunk {i}")
+                raw[i * cap:i * cap + length] = frame[HEADER_SIZE:HEADER_SIZE + length]
+                empty.post()
+
+    def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
+        # Inside an algorithm step the channel is empty, so a message of at most two
+        # frames is sent without waiting: no helper thread needed.
+        if send_buf.nbytes <= 2 * self.chunk_bytes:
+            self._send(send_buf, code, dst, tag)
+            self._recv(recv_buf, code, src, tag)
+        else:
+            super()._sendrecv(send_buf, dst, recv_buf, src, code, tag)
+
+    # ---- collectives --------------------------------------------------------------
+
+    def default_algorithm(self, nbytes):
+        return "direct"
+
+    def _all_reduce_with(self, algo, buf, code, op):
+        if algo is None:
+            direct.all_reduce(self, buf, code, op)
+        else:
+            self._sync()  # the always-on check, before the point-to-point algorithm starts
+            algo.all_reduce(self, buf, code, op)
+
+    def _barrier(self):
+        self._sync()
+
+    def _broadcast(self, buf, code, src):
+        direct.broadcast(self, buf, code, src)
+
+    def _reduce(self, buf, code, op, dst):
+        direct.all_reduce(self, buf, code, op, dst=dst)
+
+    def _all_gather_into(self, out, buf, code):
+        direct.all_gather(self, out, buf, code)
+
+    def _reduce_scatter(self, out, inp, code, op):
+        direct.reduce_scatter(self, out, inp, code, op)
+
+    def _gather(self, out, buf, code, dst):
+        direct.gather(self, out, buf, code, dst)
+
+    def _scatter(self, buf, inp, code, src):
+        direct.scatter(self, buf, inp, code, src)
+
+    def _all_to_all(self, out, inp, code, even):
+        if even:
+            direct.all_to_all(self, out, inp, code)
+        else:
+            self._sync()
+            naive.all_to_all(self, out, inp, code)

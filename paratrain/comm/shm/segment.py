@@ -1,0 +1,74 @@
+"""A named shared-memory segment that cannot outlive the job.
+
+Rank 0 creates ``/dev/shm/paratrain-<job>-<n>``, every rank maps it, and once
+all ranks report (through the rendezvous store) that they have mapped it,
+rank 0 unlinks the name. From then on the memory lives exactly as long as
+some process still maps it: a crash, a kill -9 or Ctrl-C can leave nothing
+behind in /dev/shm. The name only exists during the few milliseconds of set-up,
+and an ``atexit`` hook removes it if set-up itself fails.
+
+We use os/mmap directly rather than ``multiprocessing.shared_memory`` because
+the latter's resource tracker unlinks segments it did not create and warns at
+exit about segments that are in use by other processes.
+"""
+import atexit
+import mmap
+import os
+
+SHM_DIR = "/dev/shm"
+PREFIX = "paratrain-"
+_pending_unlink = set()
+
+
+def _cleanup():
+    for path in list(_pending_unlink):
+        unlink(path)
+
+
+atexit.register(_cleanup)
+
+
+def create(name, size):
+    """Create and map a new segment of ``size`` bytes (zero-filled)."""
+    path = os.path.join(SHM_DIR, PREFIX + name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        raise FileExistsError(f"shared-memory segment {path} already exists: another job with the same id "
+                              f"is running, or remove the stale file") from None
+    _pending_unlink.add(path)
+    try:
+        os.ftruncate(fd, size)
+        return path, mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def attach(name, size):
+    """Map a segment another rank created; checks its size first."""
+    path = os.path.join(SHM_DIR, PREFIX + name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ValueError(f"shared-memory segment {path} is {actual} bytes, expected {size}: "
+                             "ranks disagree on the group's configuration")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def unlink(path):
+    _pending_unlink.discard(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def leftover_segments():
+    """Names of paratrain segments still in /dev/shm (tests check this is empty)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    except FileNotFoundError:
+        return []

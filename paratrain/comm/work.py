@@ -1,0 +1,76 @@
+"""``Work``: the handle an ``async_op=True`` call returns, as in torch.distributed.
+
+Each group runs its asynchronous operations on a few single-thread *lanes*
+(collectives, sends, receives), so operations of one kind complete in the
+order they were issued, like a CUDA stream or a Gloo/NCCL work queue, while a
+send and a receive may be in flight at once (a ring step needs both).
+"""
+import concurrent.futures
+import threading
+
+
+class Work:
+    """A pending communication. ``wait()`` blocks until it is done and re-raises its error."""
+
+    def __init__(self, future, what):
+        self._future = future
+        self.what = what
+
+    def wait(self, timeout=None):
+        try:
+            self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{self.what} not finished after {timeout}s") from None
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def exception(self):
+        return self._future.exception() if self._future.done() else None
+
+    def result(self):
+        return self._future.result()
+
+    def __repr__(self):
+        return f"<Work {self.what} {'done' if self.is_completed() else 'pending'}>"
+
+
+class CompletedWork(Work):
+    """What an async call returns when there was nothing to wait for."""
+
+    def __init__(self, what, value=None):
+        f = concurrent.futures.Future()
+        f.set_result(value)
+        super().__init__(f, what)
+
+
+class Lanes:
+    """Named single-thread executors, created on first use."""
+
+    def __init__(self, prefix):
+        self._prefix = prefix
+        self._lanes = {}
+        self._last = {}
+        self._lock = threading.Lock()
+
+    def submit(self, lane, fn, what):
+        with self._lock:
+            ex = self._lanes.get(lane)
+            if ex is None:
+                ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self._prefix}-{lane}")
+                self._lanes[lane] = ex
+            fut = ex.submit(fn)
+            self._last[lane] = fut
+        return Work(fut, what)
+
+    def drain(self, lane):
+        """Wait for everything queued on ``lane``; errors stay with their own Work."""
+        fut = self._last.get(lane)
+        if fut is not None:
+            concurrent.futures.wait([fut])
+
+    def shutdown(self):
+        for ex in self._lanes.values():
+            ex.shutdown(wait=False, cancel_futures=True)
+        self._lanes.clear()

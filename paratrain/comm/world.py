@@ -1,0 +1,166 @@
+"""pt.init(), pt.world(), pt.new_group(): building the groups a job talks over.
+
+The backend is chosen from where the ranks are:
+
+- all ranks on one host: ``shm``, our shared-memory engine;
+- ranks on several hosts: ``hierarchical``: shm inside each host and a proven
+  engine (Gloo through torch.distributed, or MPI) among one leader per host,
+  as Horovod joins NCCL inside a node with MPI between nodes;
+- ``backend="torch"`` (Gloo, or NCCL with ``backend="nccl"``) or
+  ``backend="mpi"`` force one engine for everything.
+"""
+import os
+from datetime import timedelta
+
+import torch
+
+from . import env as envmod
+from . import rendezvous
+from .errors import CommError
+from .group import timeout_from_env
+
+BACKENDS = ("shm", "torch", "gloo", "nccl", "mpi", "hierarchical")
+
+
+class _State:
+    world = None
+    store = None
+    env = None
+    hosts = None  # host index of every global rank
+    backend = None
+    group_count = 0
+    torch_initialized = False
+
+
+_S = _State()
+
+
+def is_initialized():
+    return _S.world is not None
+
+
+def init(backend=None, timeout=None, threads=None):
+    """Join the job described by the environment and return the world group.
+
+    backend: None (shm on one host, hierarchical across hosts), "shm", "torch"
+    (Gloo), "nccl", "mpi" or "hierarchical"; PARATRAIN_BACKEND sets it too.
+    timeout: seconds any wait may take before it raises (PARATRAIN_TIMEOUT, default 300).
+    threads: compute threads for torch in this process (PARATRAIN_THREADS, set to 1
+    by ``paratrain run``; a machine may have fewer cores than workers).
+    """
+    if _S.world is not None:
+        return _S.world
+    backend = backend or os.environ.get("PARATRAIN_BACKEND") or None
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    timeout = timeout_from_env() if timeout is None else float(timeout)
+    threads = threads or os.environ.get("PARATRAIN_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+    if backend == "mpi":
+        from .mpi_backend import mpi_world
+        _S.world, _S.backend = mpi_world(timeout), "mpi"
+        return _S.world
+
+    e = envmod.read_env()
+    _S.env = e
+    store = rendezvous.connect(e.master_addr, e.master_port, e.rank, e.world_size, timeout)
+    rendezvous.wait_for_ranks(store, e.rank, e.world_size, timeout)
+    _S.store = store
+    if e.rank == 0:
+        store.set("job_id", os.environ.get("PARATRAIN_JOB_ID") or f"{os.getpid():x}")
+    os.environ.setdefault("PARATRAIN_JOB_ID", store.get("job_id").decode())
+    _S.hosts = _host_layout(store, e.rank, e.world_size, timeout)
+    if backend is None:
+        backend = "shm" if len(set(_S.hosts)) == 1 else "hierarchical"
+    if backend == "shm" and len(set(_S.hosts)) > 1:
+        raise CommError(f"backend='shm' needs all ranks on one host, but they span {len(set(_S.hosts))} hosts; "
+                        "use backend='hierarchical' (the default) or 'torch'")
+    _S.backend = backend
+    _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
+    return _S.world
+
+
+def _host_layout(store, rank, world_size, timeout):
+    k = envmod.pretend_hosts()
+    if k:
+        if not 1 <= k <= world_size:
+            raise ValueError(f"PARATRAIN_PRETEND_HOSTS={k} must be between 1 and the world size {world_size}")
+        return [r * k // world_size for r in range(world_size)]
+    store.set(f"host/{rank}", envmod.host_id())
+    keys = [f"host/{r}" for r in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    names = [store.get(k).decode() for k in keys]
+    index = {}
+    return [index.setdefault(n, len(index)) for n in names]
+
+
+def _init_torch(backend, timeout):
+    import torch.distributed as dist
+    if not _S.torch_initialized:
+        engine = "nccl" if backend == "nccl" else "gloo"
+        dist.init_process_group(engine, store=_prefix("torch"), rank=_S.env.rank,
+                                world_size=_S.env.world_size, timeout=timedelta(seconds=timeout))
+        _S.torch_initialized = True
+
+
+def _prefix(name):
+    from torch.distributed import PrefixStore
+    return PrefixStore(name, _S.store)
+
+
+def _make_group(ranks, global_rank, backend, timeout, world=False):
+    """Build a group over ``ranks`` (global ranks, all callers pass the same list).
+    Returns None on ranks outside the group, as torch.distributed does."""
+    _S.group_count += 1
+    key = f"g{_S.group_count}"
+    member = global_rank in ranks
+    if backend in ("torch", "gloo", "nccl"):
+        import torch.distributed as dist
+        from .torch_backend import TorchGroup
+        _init_torch(backend, timeout)
+        pg = None if world else dist.new_group(ranks, timeout=timedelta(seconds=timeout))
+        return TorchGroup(ranks.index(global_rank), len(ranks), ranks, pg, timeout) if member else None
+    if backend == "shm":
+        from .shm.group import ShmGroup
+        return ShmGroup(_S.store, key, ranks.index(global_rank), ranks, timeout) if member else None
+    if backend == "hierarchical":
+        from .algorithms.hierarchical import HierarchicalGroup
+        return HierarchicalGroup.build(ranks, global_rank, _S.hosts, _S.store, key, timeout, _make_group)
+    raise ValueError(f"backend {backend!r} cannot make sub-groups here")
+
+
+def world():
+    """The group of all ranks (call pt.init() first)."""
+    if _S.world is None:
+        raise CommError("paratrain is not initialized: call pt.init() first")
+    return _S.world
+
+
+def new_group(ranks, backend=None):
+    """A group over a subset of ranks. Every rank must call it, with the same list,
+    in the same order relative to other new_group calls (as with torch.distributed).
+    Returns the group on members and None elsewhere."""
+    w = world()
+    ranks = sorted(int(r) for r in ranks)
+    if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= w.world_size:
+        raise ValueError(f"new_group ranks {ranks} must be distinct ranks of the world (0..{w.world_size - 1})")
+    backend = backend or _S.backend
+    if backend == "mpi":
+        from .mpi_backend import mpi_new_group
+        return mpi_new_group(w, ranks)
+    if backend == "hierarchical" and len({_S.hosts[r] for r in ranks}) == 1:
+        backend = "shm"
+    return _make_group(ranks, _S.env.rank, backend, w.timeout)
+
+
+def destroy():
+    """Leave the job: release segments and threads (segments are gone at exit anyway)."""
+    global _S
+    if _S.world is not None:
+        _S.world.destroy()
+    if _S.torch_initialized:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    _S = _State()
