@@ -309,6 +309,12 @@ class ProcessGroup:
                             f"({ops.CODE_TORCH[ocode]} vs {ops.CODE_TORCH[code]})")
         return pieces
 
+    def _inner(self, coll, fn, *args, code=0, op=None, numel=0, root=0):
+        """Run a collective on flat buffers from inside another group's algorithm
+        (the hierarchical one): no argument parsing, no async, same checks."""
+        self._lanes.drain("coll")
+        self._checked(self._descriptor(coll, code, op, numel, root), fn, *args)
+
     def _checked(self, desc, fn, *args):
         self._agree(desc)
         self._current = desc

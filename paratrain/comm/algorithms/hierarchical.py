@@ -67,28 +67,30 @@ class HierarchicalGroup(ProcessGroup):
     def _all_reduce(self, buf, code, op):
         """Reduce to the host leader over shm, all-reduce among leaders, broadcast over shm."""
         inner = "sum" if op == "avg" else op
-        self.local.reduce(buf, dst=0, op=inner)
+        _reduce(self.local, buf, code, inner, 0)
         if self.leaders is not None:
-            self.leaders.all_reduce(buf, op=inner)
+            g = self.leaders
+            g._inner("all_reduce", g._all_reduce_with, g._algorithm(None, buf.nbytes), buf, code, inner,
+                     code=code, op=inner, numel=buf.size)
             if op == "avg":
                 ops.finish_avg(buf, self.world_size, code)
-        self.local.broadcast(buf, src=0)
+        _broadcast(self.local, buf, code, 0)
 
     def _barrier(self):
-        self.local.barrier()
+        self.local._inner("barrier", self.local._barrier)
         if self.leaders is not None:
-            self.leaders.barrier()
-        self.local.barrier()
+            self.leaders._inner("barrier", self.leaders._barrier)
+        self.local._inner("barrier", self.local._barrier)
 
     def _broadcast(self, buf, code, src):
         src_host = self._host_of[src]
         my_host = self._host_of[self.rank]
         if my_host == src_host:
-            self.local.broadcast(buf, src=self.local.ranks.index(self.ranks[src]))
+            _broadcast(self.local, buf, code, self.local.ranks.index(self.ranks[src]))
         if self.leaders is not None:
-            self.leaders.broadcast(buf, src=sorted(self._leader_of_host).index(src_host))
+            _broadcast(self.leaders, buf, code, sorted(self._leader_of_host).index(src_host))
         if my_host != src_host:
-            self.local.broadcast(buf, src=0)
+            _broadcast(self.local, buf, code, 0)
 
     def _reduce(self, buf, code, op, dst):
         self._all_reduce(buf if self.rank == dst else buf.copy(), code, op)
@@ -113,3 +115,11 @@ class HierarchicalGroup(ProcessGroup):
             if g is not None:
                 g.destroy()
         super().destroy()
+
+
+def _reduce(g, buf, code, op, dst):
+    g._inner("reduce", g._reduce, buf, code, op, dst, code=code, op=op, numel=buf.size, root=dst)
+
+
+def _broadcast(g, buf, code, src):
+    g._inner("broadcast", g._broadcast, buf, code, src, code=code, numel=buf.size, root=src)

@@ -102,7 +102,7 @@ class ShmGroup(ProcessGroup):
         self.spin_s = (float(spin_us) if spin_us is not None else (0 if oversubscribed else 200)) * 1e-6
         wait = timedelta(seconds=self.timeout)
         if rank == 0:
-            name = f"{os.environ.get('PARATRAIN_JOB_ID', 'job')}-{key}-{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"{os.environ.get('PARATRAIN_JOB_ID', 'job')}-{key.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
             self._path, self._mm = segment.create(name, L.size)
             self._map()
             self._meta[:4] = [MAGIC, P, L.slot_bytes, L.chunk_bytes]

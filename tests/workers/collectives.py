@@ -1,0 +1,158 @@
+"""Worker: every collective, op and dtype against a numpy reference.
+
+Started by the launcher (tests/test_collectives.py). Each rank regenerates
+every rank's input from a seed, so each can compute the reference itself.
+Raises (and so exits non-zero) on the first wrong number.
+"""
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+import paratrain as pt
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
+TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def make(rank, n, dtype, salt=0):
+    rng = np.random.default_rng(1000 * rank + 17 * n + salt)
+    if dtype.is_floating_point:
+        vals = rng.uniform(0.5, 1.5, n)
+    else:
+        vals = rng.integers(0, 4, n)
+    return torch.tensor(vals).to(dtype)
+
+
+def ref_reduce(arrays, op, dtype):
+    a = np.stack([x.to(torch.float64).numpy() for x in arrays]) if arrays[0].numel() else \
+        np.zeros((len(arrays), 0))
+    r = {"sum": a.sum(0), "avg": a.mean(0), "max": a.max(0), "min": a.min(0), "prod": a.prod(0)}[op]
+    if not dtype.is_floating_point:
+        r = torch.tensor(r.astype(np.int64)).to(dtype)  # uint8 wraps like the collective
+        return r
+    return torch.tensor(r)
+
+
+def check(got, want, what):
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    tol = TOL.get(got.dtype)
+    if tol is None:
+        ok = torch.equal(got, want.to(got.dtype))
+    else:
+        ok = torch.allclose(got.to(torch.float64), want.to(torch.float64), rtol=tol, atol=tol)
+    if not ok:
+        raise AssertionError(f"{what}: got {got[:6].tolist()} want {want[:6].tolist()}")
+
+
+def run(g, dtypes, sizes, algorithms, as_numpy):
+    P, me = g.world_size, g.rank
+    count = 0
+    for dname in dtypes:
+        dt = DTYPES[dname]
+        ops = ["sum", "max", "min", "prod"] + (["avg"] if dt.is_floating_point else [])
+        for n in sizes:
+            ins = [make(r, n, dt) for r in range(P)]
+            for op in ops:
+                for algo in algorithms:
+                    t = ins[me].clone()
+                    arg = t.numpy() if as_numpy and dt != torch.bfloat16 else t
+                    g.all_reduce(arg, op=op, algorithm=algo)
+                    check(t, ref_reduce(ins, op, dt), f"all_reduce {dname} n={n} op={op} algo={algo}")
+                    count += 1
+                # reduce to the last rank; others keep their input
+                t = ins[me].clone()
+                g.reduce(t, dst=P - 1, op=op)
+                check(t, ref_reduce(ins, op, dt) if me == P - 1 else ins[me], f"reduce {dname} n={n} op={op}")
+                # reduce_scatter: piece r of everyone, reduced, lands on rank r
+                pieces = [make(r, n * P, dt, salt=1) for r in range(P)]
+                out = torch.empty(n, dtype=dt)
+                g.reduce_scatter(out, pieces[me].clone(), op=op)
+                want = ref_reduce([p[me * n:(me + 1) * n] for p in pieces], op, dt)
+                check(out, want, f"reduce_scatter {dname} n={n} op={op}")
+                count += 2
+            src = (n + 1) % P
+            t = ins[me].clone()
+            g.broadcast(t, src=src)
+            check(t, ins[src], f"broadcast {dname} n={n}")
+            out = torch.empty(P * n, dtype=dt)
+            g.all_gather(out, ins[me])
+            check(out, torch.cat(ins), f"all_gather(tensor) {dname} n={n}")
+            outs = [torch.empty(n, dtype=dt) for _ in range(P)]
+            g.all_gather(outs, ins[me])
+            check(torch.cat(outs), torch.cat(ins), f"all_gather(list) {dname} n={n}")
+            dst = n % P
+            gl = [torch.empty(n, dtype=dt) for _ in range(P)] if me == dst else None
+            g.gather(ins[me], gl, dst=dst)
+            if me == dst:
+                check(torch.cat(gl), torch.cat(ins), f"gather {dname} n={n}")
+            sl = [make(q, n, dt, salt=2) for q in range(P)]
+            t = torch.empty(n, dtype=dt)
+            g.scatter(t, sl if me == src else None, src=src)
+            check(t, make(me, n, dt, salt=2), f"scatter {dname} n={n}")
+            # all_to_all: rank r's piece j is make(r*P+j)
+            send = torch.cat([make(me * P + j, n, dt, salt=3) for j in range(P)])
+            recv = torch.empty(P * n, dtype=dt)
+            g.all_to_all(recv, send)
+            check(recv, torch.cat([make(q * P + me, n, dt, salt=3) for q in range(P)]), f"all_to_all {dname} n={n}")
+            count += 7
+    # uneven all_to_all: rank r sends j+1 elements to rank j
+    dt = torch.float32
+    send = [torch.full((j + 1,), float(me * 10 + j)) for j in range(P)]
+    recv = [torch.empty(me + 1) for _ in range(P)]
+    g.all_to_all(recv, send)
+    for q in range(P):
+        check(recv[q], torch.full((me + 1,), float(q * 10 + me)), "uneven all_to_all")
+    # point to point around a ring, blocking and async, several sizes
+    if P > 1:
+        for n in sizes:
+            x = make(me, n, torch.float32, salt=4)
+            y = torch.empty(n)
+            w = g.isend(x, (me + 1) % P, tag=5)
+            g.recv(y, (me - 1) % P, tag=5)
+            w.wait()
+            check(y, make((me - 1) % P, n, torch.float32, salt=4), f"isend/recv n={n}")
+            w = g.irecv(y, (me + 1) % P, tag=6)
+            g.send(x, (me - 1) % P, tag=6)
+            w.wait()
+            check(y, make((me + 1) % P, n, torch.float32, salt=4), f"send/irecv n={n}")
+    # async collectives complete in order
+    ts = [make(me, 1000, torch.float64, salt=i) for i in range(4)]
+    works = [g.all_reduce(t, async_op=True) for t in ts]
+    for i, (w, t) in enumerate(zip(works, ts)):
+        w.wait()
+        check(t, ref_reduce([make(r, 1000, torch.float64, salt=i) for r in range(P)], "sum", torch.float64),
+              f"async all_reduce {i}")
+    g.barrier()
+    return count
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--sizes", default="0,1,7,1000,100003")
+    ap.add_argument("--algorithms", default="")
+    ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to all_reduce")
+    ap.add_argument("--subgroup", action="store_true", help="also run on a sub-group of the odd ranks")
+    a = ap.parse_args()
+    g = pt.init(backend=a.backend)
+    algos = [x or None for x in a.algorithms.split(",")]
+    sizes = [int(s) for s in a.sizes.split(",")]
+    n = run(g, a.dtypes.split(","), sizes, algos, a.numpy)
+    if a.subgroup and g.world_size >= 3:
+        members = list(range(1, g.world_size, 2)) + [0]
+        sub = pt.new_group(members)
+        if sub is not None:
+            assert sub.world_size == len(members), sub
+            n += run(sub, ["float32", "int64"], [0, 5, 1001], [None], False)
+        g.barrier()
+    print(f"rank {g.rank}: {n} collective checks passed on {g.backend}", flush=True)
+    pt.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
