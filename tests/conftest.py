@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+
+
+def launch(n, script, *args, env=None, timeout=150, launcher_args=()):
+    """Run a worker script under `python -m paratrain.run -n N`; returns CompletedProcess (text)."""
+    e = dict(os.environ)
+    e.setdefault("PARATRAIN_TIMEOUT", "30")
+    e.update(env or {})
+    cmd = [sys.executable, "-m", "paratrain.run", "-n", str(n), *launcher_args, str(WORKERS / script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def spawn(n, script, *args, env=None, port=None):
+    """Start n ranks directly (no launcher), e.g. to see how a survivor behaves alone."""
+    from paratrain.launch.local import free_port
+    port = port or free_port()
+    procs = []
+    for r in range(n):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PARATRAIN_TIMEOUT="30")
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / script), *args], cwd=ROOT, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def our_segments():
+    from paratrain.comm.shm.segment import leftover_segments
+    return leftover_segments()
+
+
+@pytest.fixture
+def no_leftover_segments():
+    before = set(our_segments())
+    yield
+    assert set(our_segments()) - before == set(), "shared-memory segments left behind in /dev/shm"

@@ -1,0 +1,50 @@
+"""Every collective, op and dtype against numpy, through real processes started
+by the launcher, on each backend. Small shm slots and chunks force the
+multi-round and multi-chunk paths with small data."""
+import pytest
+
+from conftest import launch
+
+SMALL_SLOTS = {"PARATRAIN_SHM_SLOT_BYTES": "65536", "PARATRAIN_SHM_CHUNK_BYTES": "16384"}
+ALL_DTYPES = "float16,bfloat16,float32,float64,int32,int64,uint8"
+
+
+def _ok(res, n, backend):
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    passed = [l for l in res.stdout.splitlines() if "collective checks passed on " + backend in l]
+    assert len(passed) == n, out[-4000:]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_shm_all_collectives(n, no_leftover_segments):
+    algos = ",ring,tree,naive" if n in (2, 3) else ""
+    dtypes = ALL_DTYPES if n <= 3 else "float16,bfloat16,float32,int64,uint8"
+    res = launch(n, "collectives.py", "--backend", "shm", "--algorithms", algos, "--dtypes", dtypes,
+                 "--subgroup", env=SMALL_SLOTS)
+    _ok(res, n, "shm")
+
+
+@pytest.mark.timeout(180)
+def test_shm_numpy_arrays_default_slots():
+    res = launch(2, "collectives.py", "--backend", "shm", "--numpy", "--dtypes", "float32,float64,int32",
+                 "--sizes", "0,3,300001")
+    _ok(res, 2, "shm")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_gloo_backend(n):
+    res = launch(n, "collectives.py", "--backend", "torch", "--algorithms", ",ring,tree",
+                 "--dtypes", "bfloat16,float32,float64,int64,uint8", "--subgroup")
+    _ok(res, n, "torch")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [4, 5])
+def test_hierarchical_pretend_hosts(n, no_leftover_segments):
+    env = dict(SMALL_SLOTS, PARATRAIN_PRETEND_HOSTS="2")
+    res = launch(n, "collectives.py", "--algorithms", ",ring", "--dtypes", "bfloat16,float32,int64",
+                 "--sizes", "0,7,1000,100003", "--subgroup", env=env)
+    _ok(res, n, "hierarchical")

@@ -1,0 +1,55 @@
+"""Worker: scenarios where ranks misbehave. Prints what each rank caught.
+
+    mismatch_shape  rank 1 all-reduces a longer tensor
+    mismatch_op     rank 1 uses op=max while the others sum
+    mismatch_coll   rank 1 calls all_gather while the others all_reduce
+    die             rank 1 kills itself (SIGKILL) just before an all_reduce
+    hang            rank 1 never calls the all_reduce (sleeps)
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import paratrain as pt
+
+
+def main():
+    scenario = sys.argv[1]
+    g = pt.init()
+    me = g.rank
+    g.barrier()
+    x = np.ones(1000, dtype=np.float32)
+    try:
+        if scenario == "mismatch_shape":
+            g.all_reduce(np.ones(2000 if me == 1 else 1000, dtype=np.float32))
+        elif scenario == "mismatch_op":
+            g.all_reduce(x, op="max" if me == 1 else "sum")
+        elif scenario == "mismatch_coll":
+            if me == 1:
+                g.all_gather(np.zeros(1000 * g.world_size, dtype=np.float32), x)
+            else:
+                g.all_reduce(x)
+        elif scenario == "die":
+            if me == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            t = time.time()
+            g.all_reduce(np.ones(1 << 20, dtype=np.float32))
+        elif scenario == "hang":
+            if me == 1:
+                time.sleep(60)
+                return 0
+            g.all_reduce(x)
+        print(f"rank {me}: no error", flush=True)
+        return 0
+    except pt.CommError as e:
+        print(f"rank {me}: caught {type(e).__name__}: {e}", flush=True)
+        if scenario == "die":
+            print(f"rank {me}: raised after {time.time() - t:.1f}s", flush=True)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
