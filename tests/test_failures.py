@@ -1,0 +1,61 @@
+"""Misbehaving peers turn into clear errors, never hangs or silent corruption."""
+import re
+import time
+
+import pytest
+
+from conftest import launch, spawn
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("scenario,words", [
+    ("mismatch_shape", ["float32 x 1000", "float32 x 2000", "ranks [1] disagree"]),
+    ("mismatch_op", ["op=sum", "op=max"]),
+    ("mismatch_coll", ["all_reduce(", "all_gather("]),
+])
+def test_shm_mismatch_is_an_error_on_every_rank(scenario, words, no_leftover_segments):
+    res = launch(3, "failures.py", scenario)
+    caught = [l for l in res.stdout.splitlines() if "caught MismatchError" in l]
+    assert len({l.split(":")[0] for l in caught}) >= 1, res.stdout + res.stderr
+    text = res.stdout
+    for w in words:
+        assert w in text, text
+    assert res.returncode != 0
+
+
+@pytest.mark.timeout(90)
+def test_torch_mismatch_detected_in_debug_mode():
+    res = launch(2, "failures.py", "mismatch_shape", env={"PARATRAIN_BACKEND": "torch", "PARATRAIN_DEBUG": "1"})
+    assert "caught MismatchError" in res.stdout, res.stdout + res.stderr
+    assert "float32 x 2000" in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_dead_peer_raises_on_survivor_naming_the_rank():
+    """Without a launcher to stop it, the survivor must notice on its own."""
+    procs = spawn(2, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"})
+    t = time.time()
+    out0 = procs[0].communicate(timeout=45)[0]
+    procs[1].wait(timeout=10)
+    assert "caught PeerError" in out0, out0
+    assert re.search(r"rank 1 \(pid \d+\) died", out0), out0
+    assert time.time() - t < 40  # far below the 120 s timeout: death is noticed, not waited out
+
+
+@pytest.mark.timeout(60)
+def test_silent_peer_times_out_naming_the_rank():
+    procs = spawn(2, "failures.py", "hang", env={"PARATRAIN_TIMEOUT": "3"})
+    out0 = procs[0].communicate(timeout=45)[0]
+    procs[1].kill()
+    procs[1].wait()
+    assert "caught CommTimeout" in out0, out0
+    assert "waiting for ranks [1]" in out0, out0
+
+
+@pytest.mark.timeout(60)
+def test_launcher_stops_job_when_worker_is_killed_mid_collective(no_leftover_segments):
+    t = time.time()
+    res = launch(3, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"})
+    assert res.returncode != 0
+    assert "rank 1" in res.stderr, res.stderr
+    assert time.time() - t < 45

@@ -1,0 +1,62 @@
+"""Rendezvous failures give messages that say what to do."""
+import socket
+
+import pytest
+
+from conftest import spawn
+
+
+def _run_alone(rank, world, port, timeout="3"):
+    p = spawn(1, "failures.py", "mismatch_op", env={"RANK": str(rank), "WORLD_SIZE": str(world),
+                                                  "PARATRAIN_TIMEOUT": timeout}, port=port)[0]
+    return p.returncode, p.communicate(timeout=60)[0]
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use():
+    s = socket.socket()
+    s.bind(("", 0))
+    s.listen()
+    try:
+        _, out = _run_alone(0, 2, s.getsockname()[1])
+    finally:
+        s.close()
+    assert "port is in use" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_master():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens here
+    _, out = _run_alone(1, 2, port)
+    assert "could not reach the rendezvous" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_missing_ranks_are_named():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    _, out = _run_alone(0, 3, port)
+    assert "only 1 of 3 ranks arrived" in out and "missing ranks [1, 2]" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_world_size_disagreement():
+    from paratrain.launch.local import free_port
+    port = free_port()
+    import subprocess
+    import sys
+    from conftest import ROOT, WORKERS
+    import os
+    procs = []
+    for rank, world in ((0, 2), (1, 3)):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PARATRAIN_TIMEOUT="4")
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failures.py"), "mismatch_op"], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert any("disagree on the world size" in o for o in outs), outs
