@@ -4,10 +4,28 @@
     pt.init()
     g = pt.world()
     g.all_reduce(t, op="sum")
+
+The API is imported on first use, so that ``paratrain run`` starts its
+workers without first paying for importing torch itself.
 """
-from .comm import (CommError, CommTimeout, FrameError, MismatchError, PeerError, ProcessGroup, Work, destroy,
-                   init, is_initialized, new_group, world)
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["init", "world", "new_group", "destroy", "is_initialized", "ProcessGroup", "Work",
-           "CommError", "CommTimeout", "PeerError", "MismatchError", "FrameError"]
+
+_API = {name: "paratrain.comm" for name in (
+    "init", "world", "new_group", "destroy", "is_initialized", "ProcessGroup", "Work",
+    "CommError", "CommTimeout", "PeerError", "MismatchError", "FrameError")}
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -57,9 +57,9 @@ def describe(desc):
 def check_descriptors(rows, what, ranks):
     """Raise MismatchError naming the disagreeing ranks if the rows are not all equal."""
     rows = np.asarray(rows)
-    first = rows[0]
-    bad = [i for i in range(len(rows)) if not np.array_equal(rows[i, 1:7], first[1:7])]
-    if bad:
+    same = rows[:, 1:7] == rows[0, 1:7]
+    if not same.all():
+        bad = [i for i in range(len(rows)) if not same[i].all()]
         lines = [f"  rank {ranks[i]}: {describe(rows[i])}" for i in range(len(rows))]
         raise MismatchError(
             f"ranks called different collectives or with different shapes/dtypes/ops in {what}; "

@@ -7,25 +7,37 @@ read what I need from anyone's slot" (ShmGroup explains the double-buffered
 slots that make one barrier per round enough).
 
 all_reduce, the one that matters most, is a reduce-scatter and an all-gather
-in one pass over shared memory, with no intermediate hops:
+in one pass over shared memory, with no intermediate hops. For each round of
+the message (slot_bytes at a time, so a round stays in cache):
 
-1. rank r copies the parts of its buffer that *other* ranks will reduce into
-   its slot (its own part stays in private memory: (P-1)/P n bytes copied in);
-2. barrier; rank r reduces part r reading all P inputs where they lie, in
-   rank order 0..P-1 (so the result is bit-identical to the naive algorithm),
-   and writes the result into its slot and its own buffer;
-3. barrier; rank r copies the other P-1 reduced parts out of their owners' slots.
+1. copy-in: rank r copies the parts of its buffer that *other* ranks will
+   reduce into its slot (its own part stays in private memory);
+2. reduce: rank r reduces part r reading all P inputs where they lie, in rank
+   order 0..P-1 (so the result is bit-identical to the naive algorithm), into
+   its slot, and copies it into its own buffer;
+3. copy-out: rank r copies the other P-1 reduced parts out of their owners' slots.
 
-Each rank copies (P-1)/P n in, reads n and writes 2n/P to reduce, copies
-(P-1)/P n out, and waits on 2 barriers per round: the bytes of a ring
-all-reduce with 2 latency steps instead of 2(P-1). A large message goes in
-rounds of slot_bytes so each round stays in cache and rounds pipeline through
-the two buffers.
+Each step needs the previous one finished on every rank, but steps of
+different rounds do not depend on each other, so they are pipelined: between
+barrier k-1 and barrier k a rank reduces round k-1, copies out round k-2 and
+copies in round k. With three buffers per rank, that is one barrier per round
+(R+1 for R rounds, instead of 2R).
 
-    cost per round of m bytes = 2 alpha_barrier + (3 (P-1)/P + 2/P) m beta_memcpy
+Per rank and round of m bytes: (P-1)/P m copied in, m read and 2m/P written to
+reduce, (P-1)/P m copied out: the bytes a ring moves, with 1 latency step per
+round instead of 2(P-1) per message.
+
+    cost = (R + 1) alpha_barrier + (3 (P-1)/P + 2/P) n beta_memcpy
+
+Small messages (one round of at most SMALL_BYTES) take a shortcut: every rank
+copies its whole buffer in, one barrier, and every rank reduces the whole
+message itself. P times the reduction work, but a single barrier: latency is
+what counts there.
 """
 from .. import ops
 from . import split_bounds
+
+SMALL_BYTES = 16 * 1024
 
 
 def _rounds(n, per_round):
@@ -35,36 +47,68 @@ def _rounds(n, per_round):
     return [(lo, min(n, lo + per_round)) for lo in range(0, n, per_round)] or [(0, 0)]
 
 
+def _reduce_parts(acc, parts, op, code, P):
+    """acc = parts[0] op parts[1] op ... in rank order; acc may alias a part."""
+    if P == 1:
+        acc[...] = parts[0]
+    else:
+        ops.combine(acc, parts[0], parts[1], op, code)
+        for q in range(2, P):
+            ops.combine(acc, acc, parts[q], op, code)
+    if op == "avg":
+        ops.finish_avg(acc, P, code)
+
+
 def all_reduce(G, buf, code, op, dst=None):
     """dst=None: every rank gets the result (all_reduce); dst=r: only rank r (reduce)."""
+    if buf.nbytes <= min(SMALL_BYTES, G.slot_bytes):
+        return _all_reduce_small(G, buf, code, op, dst)
     P, me, dt = G.world_size, G.rank, buf.dtype
-    for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
-        slots = [s.view(dt) for s in G._next_slots()]
-        b = split_bounds(hi - lo, P)
-        x = buf[lo:hi]
-        mine = slots[me]
-        for q in range(P):
-            if q != me:
-                mine[b[q]:b[q + 1]] = x[b[q]:b[q + 1]]
-        G._sync()
-        s0, s1 = b[me], b[me + 1]
-        acc = mine[s0:s1]
-        parts = [x[s0:s1] if q == me else slots[q][s0:s1] for q in range(P)]
-        if P == 1:
-            acc[...] = parts[0]
-        else:
-            ops.combine(acc, parts[0], parts[1], op, code)
-            for q in range(2, P):
-                ops.combine(acc, acc, parts[q], op, code)
-        if op == "avg":
-            ops.finish_avg(acc, P, code)
-        if dst is None or dst == me:
-            x[s0:s1] = acc
-        G._sync()
-        if dst is None or dst == me:
+    keep = dst is None or dst == me
+    rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
+    R = len(rounds)
+    state = []  # per round: (x, slots, bounds)
+    for k in range(R + 1):
+        if k >= 1:  # reduce round k-1: everyone's copy-in of it finished before barrier k-1
+            x, slots, b = state[k - 1]
+            s0, s1 = b[me], b[me + 1]
+            acc = slots[me][s0:s1]  # no input lives here: copy-in skipped our own part
+            _reduce_parts(acc, [x[s0:s1] if q == me else slots[q][s0:s1] for q in range(P)], op, code, P)
+            if keep:
+                x[s0:s1] = acc
+        if k >= 2 and keep:  # copy out round k-2: reduced before barrier k-1
+            _copy_out(state[k - 2], me, P)
+        if k < R:  # copy in round k
+            lo, hi = rounds[k]
+            x = buf[lo:hi]
+            slots = [sl.view(dt) for sl in G._next_slots()]
+            b = split_bounds(hi - lo, P)
+            mine = slots[me]
             for q in range(P):
                 if q != me:
-                    x[b[q]:b[q + 1]] = slots[q][b[q]:b[q + 1]]
+                    mine[b[q]:b[q + 1]] = x[b[q]:b[q + 1]]
+            state.append((x, slots, b))
+        G._sync()
+        if k >= 2:
+            state[k - 2] = None
+    if keep:
+        _copy_out(state[R - 1], me, P)
+
+
+def _copy_out(round_state, me, P):
+    x, slots, b = round_state
+    for q in range(P):
+        if q != me:
+            x[b[q]:b[q + 1]] = slots[q][b[q]:b[q + 1]]
+
+
+def _all_reduce_small(G, buf, code, op, dst):
+    P, me = G.world_size, G.rank
+    slots = [sl.view(buf.dtype)[:buf.size] for sl in G._next_slots()]
+    slots[me][...] = buf
+    G._sync()
+    if dst is None or dst == me:
+        _reduce_parts(buf, slots, op, code, P)
 
 
 def broadcast(G, buf, code, src):
@@ -153,12 +197,4 @@ def reduce_scatter(G, out, inp, code, op):
                 slots[me][q * per:q * per + m] = inp[q][lo:hi]
         G._sync()
         parts = [inp[me][lo:hi] if q == me else slots[q][me * per:me * per + m] for q in range(P)]
-        acc = out[lo:hi]
-        if P == 1:
-            acc[...] = parts[0]
-        else:
-            ops.combine(acc, parts[0], parts[1], op, code)
-            for q in range(2, P):
-                ops.combine(acc, acc, parts[q], op, code)
-        if op == "avg":
-            ops.finish_avg(acc, P, code)
+        _reduce_parts(out[lo:hi], parts, op, code, P)

@@ -8,14 +8,15 @@ Layout of the segment (all offsets 64-byte aligned):
     desc      int64[2][P][8]  what each rank is calling (double-buffered by call parity)
     bar_sems  sem_t[P]        rank r's barrier semaphore; every other rank posts to it
     p2p_sems  sem_t[P][P][2]  channel src->dst: "full" and "empty" counts
-    slots     P x 2 x slot_bytes   each rank's collective buffers, double-buffered by round
+    slots     P x 3 x slot_bytes   each rank's collective buffers, used round-robin by round
     frames    P x P x 2 x (32 + chunk_bytes)  point-to-point channels, two frames each
 
 Collectives are built from rounds of "write my slot, barrier, read anyone's slot"
-(see comm/algorithms/direct.py). Double-buffered slots need one barrier per
-round instead of two: a rank writes buffer b again in round j+2 only after it
-passed a barrier of round j+1, which every peer reaches only after finishing
-its reads of round j.
+(see comm/algorithms/direct.py). The rule that makes it safe: a rank reads a
+round's buffers only before it arrives at the barrier of the next round, and
+writes a buffer only after every read of its previous use is over. With three
+buffers per rank used in turn, a pipelined all-reduce needs one barrier per
+round (direct.py shows the schedule), and simpler collectives one as well.
 
 Point-to-point messages stream through a channel's two frames, each a fixed
 header (comm/wire.py) and up to chunk_bytes of payload: the receiver copies
@@ -40,6 +41,7 @@ from .semaphore import SEM_STRIDE, Semaphore
 
 MAGIC = 0x7061726174726E31  # "paratrn1"
 MAX_MESSAGE = 1 << 40
+NBUF = 3  # collective buffers per rank
 
 
 def _align(n, a=64):
@@ -67,7 +69,7 @@ class Layout:
         self.p2p_sems = off
         off += SEM_STRIDE * P * P * 2
         self.slots = off = _align(off, 4096)
-        off += P * 2 * slot_bytes
+        off += P * NBUF * slot_bytes
         self.frame_bytes = _align(HEADER_SIZE + chunk_bytes)
         self.frames = off
         off += P * P * 2 * self.frame_bytes
@@ -135,7 +137,7 @@ class ShmGroup(ProcessGroup):
         self._recv_locks = [threading.Lock() for _ in range(P)]
         self._need_check = False
         self._current = None
-        self._barrier_raw("group set-up")
+        self._barrier_raw(lambda: "group set-up")
 
     # ---- mapping ------------------------------------------------------------------
 
@@ -150,9 +152,10 @@ class ShmGroup(ProcessGroup):
         self._desc = raw[L.desc:L.desc + 2 * P * 64].view(np.int64).reshape(2, P, 8)
         self._bar_sems = [Semaphore(self._base + L.bar_sems + SEM_STRIDE * r) for r in range(P)]
         self._p2p_sem_list = [Semaphore(self._base + L.p2p_sems + SEM_STRIDE * i) for i in range(P * P * 2)]
-        # slots[parity][rank] -> uint8 view of slot_bytes
-        self._slots = [[raw[L.slots + (2 * r + par) * L.slot_bytes:L.slots + (2 * r + par + 1) * L.slot_bytes]
-                        for r in range(P)] for par in range(2)]
+        # slots[buffer][rank] -> uint8 view of slot_bytes
+        sb = L.slot_bytes
+        self._slots = [[raw[L.slots + (NBUF * r + b) * sb:L.slots + (NBUF * r + b + 1) * sb]
+                        for r in range(P)] for b in range(NBUF)]
         fb = L.frame_bytes
         self._frames = [[[raw[L.frames + ((s * P + d) * 2 + k) * fb:L.frames + ((s * P + d) * 2 + k + 1) * fb]
                           for k in range(2)] for d in range(P)] for s in range(P)]
@@ -169,8 +172,12 @@ class ShmGroup(ProcessGroup):
         return describe(self._current) if self._current is not None else "collective"
 
     def _watch(self, peers_fn, what, deadline):
-        """on_slice callback for Semaphore.acquire: raise if a peer we wait for died or time ran out."""
+        """on_slice callback for Semaphore.acquire: raise if a peer we wait for died or time ran out.
+        ``what`` may be a callable, so that describing the operation costs nothing until it fails."""
         def on_slice():
+            nonlocal what
+            if callable(what):
+                what = what()
             peers = peers_fn()
             dead = [q for q in peers if not _alive(int(self._pids[q]))]
             if dead:
@@ -221,13 +228,13 @@ class ShmGroup(ProcessGroup):
             self._need_check = False
 
     def _next_slots(self):
-        """This round's slot of every rank (uint8 views); alternates between the two buffers."""
-        slots = self._slots[self._round & 1]
+        """This round's slot of every rank (uint8 views); the buffers are used in turn."""
+        slots = self._slots[self._round % NBUF]
         self._round += 1
         return slots
 
     def _sync(self):
-        self._barrier_raw(self._what())
+        self._barrier_raw(self._what)
         if self._need_check:
             self._need_check = False
             seq = int(self._current[0])

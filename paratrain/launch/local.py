@@ -1,0 +1,210 @@
+"""``paratrain run``: start N workers on this machine, like torchrun.
+
+    paratrain run -n 4 train.py --lr 0.1
+    paratrain run --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 -n 2 train.py
+    paratrain run -n 2 -m some.module args
+
+One launcher per machine. It gives every worker the environment that
+``pt.init()`` (and torch.distributed) reads: RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; plus one compute thread
+per worker unless told otherwise (N workers each running a full-width OpenMP
+pool on fewer cores than N*threads thrash), and a job id that names the job's
+shared-memory segments. Then it watches them (watch.py) and, once they have
+ended, removes any segment a worker killed during set-up could not unlink.
+"""
+import argparse
+import errno
+import glob
+import os
+import secrets
+import socket
+import sys
+
+from .watch import LauncherSignals, say, stop, supervise
+from .worker import Worker
+
+DEFAULT_MULTINODE_PORT = 29500  # torchrun's default
+SHM_DIR = "/dev/shm"
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port that was free a moment ago: bind port 0, read what the kernel
+    chose, let it go. Another process can take it before rank 0 binds it; the
+    window is short, and torchrun accepts the same race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port):
+    """True if nothing on this machine could listen on port. Binds the wildcard
+    address (the rendezvous store listens on all interfaces) with SO_REUSEADDR,
+    so a port merely in TIME_WAIT from the previous run counts as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="paratrain run", allow_abbrev=False,
+        description="Start worker processes running a script (or a module), like torchrun. "
+                    "Options go before the script; everything after it goes to the script unchanged.")
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=2,
+                   help="workers on this machine (default 2)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job, one launcher each (default 1)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="this machine's index among the nnodes (default 0)")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
+                   help="host of rank 0, where the rendezvous runs (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   help=f"rendezvous port (default: a free one with one node, {DEFAULT_MULTINODE_PORT} with several)")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per worker (default 1)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds any wait in paratrain.comm may take (exported as PARATRAIN_TIMEOUT)")
+    p.add_argument("--no-prefix", dest="prefix", action="store_false",
+                   help="do not prefix workers' output lines with [rank R]")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the target is a module to run as `python -m MODULE`, not a script file")
+    p.add_argument("script", nargs="?", help="the script (or, with -m, the module) each worker runs")
+    p.add_argument("args", nargs="*", help="arguments for the script, passed through unchanged")
+    return p
+
+
+def split_argv(parser, argv):
+    """(launcher options, script, script args).
+
+    The script is the first word that is neither an option nor an option's
+    value. We cut there ourselves rather than using argparse.REMAINDER,
+    because argparse drops a ``--`` found among the script's own arguments."""
+    takes_value = {}
+    for action in parser._actions:  # argparse has no public list of its options
+        for opt in action.option_strings:
+            takes_value[opt] = action.nargs != 0
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            i += 1
+            break
+        if not tok.startswith("-") or tok == "-":
+            break
+        name = tok.split("=", 1)[0]
+        if name not in takes_value and not tok.startswith("--") and tok[:2] in takes_value:
+            name = tok[:2]  # -n4
+        if takes_value.get(name) and name == tok:
+            i += 2  # "-n 4": the value is the next word
+        else:
+            i += 1  # a flag, "--x=v", "-n4", or an unknown option argparse will reject
+    opts = [a for a in argv[:i] if a != "--"]
+    if i >= len(argv):
+        return opts, None, []
+    return opts, argv[i], argv[i + 1:]
+
+
+def worker_env(base, args, local_rank, port, job_id):
+    env = dict(base)
+    threads = str(args.threads)
+    env.update({
+        "RANK": str(args.node_rank * args.nproc + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(args.nnodes * args.nproc),
+        "LOCAL_WORLD_SIZE": str(args.nproc),
+        "GROUP_RANK": str(args.node_rank),
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(port),
+        "PARATRAIN_JOB_ID": job_id,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "PARATRAIN_THREADS": threads,
+        "PYTHONUNBUFFERED": "1",  # output reaches the launcher as it is printed
+    })
+    if args.timeout is not None:
+        env["PARATRAIN_TIMEOUT"] = f"{args.timeout:g}"
+    return env
+
+
+def remove_leftover_segments(job_id):
+    """The shm engine unlinks its segment names right after set-up; a worker
+    killed during those milliseconds leaves one behind. Job ids are hex, so
+    the trailing dash keeps another job's names out of the pattern."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"paratrain-{job_id}-*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _check(args):
+    """Errors found before anything is spawned; returns a message or None."""
+    if args.script is None:
+        return "missing the script to run (paratrain run [options] script.py [args])"
+    for name, value in (("-n/--nproc-per-node", args.nproc), ("--nnodes", args.nnodes), ("--threads", args.threads)):
+        if value < 1:
+            return f"{name} must be at least 1, got {value}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank must be between 0 and --nnodes - 1 = {args.nnodes - 1}, got {args.node_rank}"
+    if args.timeout is not None and args.timeout <= 0:
+        return f"--timeout must be a positive number of seconds, got {args.timeout:g}"
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        return f"--master-port must be between 1 and 65535, got {args.master_port}"
+    if not args.module and not os.path.isfile(args.script):
+        where = "" if os.path.isabs(args.script) else f" (looked in {os.getcwd()})"
+        return f"script {args.script!r} not found{where}"
+    return None
+
+
+def _choose_port(args):
+    if args.master_port is None:
+        return (free_port() if args.nnodes == 1 else DEFAULT_MULTINODE_PORT), None
+    if args.nnodes == 1 and port_in_use(args.master_port):
+        return None, (f"--master-port {args.master_port} is already in use on this machine; "
+                      "pick another port, or omit --master-port and a free one is chosen")
+    return args.master_port, None
+
+
+def main(argv=None):
+    """Run the launcher; returns the exit code (see watch.supervise)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    opts, script, script_args = split_argv(parser, argv)
+    try:
+        args = parser.parse_args(opts + ([] if script is None else ["--", script]))
+    except SystemExit as e:  # --help, or a bad option: argparse has printed why
+        return e.code if isinstance(e.code, int) else 2
+    args.args = script_args
+    problem = _check(args)
+    if problem is None:
+        port, problem = _choose_port(args)
+    if problem is not None:
+        say(f"paratrain run: error: {problem}")
+        return 2
+    if args.nnodes > 1 and args.master_addr in ("127.0.0.1", "localhost"):
+        say(f"paratrain run: warning: --nnodes {args.nnodes} with --master-addr {args.master_addr}: "
+            "workers on other machines cannot reach that; pass the address of node 0")
+
+    job_id = f"{os.getpid():x}{secrets.token_hex(3)}"
+    target = ["-m", args.script] if args.module else [args.script]
+    cmd = [sys.executable, *target, *args.args]
+    workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(os.environ, args, i, port, job_id),
+                      prefix=args.prefix) for i in range(args.nproc)]
+    started = []
+    try:
+        try:
+            for w in workers:
+                w.start()
+                started.append(w)
+        except OSError as e:
+            say(f"paratrain run: error: could not start rank {w.rank} ({' '.join(cmd)}): {e}")
+            with LauncherSignals() as signals:
+                stop(started, signals)
+            return 1
+        for w in started:
+            w.start_output()
+        return supervise(workers)
+    finally:
+        remove_leftover_segments(job_id)

@@ -1,0 +1,140 @@
+"""One worker process, as the launcher sees it.
+
+Each worker is started in its own session (so a Ctrl-C at the terminal reaches
+only the launcher, which then stops the workers in order, and so a signal to
+the worker's process group also reaches anything the worker started), and is
+tied to the launcher's life with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: if the
+launcher dies abruptly (kill -9, OOM), the kernel kills the worker too, and no
+orphan is left holding a port, a GPU or shared memory.
+
+Its stdout and stderr come back through pipes; two reader threads copy them to
+the launcher's own stdout and stderr line by line with a ``[rank R] `` prefix,
+and keep the last lines so the failure report can show how a worker died.
+"""
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# One lock for everything the launcher writes, so lines from different ranks
+# never interleave mid-line.
+OUTPUT_LOCK = threading.Lock()
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once in the launcher: the child should do as little as possible
+# between fork and exec.
+_PRCTL = _load_prctl()
+
+
+def _tie_to_parent(parent_pid):
+    """The preexec_fn: runs in the child between fork and exec.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so
+    workers must be started from a thread that lives as long as the launcher
+    (main() starts them from its own thread and waits there). The getppid check
+    closes the race where the launcher died before prctl ran."""
+    def preexec():
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, ctypes.c_ulong(int(signal.SIGKILL)), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0))
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return preexec
+
+
+def emit(stream_name, data):
+    """Write bytes to the launcher's current sys.stdout / sys.stderr and flush.
+
+    Bytes go to the underlying buffer when there is one, so whatever a worker
+    prints (any encoding) arrives unchanged. A closed launcher stream (e.g.
+    output piped into ``head``) is ignored: the readers must keep draining the
+    pipes or the workers would block on a full pipe."""
+    stream = getattr(sys, stream_name)
+    try:
+        buf = getattr(stream, "buffer", None)
+        if buf is not None:
+            stream.flush()
+            buf.write(data)
+            buf.flush()
+        else:
+            stream.write(data.decode(errors="replace"))
+            stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+class Worker:
+    """A worker: its ranks, its process, its output readers and its last lines."""
+
+    def __init__(self, rank, local_rank, cmd, env, prefix=True):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.cmd = cmd
+        self.env = env
+        self.prefix = f"[rank {rank}] ".encode() if prefix else b""
+        self.tail = collections.deque(maxlen=TAIL_LINES)  # stdout and stderr, in arrival order
+        self.proc = None
+        self.signalled = False  # the launcher sent it a signal (its exit is then not a failure of its own)
+        self._readers = []
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def start(self):
+        """Spawn the process. Output readers are started separately (start_output),
+        after every worker is spawned, so no thread is running while we fork."""
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_tie_to_parent(os.getpid()))
+
+    def start_output(self):
+        for pipe, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
+            t = threading.Thread(target=self._pump, args=(pipe, name), daemon=True,
+                                 name=f"paratrain-rank{self.rank}-{name}")
+            t.start()
+            self._readers.append(t)
+
+    def _pump(self, pipe, stream_name):
+        try:
+            for line in iter(pipe.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"  # the last line of a worker that did not end it
+                self.tail.append(line[:-1].decode(errors="replace").rstrip("\r"))
+                with OUTPUT_LOCK:
+                    emit(stream_name, self.prefix + line)
+        finally:
+            pipe.close()
+
+    def join_output(self, timeout):
+        """Wait for the readers to reach end-of-file. A grandchild that inherited
+        the pipe can hold it open forever, hence the timeout."""
+        for t in self._readers:
+            t.join(timeout)
+
+    def poll(self):
+        return self.proc.poll()
+
+    def kill_group(self, sig):
+        """Send sig to the worker's whole process group (its pid: it leads its own
+        session). The kernel keeps that number reserved while any member lives, so
+        this also reaches children the worker left behind, and nobody else."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,303 @@
+"""paratrain run: worker environment, output, failure handling, signals, cleanup.
+
+Most tests call launch.local.main() in this process (fast); the ones that
+signal the launcher run it as `python -m paratrain.run` in a subprocess.
+Worker scripts are a few lines written into tmp_path.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from paratrain.launch import free_port, main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script(tmp_path, body, name="worker.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def alive(pid):
+    """Running, not a zombie (in a container nobody may reap orphans)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def wait_until(cond, timeout, step=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+# A worker that records its pid (atomically) and then sleeps: the launcher must stop it.
+SLEEPER = """
+    import os, sys, time
+    d = sys.argv[1]
+    tmp = os.path.join(d, f"{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(tmp, os.path.join(d, f"rank{os.environ['RANK']}.pid"))
+    time.sleep(60)
+"""
+
+
+def kill_leftovers(piddir):
+    """If a test fails, do not leave its sleeping workers behind."""
+    for f in piddir.glob("rank*.pid"):
+        try:
+            os.kill(int(f.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def read_pids(piddir, n):
+    files = [piddir / f"rank{r}.pid" for r in range(n)]
+    if not all(f.exists() for f in files):
+        return None
+    return [int(f.read_text()) for f in files]
+
+
+@pytest.mark.timeout(30)
+def test_env_for_three_workers(tmp_path, capfd):
+    s = script(tmp_path, """
+        import os
+        keys = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK OMP_NUM_THREADS MKL_NUM_THREADS PARATRAIN_THREADS PYTHONUNBUFFERED"
+        print(" ".join(os.environ[k] for k in keys.split()))
+        print(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["PARATRAIN_JOB_ID"])
+    """)
+    assert main(["-n", "3", s]) == 0
+    out = capfd.readouterr().out.splitlines()
+    env_lines = {line for line in out if "127.0.0.1" not in line}
+    assert env_lines == {f"[rank {r}] {r} {r} 3 3 0 1 1 1 1" for r in range(3)}
+    master = [line.split("] ", 1) for line in out if "127.0.0.1" in line]
+    assert sorted(prefix for prefix, _ in master) == ["[rank 0", "[rank 1", "[rank 2"]
+    assert len({rest for _, rest in master}) == 1  # one port, one job id for all
+    addr, port, job = master[0][1].split()
+    assert 0 < int(port) < 65536 and job
+
+
+@pytest.mark.timeout(30)
+def test_threads_and_timeout_are_exported(tmp_path, capfd):
+    s = script(tmp_path, """
+        import os
+        print(os.environ["OMP_NUM_THREADS"], os.environ["PARATRAIN_THREADS"], os.environ["PARATRAIN_TIMEOUT"])
+    """)
+    assert main(["-n", "1", "--threads", "3", "--timeout", "2.5", s]) == 0
+    assert capfd.readouterr().out.splitlines() == ["[rank 0] 3 3 2.5"]
+
+
+@pytest.mark.timeout(30)
+def test_multinode_arithmetic(tmp_path, capfd):
+    s = script(tmp_path, """
+        import os
+        print(*(os.environ[k] for k in "RANK LOCAL_RANK WORLD_SIZE GROUP_RANK MASTER_PORT".split()))
+    """)
+    assert main(["--nnodes", "2", "--node-rank", "1", "-n", "2", s]) == 0
+    out = set(capfd.readouterr().out.splitlines())
+    assert out == {"[rank 2] 2 0 4 1 29500", "[rank 3] 3 1 4 1 29500"}
+
+
+@pytest.mark.timeout(30)
+def test_script_args_pass_through_unchanged(tmp_path, capfd):
+    s = script(tmp_path, """
+        import json, sys
+        print(json.dumps(sys.argv[1:]))
+    """)
+    passed = ["--lr", "0.1", "-n", "5", "--", "--threads=9", "-m", "x y"]
+    assert main(["-n", "1", s, *passed]) == 0
+    line = capfd.readouterr().out.strip()
+    assert line.startswith("[rank 0] ")
+    assert json.loads(line[len("[rank 0] "):]) == passed
+
+
+@pytest.mark.timeout(30)
+def test_no_prefix_and_stderr(tmp_path, capfd):
+    s = script(tmp_path, """
+        import sys
+        print("to out")
+        print("to err", file=sys.stderr)
+    """)
+    assert main(["-n", "1", s]) == 0
+    cap = capfd.readouterr()
+    assert (cap.out, cap.err) == ("[rank 0] to out\n", "[rank 0] to err\n")
+    assert main(["-n", "1", "--no-prefix", s]) == 0
+    cap = capfd.readouterr()
+    assert (cap.out, cap.err) == ("to out\n", "to err\n")
+
+
+@pytest.mark.timeout(30)
+def test_module_mode(tmp_path, capfd, monkeypatch):
+    script(tmp_path, """
+        import os, sys
+        print("module", os.environ["RANK"], sys.argv[1:])
+    """, name="tiny_mod.py")
+    monkeypatch.chdir(tmp_path)  # `python -m` finds modules in the working directory
+    assert main(["-n", "2", "-m", "tiny_mod", "-n", "7"]) == 0
+    assert set(capfd.readouterr().out.splitlines()) == {
+        "[rank 0] module 0 ['-n', '7']", "[rank 1] module 1 ['-n', '7']"}
+
+
+@pytest.mark.timeout(30)
+def test_one_failure_stops_the_rest(tmp_path, capfd):
+    s = script(tmp_path, SLEEPER.replace("time.sleep(60)", """
+    if os.environ["RANK"] == "1":  # fail once the others are surely asleep
+        t = time.monotonic()
+        while len([f for f in os.listdir(d) if f.endswith(".pid")]) < 3 and time.monotonic() - t < 20:
+            time.sleep(0.01)
+        raise ValueError("rank one gave up")
+    time.sleep(60)"""))
+    t0 = time.monotonic()
+    rc = main(["-n", "3", s, str(tmp_path)])
+    elapsed = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert rc == 1
+    assert elapsed < 10, elapsed
+    assert "rank 1" in err and "exited with code 1" in err
+    assert "ValueError: rank one gave up" in err.split("last lines of rank 1")[1]
+    pids = read_pids(tmp_path, 3)
+    assert pids and not any(alive(p) for p in pids)
+
+
+@pytest.mark.timeout(30)
+def test_worker_killed_by_signal_is_named(tmp_path, capfd):
+    s = script(tmp_path, """
+        import os, signal
+        print("about to die")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert main(["-n", "1", s]) == 1
+    err = capfd.readouterr().err
+    assert "rank 0" in err and "SIGKILL" in err and "about to die" in err
+
+
+@pytest.mark.timeout(30)
+def test_failed_workers_exit_code_is_returned(tmp_path, capfd):
+    s = script(tmp_path, """
+        import os, sys
+        sys.exit(7 if os.environ["RANK"] == "0" else 0)
+    """)
+    assert main(["-n", "2", s]) == 7
+    assert "rank 0" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_all_workers(tmp_path, sig, code):
+    s = script(tmp_path, SLEEPER)
+    launcher = subprocess.Popen([sys.executable, "-m", "paratrain.run", "-n", "3", s, str(tmp_path)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_until(lambda: read_pids(tmp_path, 3), 40), "workers never started"
+        pids = read_pids(tmp_path, 3)
+        launcher.send_signal(sig)
+        out, err = launcher.communicate(timeout=15)
+        assert launcher.returncode == code, err.decode()
+        assert wait_until(lambda: not any(alive(p) for p in pids), 5), "workers outlived the launcher"
+        assert signal.Signals(sig).name in err.decode()
+    finally:
+        launcher.kill()
+        launcher.wait()
+        kill_leftovers(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_killed_abruptly_leaves_no_orphans(tmp_path):
+    s = script(tmp_path, SLEEPER)
+    launcher = subprocess.Popen([sys.executable, "-m", "paratrain.run", "-n", "2", s, str(tmp_path)],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: read_pids(tmp_path, 2), 40), "workers never started"
+        pids = read_pids(tmp_path, 2)
+        launcher.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG must do it
+        launcher.wait()
+        assert wait_until(lambda: not any(alive(p) for p in pids), 5), "orphaned workers"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        kill_leftovers(tmp_path)
+
+
+@pytest.mark.timeout(30)
+def test_missing_script(tmp_path, capfd):
+    missing = str(tmp_path / "no_such_script.py")
+    assert main(["-n", "2", missing]) == 2
+    err = capfd.readouterr().err
+    assert "no_such_script.py" in err and "not found" in err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("opts, needle", [
+    (["-n", "0"], "at least 1"),
+    (["--threads", "0"], "at least 1"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+    (["--bogus"], "unrecognized"),
+])
+def test_bad_options(tmp_path, capfd, opts, needle):
+    s = script(tmp_path, "print('should not run')\n")
+    assert main([*opts, s]) == 2
+    cap = capfd.readouterr()
+    assert needle in cap.err and "should not run" not in cap.out
+
+
+@pytest.mark.timeout(30)
+def test_master_port_in_use(tmp_path, capfd):
+    s = script(tmp_path, "print('should not run')\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["-n", "1", "--master-port", str(port), s]) == 2
+    cap = capfd.readouterr()
+    assert str(port) in cap.err and "pick another port" in cap.err and "should not run" not in cap.out
+
+
+@pytest.mark.timeout(30)
+def test_free_port_can_be_bound():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n, code", [(2, 0), (1, 3)])
+def test_leftover_shm_segments_are_removed(tmp_path, capfd, n, code):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    other = f"/dev/shm/paratrain-otherjob{os.getpid()}-keep"
+    open(other, "w").close()
+    s = script(tmp_path, """
+        import os, sys
+        path = f"/dev/shm/paratrain-{os.environ['PARATRAIN_JOB_ID']}-{os.environ['RANK']}-seg"
+        open(path, "w").close()
+        print(path)
+        sys.exit(int(sys.argv[1]))  # as if killed during set-up: the name was never unlinked
+    """)
+    try:
+        assert main(["-n", str(n), s, str(code)]) == code
+        paths = [line.split("] ", 1)[1] for line in capfd.readouterr().out.splitlines()]
+        assert len(paths) == n and not any(os.path.exists(p) for p in paths)
+        assert os.path.exists(other)  # another job's segment is not ours to remove
+    finally:
+        os.unlink(other)

@@ -1,0 +1,104 @@
+"""In-process pieces: environment parsing, ops and dtypes, a world of one."""
+import numpy as np
+import pytest
+import torch
+
+from paratrain.comm import ops
+from paratrain.comm.env import read_env
+
+
+def test_env_torchrun_style():
+    e = read_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.master_addr, e.master_port) == \
+        (3, 4, 1, 2, "10.0.0.1", 1234)
+
+
+def test_env_openmpi():
+    e = read_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})
+    assert (e.rank, e.world_size, e.local_rank, e.source) == (2, 3, 0, "openmpi")
+
+
+def test_env_slurm():
+    e = read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
+                  "SLURM_LAUNCH_NODE_IPADDR": "10.1.1.1"})
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.master_addr) == (5, 8, 1, 4, "10.1.1.1")
+
+
+def test_env_nothing_is_a_world_of_one():
+    e = read_env({})
+    assert (e.rank, e.world_size, e.source) == (0, 1, "single")
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "outside the world"),
+    ({"RANK": "x", "WORLD_SIZE": "4"}, "not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "at least 1"),
+])
+def test_env_errors(env, words):
+    with pytest.raises(ValueError, match=words):
+        read_env(env)
+
+
+def test_op_names():
+    assert ops.normalize_op("SUM") == "sum"
+    assert ops.normalize_op(torch.distributed.ReduceOp.MAX) == "max"
+    assert ops.normalize_op("average") == "avg"
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        ops.normalize_op("median")
+    with pytest.raises(ValueError, match="ambiguous"):
+        ops.check_op_dtype("avg", ops.DTYPE_CODE[torch.int64])
+
+
+def test_as_buffer_shares_memory_and_refuses_what_it_cannot_write_in_place():
+    t = torch.zeros(6, dtype=torch.bfloat16)
+    buf, code = ops.as_buffer(t)
+    buf[:] = np.array([0x3F80] * 6, dtype=np.uint16)  # bf16 bits of 1.0
+    assert code == 2 and t.tolist() == [1.0] * 6
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.as_buffer(torch.zeros(4, 4).t())
+    with pytest.raises(TypeError, match="supported"):
+        ops.as_buffer(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="torch.Tensor or numpy"):
+        ops.as_buffer([1, 2, 3])
+    ro = np.zeros(3)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ops.as_buffer(ro)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+def test_combine_matches_torch(dtype):
+    a = (torch.arange(50) % 7 + 1).to(dtype)
+    b = (torch.arange(50) % 5 + 2).to(dtype)
+    for op, ref in (("sum", a + b), ("max", torch.maximum(a, b)), ("min", torch.minimum(a, b)), ("prod", a * b)):
+        out = torch.empty_like(a)
+        ab, code = ops.as_buffer(a)
+        ops.combine(ops.as_buffer(out)[0], ab, ops.as_buffer(b)[0], op, code)
+        assert torch.equal(out, ref), (op, dtype)
+
+
+@pytest.mark.timeout(60)
+def test_world_of_one_in_process(monkeypatch):
+    import paratrain as pt
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    g = pt.init(backend="shm")
+    try:
+        assert (g.rank, g.world_size) == (0, 1)
+        x = torch.arange(10.0)
+        g.all_reduce(x, op="avg")
+        assert torch.equal(x, torch.arange(10.0))
+        out = torch.empty(10)
+        g.all_gather(out, x)
+        assert torch.equal(out, x)
+        g.all_reduce(x, async_op=True).wait()
+        with pytest.raises(ValueError, match="not in this group"):
+            g.send(x, 1)
+        with pytest.raises(ValueError, match="world_size x 10"):
+            g.all_gather(torch.empty(11), x)
+        with pytest.raises(ValueError, match="unknown algorithm"):
+            g.all_reduce(x, algorithm="butterfly")
+    finally:
+        pt.destroy()
