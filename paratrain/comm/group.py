@@ -61,6 +61,7 @@ def check_descriptors(rows, what, ranks):
     if not same.all():
         bad = [i for i in range(len(rows)) if not same[i].all()]
         lines = [f"  rank {ranks[i]}: {describe(rows[i])}" for i in range(len(rows))]
+        what = what() if callable(what) else what
         raise MismatchError(
             f"ranks called different collectives or with different shapes/dtypes/ops in {what}; "
             f"ranks {[ranks[i] for i in bad]} disagree with rank {ranks[0]}:\n" + "\n".join(lines))
@@ -83,6 +84,7 @@ class ProcessGroup:
         self._lanes = Lanes(f"paratrain-{self.backend}")
         self._seq = 0
         self._debug = debug_checks()
+        self._env_algo = os.environ.get("PARATRAIN_ALGO") or None
 
     def __repr__(self):
         return f"<{type(self).__name__} rank {self.rank}/{self.world_size} backend={self.backend}>"
@@ -109,20 +111,23 @@ class ProcessGroup:
         return int(peer)
 
     def _descriptor(self, coll, code=0, op=None, numel=0, root=0, extra=0):
+        """(seq, collective, op, dtype, numel, root, extra, signature): what this rank is
+        calling. Ranks agree when their signatures (a hash of fields 1-6) agree; a
+        tuple, since this runs on every call and a small-message call is all overhead."""
         self._seq += 1
-        return np.array([self._seq, COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code,
-                         numel, root, extra, 0], dtype=np.int64)
+        fields = (COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code, int(numel), int(root), extra)
+        return (self._seq, *fields, hash(fields) & 0x7FFFFFFFFFFFFFFF)
 
     def _agree(self, desc):
         """Make sure every rank is calling the same thing (debug mode on backends
         without a cheaper always-on check)."""
         if self._debug and self.world_size > 1:
             rows = np.zeros((self.world_size, 8), dtype=np.int64)
-            self._all_gather(rows.reshape(-1), desc, ops.INT64)
+            self._all_gather(rows.reshape(-1), np.array(desc, dtype=np.int64), ops.INT64)
             check_descriptors(rows, describe(desc), self.ranks)
 
     def _algorithm(self, algorithm, nbytes):
-        name = algorithm or os.environ.get("PARATRAIN_ALGO") or self.default_algorithm(nbytes)
+        name = algorithm or self._env_algo or self.default_algorithm(nbytes)
         if name in ALGORITHMS:
             return ALGORITHMS[name]
         native = getattr(self, "native_algorithms", ())

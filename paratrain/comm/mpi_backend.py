@@ -11,9 +11,12 @@ Three things MPI does not give us, and what we do about them:
 - **No wait may last forever**, but MPI's blocking calls cannot time out. Every
   call is the nonblocking variant (Isend, Irecv, and the MPI-3 nonblocking
   collectives Iallreduce, Ibarrier, ...), completed by polling ``Test``: a few
-  tries at once, since a small message is often already there, then sleeps
-  doubling from 20 us to 1 ms, so a waiting rank leaves its core to the others
-  (``mpirun --oversubscribe``). Past ``timeout`` seconds we raise CommTimeout.
+  tries at once, since a small message is often already there, then 200 us of
+  testing if the host has a core per rank, then sleeps doubling from 20 us to
+  1 ms, so a waiting rank leaves its core to the others (``mpirun
+  --oversubscribe``). Past ``timeout`` seconds we raise CommTimeout. Polling is
+  also what moves a nonblocking collective along: MPI progresses it only inside
+  MPI calls, which is why a rank should not just sleep until the deadline.
 - **No bfloat16 or float16 reductions.** MPI moves their bytes as 16-bit
   integers and torch reduces them: an all-to-all hands rank r every rank's
   segment r, rank r combines them in rank order, an all-gather returns the
@@ -31,6 +34,7 @@ uppercase mpi4py methods): nothing is pickled. Ranks are group-local, as in the
 rest of paratrain; ``ranks`` maps them to global (COMM_WORLD) ranks.
 """
 import contextlib
+import os
 import threading
 import time
 import zlib
@@ -42,8 +46,9 @@ from .algorithms import split_bounds
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
 
-SPIN_TESTS = 32          # Test() calls before the first sleep: a small message is often there by then
-SLEEP_FIRST = 20e-6      # then sleep, doubling from 20 us ...
+SPIN_TESTS = 32          # Test() calls at once: a small message is often there by then
+SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (_spin_seconds) ...
+SLEEP_FIRST = 20e-6      # ... then sleep, doubling from 20 us ...
 SLEEP_MAX = 1e-3         # ... to 1 ms: worst added latency 1 ms, and an idle rank costs ~nothing
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
 
@@ -86,22 +91,33 @@ def _same(a, b):
     return a.size == b.size and _addr(a) == _addr(b)
 
 
-def _poll(MPI, reqs, timeout, lock, on_timeout, statuses=None):
-    """Wait for every request by polling (see the module docstring); on_timeout() builds the error."""
+def _spin_seconds():
+    """How long a waiting rank polls before it starts sleeping: 200 us (as ShmGroup spins)
+    unless this host runs more ranks than it has cores, where spinning steals the core the
+    awaited peer needs. PARATRAIN_MPI_SPIN_US overrides."""
+    v = os.environ.get("PARATRAIN_MPI_SPIN_US")
+    if v is not None:
+        return float(v) * 1e-6
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
+    return 0.0 if int(local) > len(os.sched_getaffinity(0)) else SPIN_S
+
+
+def _poll(MPI, reqs, timeout, lock, on_timeout, statuses=None, spin_s=0.0):
+    """Wait for every request by polling (see the module docstring); on_timeout() builds the error.
+    MPI's nonblocking collectives advance only inside MPI calls, so the Tests also make progress."""
     def done():
         with lock:
             if len(reqs) == 1:
                 return reqs[0].Test(statuses[0] if statuses else None)
             return MPI.Request.Testall(reqs, statuses)
-    import os
-    spin_end = time.perf_counter() + float(os.environ.get("XSPIN_US", "0")) * 1e-6
     for _ in range(SPIN_TESTS):
         if done():
             return
-    while time.perf_counter() < spin_end:
+    now = time.monotonic()
+    spin_end, deadline = now + spin_s, now + timeout
+    while time.monotonic() < spin_end:
         if done():
             return
-    deadline = time.monotonic() + timeout
     delay = SLEEP_FIRST
     while not done():
         if time.monotonic() >= deadline:
@@ -126,6 +142,7 @@ class MpiGroup(ProcessGroup):
         # Lanes call MPI from several threads; below THREAD_MULTIPLE, one call at a time.
         self._lock = (contextlib.nullcontext() if MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                       else threading.Lock())
+        self._spin_s = _spin_seconds()
         self._abandoned = []  # timed-out requests: kept, with their buffers, until MPI lets go
         self._current = self._agreeing = None
 
@@ -180,7 +197,7 @@ class MpiGroup(ProcessGroup):
                 f"{others} (MPI cannot say which are missing). Ranks must call the same collectives in the "
                 "same order; raise PARATRAIN_TIMEOUT if a rank is legitimately slow", others)
         try:
-            _poll(MPI, reqs, self.timeout, self._lock, on_timeout, statuses)
+            _poll(MPI, reqs, self.timeout, self._lock, on_timeout, statuses, self._spin_s)
         except MPI.Exception as e:
             raise self._error(e, what) from e
 
@@ -193,8 +210,8 @@ class MpiGroup(ProcessGroup):
                 recv.Cancel()
         self._abandoned.extend(reqs)
 
-    def _coll(self, name, start):
-        what = self._what(name)
+    def _coll(self, name, start, what=None):
+        what = what or self._what(name)
         self._wait([self._call(what, start)], what)
 
     # ---- point to point (group-local ranks) ------------------------------------------
@@ -439,7 +456,8 @@ def _split(parent, ranks, me, via, what):
     MPI = via._MPI
     row = np.array([len(ranks), zlib.crc32(np.array(ranks, np.int64).tobytes())], np.int64)
     rows = np.empty(2 * via.world_size, np.int64)
-    via._coll("all_gather", lambda: parent.Iallgather([row, MPI.INT64_T], [rows, MPI.INT64_T]))
+    via._coll("all_gather", lambda: parent.Iallgather([row, MPI.INT64_T], [rows, MPI.INT64_T]),
+              f"{what} (agreeing on its ranks {ranks})")
     rows = rows.reshape(-1, 2)
     bad = [via.ranks[i] for i in range(len(rows)) if not np.array_equal(rows[i], row)]
     if bad:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+_OP_SET = frozenset(REDUCE_OPS)
 
 # code on the wire / in descriptors, torch dtype, numpy storage dtype
 _DTYPES = [
@@ -32,6 +33,8 @@ REDUCE_CODE = {name: i + 1 for i, name in enumerate(REDUCE_OPS)}
 
 def normalize_op(op):
     """Accept "sum", pt.ReduceOp.SUM-like objects and torch.distributed.ReduceOp values."""
+    if op in _OP_SET:
+        return op
     name = getattr(op, "name", None) or str(op)
     name = name.rsplit(".", 1)[-1].lower()
     name = {"average": "avg", "product": "prod"}.get(name, name)
@@ -79,21 +82,18 @@ def as_buffer(tensor, what="tensor"):
     rather than silently copied, since collectives write their result in place.
     """
     if isinstance(tensor, torch.Tensor):
-        if tensor.device.type != "cpu":
-            raise ValueError(f"{what} is on {tensor.device}; the shm and mpi backends take CPU tensors "
-                             "(use backend='torch' with NCCL for GPU tensors)")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{what} is not contiguous; call .contiguous() first")
         code = DTYPE_CODE.get(tensor.dtype)
         if code is None:
             raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {supported_dtypes()}")
-        t = tensor.detach()
+        if not tensor.is_cpu:
+            raise ValueError(f"{what} is on {tensor.device}; the shm and mpi backends take CPU tensors "
+                             "(use backend='nccl' for GPU tensors)")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what} is not contiguous; call .contiguous() first")
+        t = tensor.detach() if tensor.requires_grad else tensor
         if code == 2:
-            t = t.view(torch.int16)
-        arr = t.reshape(-1).numpy()
-        if code == 2:
-            arr = arr.view(np.uint16)
-        return arr, code
+            return t.view(torch.int16).numpy().view(np.uint16).reshape(-1), code
+        return t.numpy().reshape(-1), code
     if isinstance(tensor, np.ndarray):
         code = NUMPY_CODE.get(tensor.dtype)
         if code is None:

@@ -150,8 +150,10 @@ class ShmGroup(ProcessGroup):
         self._pids = raw[L.pids:L.pids + 8 * P].view(np.int64)
         self._arrived = raw[L.arrived:L.arrived + 8 * P].view(np.int64)
         self._desc = raw[L.desc:L.desc + 2 * P * 64].view(np.int64).reshape(2, P, 8)
-        self._bar_sems = [Semaphore(self._base + L.bar_sems + SEM_STRIDE * r) for r in range(P)]
-        self._p2p_sem_list = [Semaphore(self._base + L.p2p_sems + SEM_STRIDE * i) for i in range(P * P * 2)]
+        def sem(off):
+            return Semaphore(self._base + off, raw[off:off + 4].view(np.uint32))
+        self._bar_sems = [sem(L.bar_sems + SEM_STRIDE * r) for r in range(P)]
+        self._p2p_sem_list = [sem(L.p2p_sems + SEM_STRIDE * i) for i in range(P * P * 2)]
         # slots[buffer][rank] -> uint8 view of slot_bytes
         sb = L.slot_bytes
         self._slots = [[raw[L.slots + (NBUF * r + b) * sb:L.slots + (NBUF * r + b + 1) * sb]
@@ -237,8 +239,10 @@ class ShmGroup(ProcessGroup):
         self._barrier_raw(self._what)
         if self._need_check:
             self._need_check = False
-            seq = int(self._current[0])
-            check_descriptors(self._desc[seq & 1], self._what(), self.ranks)
+            rows = self._desc[self._current[0] & 1]
+            sigs = rows[:, 7].tolist()
+            if sigs.count(sigs[0]) != len(sigs):
+                check_descriptors(rows, self._what, self.ranks)
 
     # ---- point to point -----------------------------------------------------------
 

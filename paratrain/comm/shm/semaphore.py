@@ -6,10 +6,17 @@ the kernel (a futex) and wakes when a peer calls ``sem_post``; an uncontended
 post or wait never leaves user space. We call glibc through ctypes, so no
 compiled extension of our own is needed.
 
-A wait first spins briefly with ``sem_trywait`` (a wake-up through the kernel
-costs ~30 us on a VM, a spin ~2 us), then sleeps in short slices so that the
-caller can notice a dead peer or a Ctrl-C between slices, and never waits
-past its deadline.
+A wait first spins briefly (a wake-up through the kernel costs ~15-30 us on a
+VM, a spin ~2 us), then sleeps in short slices so that the caller can notice
+a dead peer or a Ctrl-C between slices, and never waits past its deadline.
+
+The spin *reads* the semaphore's count with a plain load and only calls
+``sem_trywait`` once it is non-zero ("test and test-and-set"): spinning on
+``sem_trywait`` itself, an atomic compare-and-swap, keeps stealing the cache
+line from the poster and measured 208 us a round trip here, against 2 us for
+a plain load. glibc keeps the count in the low 32 bits of the sem_t's first
+word on 64-bit targets (nptl's struct new_sem); ``_probe_count_layout``
+verifies that on a private semaphore at import and, if not, we spin on trywait.
 """
 import ctypes
 import errno
@@ -40,12 +47,15 @@ SLICE = 0.05  # seconds a blocking wait sleeps before checking on its peers
 
 
 class Semaphore:
-    """One sem_t at a fixed address inside a mapped segment."""
+    """One sem_t at a fixed address inside a mapped segment.
 
-    __slots__ = ("addr",)
+    count: an optional numpy uint32 view of the sem_t's first 4 bytes, for spinning on plain loads."""
 
-    def __init__(self, addr):
+    __slots__ = ("addr", "count")
+
+    def __init__(self, addr, count=None):
         self.addr = addr
+        self.count = count if COUNT_IS_FIRST_WORD else None
 
     def init(self, value):
         if _sem_init(self.addr, 1, value) != 0:
@@ -73,8 +83,12 @@ class Semaphore:
         if _sem_trywait(addr) == 0:
             return
         if spin_s > 0:
-            end = time.perf_counter() + spin_s
-            while time.perf_counter() < end:
+            count, clock = self.count, time.perf_counter
+            end = clock() + spin_s
+            while clock() < end:
+                if count is not None:
+                    while count[0] == 0 and clock() < end:
+                        pass
                 if _sem_trywait(addr) == 0:
                     return
         ts = _Timespec()
@@ -88,3 +102,26 @@ class Semaphore:
             if err not in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
                 raise OSError(err, os.strerror(err))
             on_slice()
+
+
+def _probe_count_layout():
+    """Does the sem_t's first 32-bit word hold its count (little-endian glibc, 64-bit)?"""
+    import mmap
+
+    import numpy as np
+    buf = mmap.mmap(-1, SEM_STRIDE)
+    word = np.frombuffer(buf, dtype=np.uint32, count=1)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if _sem_init(addr, 1, 0) != 0:
+        return False
+    seen = []
+    for _ in range(3):
+        _sem_post(addr)
+        seen.append(int(word[0]))
+    v = ctypes.c_int()
+    _sem_getvalue(addr, ctypes.byref(v))
+    del word
+    return seen == [1, 2, 3] and v.value == 3
+
+
+COUNT_IS_FIRST_WORD = _probe_count_layout()

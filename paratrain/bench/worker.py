@@ -1,0 +1,132 @@
+"""One benchmark worker: every engine in this process, measured round by round.
+
+Method (nccl-tests' conventions, adapted to engines that differ in speed by 10x):
+
+- For each collective and size, the engines share one set of buffers. Each
+  engine first gets ``warmup`` untimed calls, the first of which is checked
+  against numpy (cases.py), so a fast wrong answer is reported as WRONG.
+- Then ``iters`` rounds; in each round every engine makes one timed call,
+  in turn. The turn order rotates by one each round, so no engine always runs
+  first after the gather (or always right after a given rival) and drift on a
+  busy machine hits all engines alike.
+- A timed call is: restore the input, the engine's own barrier, then
+  perf_counter around the call alone. The barrier lines the ranks up; the
+  round's time is the *slowest* rank's (a collective is done when the last
+  rank is done), gathered after the size is finished, and the reported figure
+  is the median over rounds (computed in report.py).
+
+Rank 0 writes every round's max-over-ranks time to the result JSON; the
+parent turns them into medians, bandwidths, ratios, a table and a plot.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from .cases import Case
+from .engines import Gloo, Mpi, Paratrain, gather_to_all
+
+
+def _timed(engine, case):
+    case.reset()
+    engine.barrier()
+    t0 = time.perf_counter()
+    case.call(engine)
+    return time.perf_counter() - t0
+
+
+def _engines(cfg, group, mpi):
+    """(engines for every collective, extra paratrain algorithms for all_reduce only)."""
+    if cfg["hierarchical"]:
+        return [Paratrain(group, name="paratrain-hier")], []
+    base = [Paratrain(group)]
+    if "gloo" in cfg["engines"]:
+        base.append(Gloo(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]) + 1,
+                         group.rank, group.world_size, cfg["op_timeout"]))
+    if mpi is not None:
+        base.append(mpi)
+    default = group.default_algorithm(1)
+    extra = [Paratrain(group, a, name=f"paratrain/{a}") for a in cfg["algorithms"] if a != default]
+    return base, extra
+
+
+def _measure(case, engines, iters, warmup):
+    """(times: engines x iters seconds on this rank, ok: one check per engine)."""
+    ok = []
+    for e in engines:
+        ok.append(case.check(e))
+        for _ in range(warmup - 1):
+            case.reset()
+            case.call(e)
+    times = np.empty((len(engines), iters))
+    E = len(engines)
+    for i in range(iters):
+        for k in range(E):
+            j = (i + k) % E
+            times[j, i] = _timed(engines[j], case)
+    return times, np.array(ok, dtype=np.float64)
+
+
+def _progress(rank, text):
+    if rank == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def run(cfg):
+    torch.set_num_threads(1)
+    mpi = Mpi() if "mpi" in cfg["engines"] and not cfg["hierarchical"] else None
+    import paratrain as pt
+    if cfg["hierarchical"]:
+        os.environ["PARATRAIN_PRETEND_HOSTS"] = str(cfg["hosts"])
+        group = pt.init(backend="hierarchical", timeout=cfg["op_timeout"])
+    else:
+        group = pt.init(backend="shm", timeout=cfg["op_timeout"])
+    P, rank = group.world_size, group.rank
+    if mpi is not None and (mpi.comm.rank, mpi.comm.size) != (rank, P):
+        raise RuntimeError(f"MPI says rank {mpi.comm.rank} of {mpi.comm.size}, paratrain says {rank} of {P}")
+    base, extra = _engines(cfg, group, mpi)
+    _progress(rank, f"[bench] {P} ranks up: {', '.join(e.name for e in base + extra)}")
+
+    rows = []
+    for coll in cfg["collectives"]:
+        engines = base + (extra if coll == "all_reduce" else [])
+        for nbytes, iters in zip(cfg["sizes"], cfg["iters"]):
+            case = Case(coll, nbytes, P, rank)
+            times, ok = _measure(case, engines, iters, cfg["warmup"])
+            everyone = gather_to_all(group, np.concatenate([times.ravel(), ok]))
+            slowest = everyone[:, :times.size].max(axis=0).reshape(times.shape)
+            verified = everyone[:, times.size:].min(axis=0) > 0
+            if rank == 0:
+                for j, e in enumerate(engines):
+                    rows.append(dict(collective=coll, engine=e.name, bytes=case.nbytes, count=case.count,
+                                     iters=iters, verified=bool(verified[j]), note=e.notes.get(coll, ""),
+                                     samples_s=slowest[j].tolist()))
+                med = ", ".join(f"{e.name} {np.median(slowest[j]) * 1e6:,.0f} us" + ("" if verified[j] else " WRONG")
+                                for j, e in enumerate(engines))
+                _progress(rank, f"[bench] {coll:<14} {case.nbytes:>11,} B x {iters:>3}: {med}")
+            del case
+
+    if rank == 0:
+        info = dict(world_size=P, backend=group.backend, default_algorithm=base[0].g.default_algorithm(1),
+                    mpi_library=mpi.library_version() if mpi is not None else None,
+                    torch_threads=torch.get_num_threads())
+        with open(cfg["result"], "w") as f:
+            json.dump(dict(info=info, rows=rows), f)
+    group.barrier()
+    for e in base:
+        if isinstance(e, Gloo):
+            e.close()
+    pt.destroy()
+    return 0
+
+
+def main(argv):
+    """``python -m paratrain.bench.collectives --worker CONFIG.json``"""
+    if len(argv) != 1:
+        print("usage: python -m paratrain.bench.collectives --worker CONFIG.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        return run(json.load(f))
