@@ -59,3 +59,36 @@ def test_launcher_stops_job_when_worker_is_killed_mid_collective(no_leftover_seg
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr
     assert time.time() - t < 45
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_everything_and_leaves_no_segment(no_leftover_segments):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, WORKERS
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain.run", "-n", "3", str(WORKERS / "failures.py"), "loop"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = 0
+    for line in proc.stdout:
+        seen += "looping" in line
+        if seen == 3:
+            break
+    time.sleep(0.5)  # mid-collective
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 130, rest
+    time.sleep(0.5)
+    script = str(WORKERS / "failures.py")
+    orphans = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if script in args and "loop" in args:
+            orphans.append(pid)
+    assert not orphans, f"orphan workers {orphans}"

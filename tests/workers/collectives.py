@@ -99,6 +99,22 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
             g.all_to_all(recv, send)
             check(recv, torch.cat([make(q * P + me, n, dt, salt=3) for q in range(P)]), f"all_to_all {dname} n={n}")
             count += 7
+    # algorithms compared with each other on the same inputs: the direct and naive ones
+    # reduce in rank order, so they agree bit for bit; the others to rounding
+    if len(algorithms) > 1:
+        x = make(me, 30001, torch.float64, salt=5)
+        results = {}
+        for algo in algorithms:
+            t = x.clone()
+            g.all_reduce(t, algorithm=algo)
+            results[algo] = t
+        base = results[algorithms[0]]
+        for algo, t in results.items():
+            if not torch.allclose(t, base, rtol=1e-13, atol=0):
+                raise AssertionError(f"algorithm {algo} disagrees with {algorithms[0]}")
+        if g.backend == "shm" and "naive" in results and None in results:
+            if not torch.equal(results["naive"], results[None]):
+                raise AssertionError("direct and naive all_reduce differ bitwise")
     # uneven all_to_all: rank r sends j+1 elements to rank j
     dt = torch.float32
     send = [torch.full((j + 1,), float(me * 10 + j)) for j in range(P)]

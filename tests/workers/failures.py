@@ -5,6 +5,7 @@
     mismatch_coll   rank 1 calls all_gather while the others all_reduce
     die             rank 1 kills itself (SIGKILL) just before an all_reduce
     hang            rank 1 never calls the all_reduce (sleeps)
+    loop            all ranks all-reduce 1 MiB forever (stopped from outside)
 """
 import os
 import signal
@@ -37,6 +38,11 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             t = time.time()
             g.all_reduce(np.ones(1 << 20, dtype=np.float32))
+        elif scenario == "loop":
+            big = np.ones(1 << 18, dtype=np.float32)
+            print(f"rank {me}: looping", flush=True)
+            while True:
+                g.all_reduce(big, op="max")
         elif scenario == "hang":
             if me == 1:
                 time.sleep(60)

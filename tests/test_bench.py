@@ -1,0 +1,41 @@
+"""The collectives benchmark runs end to end and reports every engine and collective.
+
+A smoke test of the plumbing (launch, interleaved timing, checks, JSON, plot),
+never of speed: on a shared 2-core machine timings say nothing, so nothing
+here asserts on a time or a ratio. Open MPI is measured when mpirun and mpi4py
+are installed and left out otherwise; the JSON says which.
+"""
+import json
+
+import pytest
+
+from paratrain.bench.collectives import main
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@pytest.mark.timeout(180)
+def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
+    code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--out", str(tmp_path)])
+    assert code == 0
+
+    data = json.loads((tmp_path / "collectives.json").read_text())
+    engines = data["config"]["engines"]
+    assert engines[:2] == ["paratrain", "gloo"]
+    assert ("mpi" in engines) == (data["environment"]["launcher"] == "mpirun")
+    assert data["environment"]["world_size"] == 2
+    for key in ("torch", "cpu_count", "date"):
+        assert data["environment"][key]
+
+    got = {(r["collective"], r["engine"], r["bytes"]): r for r in data["results"]}
+    for coll in COLLECTIVES:
+        for engine in engines:
+            for size in (4096, 65536):
+                r = got[(coll, engine, size)]
+                assert r["verified"], r
+                assert r["iters"] == len(r["samples_us"]) > 0
+                assert r["median_us"] > 0 and r["algbw_GBps"] > 0 and r["busbw_GBps"] > 0
+    assert {(r["collective"], r["bytes"]) for r in data["ratios"]} == {(c, s) for c in COLLECTIVES
+                                                                          for s in (4096, 65536)}
+    png = tmp_path / "collectives.png"
+    assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
