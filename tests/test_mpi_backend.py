@@ -150,10 +150,18 @@ def check_gathers(g, c):
                 if r == root:
                     for q in range(P):
                         c.eq(gl[q], everyone[q], f"gather {dtype} x{n} to {root} piece {q}")
+                flat = torch.full((P * n,), -9, dtype=DTYPES[dtype]) if r == root else None
+                g.gather(data(r, n, dtype, "ag"), flat, dst=root)
+                if r == root:
+                    c.eq(flat, torch.cat(everyone), f"gather flat {dtype} x{n} to {root}")
                 t = torch.full((n,), -9, dtype=DTYPES[dtype])
                 sl = [data(root, n, dtype, ("sc", q)) for q in range(P)] if r == root else None
                 g.scatter(t, sl, src=root)
-                c.eq(t, data(root, n, dtype, ("sc", r)), f"scatter {dtype} x{n} from {root}")
+                c.eq(t, data(root, n, dtype, ("sc", r)), f"scatter list {dtype} x{n} from {root}")
+                flat = torch.cat([data(root, n, dtype, ("sc", q)) for q in range(P)])
+                t = flat[r * n:(r + 1) * n] if r == root else torch.full((n,), -9, dtype=DTYPES[dtype])
+                g.scatter(t, flat if r == root else None, src=root)  # the root's output is its own piece
+                c.eq(t, data(root, n, dtype, ("sc", r)), f"scatter flat {dtype} x{n} from {root}")
 
 
 def check_reduce_scatter(g, c):
@@ -186,10 +194,13 @@ def check_all_to_all(g, c):
             g.all_to_all(out, data(r, P * n, dtype, "a2a"))
             want = torch.cat([data(q, P * n, dtype, "a2a")[r * n:(r + 1) * n] for q in range(P)])
             c.eq(out, want, f"all_to_all even {dtype} x{n}")
-        out = [torch.full((size(q, r),), -9, dtype=DTYPES[dtype]) for q in range(P)]
-        g.all_to_all(out, [data(r, size(r, q), dtype, ("a2av", q)) for q in range(P)])
-        for q in range(P):
-            c.eq(out[q], data(q, size(q, r), dtype, ("a2av", r)), f"all_to_all uneven {dtype} from {q}")
+        for views in (False, True):  # separate tensors, or views of one (sent as one buffer)
+            flat = torch.full((sum(size(q, r) for q in range(P)),), -9, dtype=DTYPES[dtype])
+            out = list(flat.split([size(q, r) for q in range(P)])) if views else \
+                [torch.full((size(q, r),), -9, dtype=DTYPES[dtype]) for q in range(P)]
+            g.all_to_all(out, [data(r, size(r, q), dtype, ("a2av", q)) for q in range(P)])
+            for q in range(P):
+                c.eq(out[q], data(q, size(q, r), dtype, ("a2av", r)), f"all_to_all uneven {dtype} from {q}")
 
 
 def check_p2p_and_barrier(g, c):

@@ -276,8 +276,10 @@ class ProcessGroup:
             ocode = self._same_code(out_list, "all_to_all output")
         if ocode != code:
             raise TypeError("all_to_all input and output dtypes differ")
-        even = len({p.size for p in inp} | {p.size for p in out}) == 1
-        desc = self._descriptor("all_to_all", code, None, sum(p.size for p in inp), 0, int(even))
+        # Single tensors are even pieces on every rank; lists may be uneven, and whether
+        # they are cannot be decided locally, so lists always take the pairwise path.
+        even = in_list is None and out_list is None
+        desc = self._descriptor("all_to_all", code, None, inp[0].size * self.world_size if even else 0, 0, int(even))
         return self._run("coll", lambda: self._checked(desc, self._all_to_all, out, inp, code, even),
                          async_op, "all_to_all")
 

@@ -9,8 +9,8 @@ instead, which is how the benchmark compares them on the same transport.
 Three things MPI does not give us, and what we do about them:
 
 - **No wait may last forever**, but MPI's blocking calls cannot time out. Every
-  call is the nonblocking variant (Isend, Irecv, and the MPI-3 nonblocking
-  collectives Iallreduce, Ibarrier, ...), completed by polling ``Test``: a few
+  call is the nonblocking variant (Isend, Improbe + Imrecv, and the MPI-3
+  nonblocking collectives Iallreduce, Ibarrier, ...), completed by polling: a few
   tries at once, since a small message is often already there, then 200 us of
   testing if the host has a core per rank, then sleeps doubling from 20 us to
   1 ms, so a waiting rank leaves its core to the others (``mpirun
@@ -50,6 +50,7 @@ SPIN_TESTS = 32          # Test() calls at once: a small message is often there 
 SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (_spin_seconds) ...
 SLEEP_FIRST = 20e-6      # ... then sleep, doubling from 20 us ...
 SLEEP_MAX = 1e-3         # ... to 1 ms: worst added latency 1 ms, and an idle rank costs ~nothing
+MAX_DRAIN_BYTES = 64 << 20  # a wrongly sized message up to this size is received and dropped
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
 
 
@@ -91,6 +92,19 @@ def _same(a, b):
     return a.size == b.size and _addr(a) == _addr(b)
 
 
+def _sending(pieces):
+    """The pieces as one buffer MPI can read: themselves if they lie end to end, else a copy."""
+    span = _span(pieces)
+    return np.concatenate(pieces) if span is None else span
+
+
+def _unpack(flat, pieces):
+    off = 0
+    for p in pieces:
+        p[...] = flat[off:off + p.size]
+        off += p.size
+
+
 def _spin_seconds():
     """How long a waiting rank polls before it starts sleeping: 200 us (as ShmGroup spins)
     unless this host runs more ranks than it has cores, where spinning steals the core the
@@ -102,14 +116,10 @@ def _spin_seconds():
     return 0.0 if int(local) > len(os.sched_getaffinity(0)) else SPIN_S
 
 
-def _poll(MPI, reqs, timeout, lock, on_timeout, statuses=None, spin_s=0.0):
-    """Wait for every request by polling (see the module docstring); on_timeout() builds the error.
-    MPI's nonblocking collectives advance only inside MPI calls, so the Tests also make progress."""
-    def done():
-        with lock:
-            if len(reqs) == 1:
-                return reqs[0].Test(statuses[0] if statuses else None)
-            return MPI.Request.Testall(reqs, statuses)
+def _poll(done, timeout, on_timeout, spin_s=0.0):
+    """Call done() until it returns True (see the module docstring); past ``timeout``
+    seconds raise on_timeout(). MPI's nonblocking collectives advance only inside MPI
+    calls, so the polling Tests are also what makes progress."""
     for _ in range(SPIN_TESTS):
         if done():
             return
@@ -143,7 +153,7 @@ class MpiGroup(ProcessGroup):
         self._lock = (contextlib.nullcontext() if MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                       else threading.Lock())
         self._spin_s = _spin_seconds()
-        self._abandoned = []  # timed-out requests: kept, with their buffers, until MPI lets go
+        self._abandoned = []  # requests given up on: kept, with their buffers, in case MPI completes them
         self._current = self._agreeing = None
 
     def default_algorithm(self, nbytes):
@@ -180,39 +190,44 @@ class MpiGroup(ProcessGroup):
         cls = MismatchError if e.Get_error_class() == self._MPI.ERR_TRUNCATE else CommError
         return cls(f"rank {self._me()}: MPI error in {what}: {e.Get_error_string()}")
 
-    def _wait(self, reqs, what, peer=None, statuses=None, recv=None):
-        """Poll ``reqs`` to completion or raise CommTimeout naming ``what`` (and ``peer``,
-        group-local, for point-to-point). ``recv``: the receive to withdraw on timeout."""
+    def _wait(self, done, what, peers=None, keep=list):
+        """Poll done() or raise CommTimeout naming ``what`` and ``peers()``, the group-local
+        ranks waited for (None: a collective, all the others). keep(): requests MPI cannot
+        withdraw (a send, a collective), kept with their buffers if we give up on them."""
         MPI = self._MPI
 
         def on_timeout():
-            self._abandon(reqs, recv)
-            if peer is not None:
+            if peers is not None:
+                names = [self.ranks[q] for q in peers()]
                 return CommTimeout(
-                    f"rank {self._me()} timed out after {self.timeout:g}s in {what} (rank {self.ranks[peer]} "
-                    "did not answer); raise PARATRAIN_TIMEOUT if it is legitimately slow", [self.ranks[peer]])
+                    f"rank {self._me()} timed out after {self.timeout:g}s in {what} (rank "
+                    f"{', '.join(map(str, names))} did not answer); raise PARATRAIN_TIMEOUT if it is "
+                    "legitimately slow", names)
             others = [g for i, g in enumerate(self.ranks) if i != self.rank]
             return CommTimeout(
                 f"rank {self._me()} timed out after {self.timeout:g}s in {what} over MPI waiting for ranks "
                 f"{others} (MPI cannot say which are missing). Ranks must call the same collectives in the "
                 "same order; raise PARATRAIN_TIMEOUT if a rank is legitimately slow", others)
+        finished = False
         try:
-            _poll(MPI, reqs, self.timeout, self._lock, on_timeout, statuses, self._spin_s)
+            _poll(done, self.timeout, on_timeout, self._spin_s)
+            finished = True
         except MPI.Exception as e:
             raise self._error(e, what) from e
+        finally:
+            if not finished:  # timed out, refused a message, or interrupted
+                self._abandoned.extend(keep())
 
-    def _abandon(self, reqs, recv):
-        """A receive nobody matched is cancelled, so it cannot swallow a later message. Sends
-        and collectives cannot be withdrawn (MPI forbids cancelling a collective): they stay
-        pending, their buffers kept alive here in case MPI completes them later."""
-        if recv is not None:
-            with contextlib.suppress(self._MPI.Exception), self._lock:
-                recv.Cancel()
-        self._abandoned.extend(reqs)
+    def _tester(self, req):
+        def done():
+            with self._lock:
+                return req.Test()
+        return done
 
     def _coll(self, name, start, what=None):
         what = what or self._what(name)
-        self._wait([self._call(what, start)], what)
+        req = self._call(what, start)
+        self._wait(self._tester(req), what, keep=lambda: [req])
 
     # ---- point to point (group-local ranks) ------------------------------------------
 
@@ -223,34 +238,67 @@ class MpiGroup(ProcessGroup):
         if not 0 <= tag <= self._tag_ub:
             raise ValueError(f"tag {tag} is outside MPI's range 0..{self._tag_ub}")
 
-    def _check_count(self, status, buf, code, what):
-        got = status.Get_count(_datatype(self._MPI, code))
-        if got != buf.size:
-            raise MismatchError(f"rank {self._me()}: {what} received {got} elements into a buffer of "
-                                f"{buf.size}: the two ranks disagree on the message size")
+    def _receiver(self, buf, code, src, tag, what):
+        """A receive that learns the message's size before MPI may write anything: a matched
+        probe (MPI_Improbe), a size check, then MPI_Imrecv. Why not a plain Irecv: a receive
+        too small for its message is erroneous in MPI, and Open MPI 5 then writes past the
+        buffer's end once the message is over the eager limit (heap corruption, not
+        MPI_ERR_TRUNCATE). Nothing is posted before a message is matched, so giving up leaves
+        nothing behind to swallow a later message. Returns done() and a list that holds the
+        receive request once there is one."""
+        MPI, started, status = self._MPI, [], self._MPI.Status()
+
+        def done():
+            if not started:
+                with self._lock:
+                    msg = self.comm.Improbe(src, tag, status)
+                if msg is None:
+                    return False
+                nbytes = status.Get_count(MPI.BYTE)
+                if nbytes != buf.nbytes:
+                    self._refuse(msg, nbytes, buf, src, what)
+                with self._lock:
+                    started.append(msg.Irecv(self._buf(buf, code)))
+            with self._lock:
+                return started[0].Test()
+        return done, started
+
+    def _refuse(self, msg, nbytes, buf, src, what):
+        """A message of the wrong size: take it off the wire into a scratch buffer (so the
+        sender is not left hanging) unless it is too big to allocate, then fail loudly."""
+        if nbytes <= max(buf.nbytes, MAX_DRAIN_BYTES):
+            sink = np.empty(nbytes, np.uint8)
+            with self._lock:
+                req = msg.Irecv([sink, self._MPI.BYTE])
+            self._wait(self._tester(req), what, lambda: [src], keep=lambda: [req])
+        raise MismatchError(f"rank {self._me()}: {what}: the message has {nbytes} bytes but the buffer "
+                            f"holds {buf.nbytes} ({buf.size} x {buf.dtype}): the two ranks disagree on "
+                            "the message size")
 
     def _send(self, buf, code, dst, tag):
         self._check_tag(tag)
         what = f"send to rank {self.ranks[dst]} (tag {tag})"
         req = self._call(what, lambda: self.comm.Isend(self._buf(buf, code), dst, tag))
-        self._wait([req], what, dst)
+        self._wait(self._tester(req), what, lambda: [dst], keep=lambda: [req])
 
     def _recv(self, buf, code, src, tag):
         self._check_tag(tag)
         what = f"recv from rank {self.ranks[src]} (tag {tag})"
-        req = self._call(what, lambda: self.comm.Irecv(self._buf(buf, code), src, tag))
-        status = self._MPI.Status()
-        self._wait([req], what, src, [status], recv=req)
-        self._check_count(status, buf, code, what)
+        done, started = self._receiver(buf, code, src, tag, what)
+        self._wait(done, what, lambda: [src], keep=lambda: started)
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         self._check_tag(tag)
         what = f"sendrecv to rank {self.ranks[dst]} / from rank {self.ranks[src]} (tag {tag})"
-        reqs = self._call(what, lambda: [self.comm.Irecv(self._buf(recv_buf, code), src, tag),
-                                         self.comm.Isend(self._buf(send_buf, code), dst, tag)])
-        statuses = [self._MPI.Status(), self._MPI.Status()]
-        self._wait(reqs, what, src, statuses, recv=reqs[0])
-        self._check_count(statuses[0], recv_buf, code, what)
+        req = self._call(what, lambda: self.comm.Isend(self._buf(send_buf, code), dst, tag))
+        sent, (received, started) = self._tester(req), self._receiver(recv_buf, code, src, tag, what)
+        state = [False, False]
+
+        def done():
+            state[0] = state[0] or received()
+            state[1] = state[1] or sent()
+            return state[0] and state[1]
+        self._wait(done, what, lambda: [src] if not state[0] else [dst], keep=lambda: [req] + started)
 
     # ---- collectives --------------------------------------------------------------
 
@@ -316,51 +364,45 @@ class MpiGroup(ProcessGroup):
     def _broadcast(self, buf, code, src):
         self._coll("broadcast", lambda: self.comm.Ibcast(self._buf(buf, code), src))
 
+    def _landing(self, pieces, like):
+        """Where MPI writes pieces that travel as one buffer: the pieces themselves if they lie
+        end to end (views of one tensor), else a scratch buffer copied out with _unpack."""
+        span = _span(pieces)
+        return np.empty(sum(p.size for p in pieces), like.dtype) if span is None else span, span
+
     def _all_gather_into(self, out, buf, code):
-        T, span = _datatype(self._MPI, code), _span(out)
-        if span is None:  # scattered output pieces: gather into one buffer, then copy out
-            tmp = np.empty(buf.size * self.world_size, buf.dtype)
-            self._coll("all_gather", lambda: self.comm.Iallgather([buf, T], [tmp, T]))
-            for q, o in enumerate(out):
-                o[...] = tmp[q * buf.size:(q + 1) * buf.size]
-            return
-        if _same(buf, out[self.rank]):  # gathering in place, as ZeRO does
-            send = self._MPI.IN_PLACE
-        else:
-            send = [buf.copy() if np.may_share_memory(buf, span) else buf, T]
-        self._coll("all_gather", lambda: self.comm.Iallgather(send, [span, T]))
+        n, T = buf.size, _datatype(self._MPI, code)
+        recv, span = self._landing(out, buf)
+        if not _same(buf, out[self.rank]):  # ZeRO gathers in place; otherwise put our piece there
+            recv[self.rank * n:(self.rank + 1) * n] = buf
+        self._coll("all_gather", lambda: self.comm.Iallgather(self._MPI.IN_PLACE, [recv, T]))
+        if recv is not span:
+            _unpack(recv, out)
 
     def _gather(self, out, buf, code, dst):
-        T = _datatype(self._MPI, code)
+        n, T = buf.size, _datatype(self._MPI, code)
         if self.rank != dst:
             self._coll("gather", lambda: self.comm.Igather([buf, T], None, dst))
             return
-        span = _span(out)
-        if span is None:
-            tmp = np.empty(buf.size * self.world_size, buf.dtype)
-            self._coll("gather", lambda: self.comm.Igather([buf, T], [tmp, T], dst))
-            for q, o in enumerate(out):
-                o[...] = tmp[q * buf.size:(q + 1) * buf.size]
-            return
+        recv, span = self._landing(out, buf)
         if not _same(buf, out[dst]):
-            out[dst][...] = buf.copy() if np.may_share_memory(buf, span) else buf
-        self._coll("gather", lambda: self.comm.Igather(self._MPI.IN_PLACE, [span, T], dst))
+            recv[dst * n:(dst + 1) * n] = buf
+        self._coll("gather", lambda: self.comm.Igather(self._MPI.IN_PLACE, [recv, T], dst))
+        if recv is not span:
+            _unpack(recv, out)
 
     def _scatter(self, buf, inp, code, src):
         T = _datatype(self._MPI, code)
         if self.rank != src:
             self._coll("scatter", lambda: self.comm.Iscatter(None, [buf, T], src))
             return
-        span = _span(inp)
-        send = np.concatenate(inp) if span is None or np.may_share_memory(buf, span) else span
+        send = _sending(inp)
         self._coll("scatter", lambda: self.comm.Iscatter([send, T], self._MPI.IN_PLACE, src))
         if not _same(buf, inp[src]):
-            buf[...] = send[src * buf.size:(src + 1) * buf.size]
+            buf[...] = inp[src]  # numpy copes if they overlap
 
     def _reduce_scatter(self, out, inp, code, op):
-        n, T = out.size, _datatype(self._MPI, code)
-        span = _span(inp)
-        send = np.concatenate(inp) if span is None else span
+        n, T, send = out.size, _datatype(self._MPI, code), _sending(inp)
         if code in _HALF:
             out[...] = self._exchange_and_combine(send, [n] * self.world_size,
                                                   [q * n for q in range(self.world_size)],
@@ -376,12 +418,10 @@ class MpiGroup(ProcessGroup):
             ops.finish_avg(out, self.world_size, code)
 
     def _all_to_all(self, out, inp, code, even):
-        T = _datatype(self._MPI, code)
-        send_span, recv_span = _span(inp), _span(out)
-        send = np.concatenate(inp) if send_span is None else send_span
-        recv = recv_span
-        if recv is None or np.may_share_memory(recv, send):
-            recv = np.empty(sum(o.size for o in out), send.dtype)
+        T, send = _datatype(self._MPI, code), _sending(inp)
+        recv, span = self._landing(out, send)
+        if np.may_share_memory(recv, send):
+            recv = np.empty_like(recv)
         if even:
             self._coll("all_to_all", lambda: self.comm.Ialltoall([send, T], [recv, T]))
         else:
@@ -389,11 +429,8 @@ class MpiGroup(ProcessGroup):
                 counts = [p.size for p in pieces]
                 return [buf, (counts, [int(d) for d in np.cumsum([0] + counts[:-1])]), T]
             self._coll("all_to_all", lambda: self.comm.Ialltoallv(spec(send, inp), spec(recv, out)))
-        if recv is not recv_span:
-            off = 0
-            for o in out:
-                o[...] = recv[off:off + o.size]
-                off += o.size
+        if recv is not span:
+            _unpack(recv, out)
 
     def destroy(self):
         super().destroy()
@@ -414,7 +451,7 @@ def mpi_world(timeout=None):
     world = MPI.COMM_WORLD
     comm, req = world.Idup()
     me, size = world.Get_rank(), world.Get_size()
-    _poll(MPI, [req], timeout, contextlib.nullcontext(), lambda: CommTimeout(
+    _poll(req.Test, timeout, lambda: CommTimeout(
         f"rank {me} timed out after {timeout:g}s in pt.init(backend='mpi'): not all {size} processes "
         "started by mpirun called it", [r for r in range(size) if r != me]))
     return MpiGroup(comm, list(range(size)), timeout)

@@ -41,7 +41,7 @@ class HierarchicalGroup(ProcessGroup):
         leaders = [min(r for r in ranks if hosts[r] == h) for h in host_list]
         if cross == "mpi":
             from ..mpi_backend import mpi_subgroup
-            leader_group = mpi_subgroup(leaders, me)
+            leader_group = mpi_subgroup(leaders, me, timeout=timeout)
         else:
             leader_group = make_group(leaders, me, "torch", timeout)
         if me not in ranks:
