@@ -10,6 +10,9 @@ else runs, so the three engines are measured in the same processes, in the
 same run, interleaved round by round, and the report leads with ratios
 (ARCHITECTURE.md, "A benchmark compares side by side in one run"). The
 reporting follows nccl-tests so the numbers read like the ones people know.
+Open MPI is asked to yield while it waits (launcher.py says why); the
+environment, load average and every round's time go to the JSON, so a
+surprising number can be traced.
 
 This module is the parent: it parses options, starts the workers
 (launcher.py; each runs worker.py), and hands rank 0's raw times to
@@ -53,10 +56,10 @@ def parse_list(text, allowed, what):
 
 
 def default_iters(nbytes):
-    """Rounds per size: ~1 GiB through each engine, between 10 and 300 rounds.
-    Small sizes get many rounds (their times are noisy and cheap), 64 MiB gets 16;
-    the default run then takes about a minute or two on 2 cores with 2 ranks."""
-    return max(10, min(300, (1 << 30) // max(1, nbytes)))
+    """Rounds per size: ~2 GiB through each engine, between 20 and 300 rounds.
+    Small sizes get many rounds (their times are noisy and cheap), 64 MiB gets 32;
+    the default run (2 ranks, 3 engines) then takes one to two minutes on 2 cores."""
+    return max(20, min(300, (2 << 30) // max(1, nbytes)))
 
 
 def parser():
@@ -71,9 +74,9 @@ def parser():
     p.add_argument("--sizes", default=None, type=lambda s: [parse_size(x) for x in s.split(",") if x.strip()],
                    help=f"whole-buffer sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=None,
-                   help="rounds per size (default: by size, 300 at 4 KiB down to 16 at 64 MiB)")
+                   help="rounds per size (default: by size, 300 up to 1 MiB, 128 at 16 MiB, 32 at 64 MiB)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per engine and size, the first "
-                   "checked against numpy (default 2, 1 with --quick)")
+                   "checked against numpy (default 2)")
     p.add_argument("--algorithms", default="", type=lambda s: parse_list(s, ALGORITHMS, "algorithm") if s else [],
                    help="extra paratrain all_reduce algorithms to measure beside the default one, "
                         f"from {','.join(ALGORITHMS)} (e.g. ring,tree,naive)")
@@ -138,12 +141,14 @@ def bench(args):
     sizes = args.sizes or [parse_size(s) for s in (QUICK_SIZES if args.quick else DEFAULT_SIZES).split(",")]
     sizes = sorted({elements(s, args.nproc) * 4 for s in sizes})
     iters = [args.iters or (5 if args.quick else default_iters(s)) for s in sizes]
-    warmup = args.warmup or (1 if args.quick else 2)
+    warmup = args.warmup or 2
     notes = []
     engines = ["paratrain"] + ([] if args.no_gloo else ["gloo"])
     use_mpi = not args.no_mpi and launcher.mpi_available()
     if use_mpi:
         engines.append("mpi")
+        notes.append(f"Open MPI ran with {launcher.MPI_YIELD}={os.environ.get(launcher.MPI_YIELD, '1')} "
+                     "(1 = yield while waiting instead of busy-polling; set it in the environment to change)")
     elif not args.no_mpi:
         notes.append("Open MPI left out: no mpirun next to this Python or on PATH, or mpi4py is not installed.")
     cfg = dict(collectives=args.collectives, sizes=sizes, iters=iters, warmup=warmup, engines=engines,
@@ -154,6 +159,7 @@ def bench(args):
     out.mkdir(parents=True, exist_ok=True)
 
     rows, failed = [], False
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
         main_res = _run(args, cfg, use_mpi, tmp, "main", timeout)
         rows += main_res["rows"]
@@ -168,8 +174,11 @@ def bench(args):
                              "over Gloo), measured in a separate run after the main one, not interleaved.")
             except (RuntimeError, launcher.BenchTimeout) as e:
                 failed = True
-                notes.append(f"[red]the hierarchical run failed: {e}[/red]")
+                notes.append(f"the hierarchical run failed: {e}")
 
+    load_after = os.getloadavg()
+    notes.append(f"load average (1, 5, 15 min) before: {_load(load_before)}, after: {_load(load_after)} "
+                 f"(the benchmark's own {args.nproc} ranks count towards 'after'; more means the machine was shared)")
     results = report.summarize(rows, args.nproc)
     for r in results:
         if r["note"]:
@@ -177,7 +186,9 @@ def bench(args):
     notes = list(dict.fromkeys(notes))
     report.print_report(results, args.nproc, os.cpu_count(), notes, console=_console())
     meta = dict(benchmark="collectives",
-                environment=_environment(args, main_res["info"], "mpirun" if use_mpi else "subprocesses"),
+                environment=dict(_environment(args, main_res["info"], "mpirun" if use_mpi else "subprocesses"),
+                                 loadavg_before=list(load_before), loadavg_after=list(load_after),
+                                 mpi_yield_when_idle=os.environ.get(launcher.MPI_YIELD, "1") if use_mpi else None),
                 config=dict(nproc=args.nproc, collectives=args.collectives, sizes=sizes, iters=iters,
                             warmup=warmup, engines=engines, algorithms=args.algorithms,
                             hierarchical=args.hierarchical, dtype="float32"),
@@ -187,6 +198,10 @@ def bench(args):
     report.plot(png_path, results, args.nproc)
     print(f"wrote {json_path}\nwrote {png_path}")
     return 1 if failed or not all(r["verified"] for r in results) else 0
+
+
+def _load(avg):
+    return ", ".join(f"{x:.2f}" for x in avg)
 
 
 def _console():

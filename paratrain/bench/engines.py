@@ -105,7 +105,7 @@ class Mpi:
         self.notes = {}
 
     def library_version(self):
-        return self.MPI.Get_library_version().strip().splitlines()[0]
+        return self.MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
 
     def barrier(self):
         self.comm.Barrier()

@@ -89,7 +89,7 @@ def ratios(results):
 
 
 def _fmt_us(us):
-    return f"{us:,.1f}" if us < 100 else f"{us:,.0f}"
+    return f"{us:,.1f}" if us < 99.95 else f"{us:,.0f}"
 
 
 def _fmt_ratio(x):
@@ -204,5 +204,5 @@ def plot(path, results, P):
         ax.set_ylabel("busbw (GB/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    fig.suptitle(f"paratrain shm vs Gloo vs Open MPI: {P} ranks, float32, median busbw")
+    fig.suptitle(f"{' vs '.join(label(e) for e in engines)}: {P} ranks, float32, median busbw")
     fig.savefig(path, dpi=110)
