@@ -50,7 +50,7 @@ def _rounds(n, per_round):
 def _reduce_parts(acc, parts, op, code, P):
     """acc = parts[0] op parts[1] op ... in rank order; acc may alias a part."""
     if P == 1:
-        acc[...] = parts[0]
+        ops.copy(acc, parts[0])
     else:
         ops.combine(acc, parts[0], parts[1], op, code)
         for q in range(2, P):
@@ -75,7 +75,7 @@ def all_reduce(G, buf, code, op, dst=None):
             acc = slots[me][s0:s1]  # no input lives here: copy-in skipped our own part
             _reduce_parts(acc, [x[s0:s1] if q == me else slots[q][s0:s1] for q in range(P)], op, code, P)
             if keep:
-                x[s0:s1] = acc
+                ops.copy(x[s0:s1], acc)
         if k >= 2 and keep:  # copy out round k-2: reduced before barrier k-1
             _copy_out(state[k - 2], me, P)
         if k < R:  # copy in round k
@@ -86,7 +86,7 @@ def all_reduce(G, buf, code, op, dst=None):
             mine = slots[me]
             for q in range(P):
                 if q != me:
-                    mine[b[q]:b[q + 1]] = x[b[q]:b[q + 1]]
+                    ops.copy(mine[b[q]:b[q + 1]], x[b[q]:b[q + 1]])
             state.append((x, slots, b))
         G._sync()
         if k >= 2:
@@ -99,13 +99,13 @@ def _copy_out(round_state, me, P):
     x, slots, b = round_state
     for q in range(P):
         if q != me:
-            x[b[q]:b[q + 1]] = slots[q][b[q]:b[q + 1]]
+            ops.copy(x[b[q]:b[q + 1]], slots[q][b[q]:b[q + 1]])
 
 
 def _all_reduce_small(G, buf, code, op, dst):
     P, me = G.world_size, G.rank
     slots = [sl.view(buf.dtype)[:buf.size] for sl in G._next_slots()]
-    slots[me][...] = buf
+    ops.copy(slots[me], buf)
     G._sync()
     if dst is None or dst == me:
         _reduce_parts(buf, slots, op, code, P)
@@ -117,71 +117,71 @@ def broadcast(G, buf, code, src):
     for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
         slot = G._next_slots()[src].view(buf.dtype)
         if me == src:
-            slot[:hi - lo] = buf[lo:hi]
+            ops.copy(slot[:hi - lo], buf[lo:hi])
         G._sync()
         if me != src:
-            buf[lo:hi] = slot[:hi - lo]
+            ops.copy(buf[lo:hi], slot[:hi - lo])
 
 
 def all_gather(G, out, buf, code):
     P, me = G.world_size, G.rank
-    out[me][...] = buf
+    ops.copy(out[me], buf)
     for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
         slots = [s.view(buf.dtype) for s in G._next_slots()]
-        slots[me][:hi - lo] = buf[lo:hi]
+        ops.copy(slots[me][:hi - lo], buf[lo:hi])
         G._sync()
         for q in range(P):
             if q != me:
-                out[q][lo:hi] = slots[q][:hi - lo]
+                ops.copy(out[q][lo:hi], slots[q][:hi - lo])
 
 
 def gather(G, out, buf, code, dst):
     P, me = G.world_size, G.rank
     if me == dst:
-        out[me][...] = buf
+        ops.copy(out[me], buf)
     for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
         slots = [s.view(buf.dtype) for s in G._next_slots()]
         if me != dst:
-            slots[me][:hi - lo] = buf[lo:hi]
+            ops.copy(slots[me][:hi - lo], buf[lo:hi])
         G._sync()
         if me == dst:
             for q in range(P):
                 if q != me:
-                    out[q][lo:hi] = slots[q][:hi - lo]
+                    ops.copy(out[q][lo:hi], slots[q][:hi - lo])
 
 
 def scatter(G, buf, inp, code, src):
     """The root's slot holds one sub-slot per destination each round."""
     P, me = G.world_size, G.rank
     if me == src:
-        buf[...] = inp[me]
+        ops.copy(buf, inp[me])
     per = G.slot_bytes // buf.itemsize // P
     for lo, hi in _rounds(buf.size, per):
         slot = G._next_slots()[src].view(buf.dtype)
         if me == src:
             for q in range(P):
                 if q != me:
-                    slot[q * per:q * per + hi - lo] = inp[q][lo:hi]
+                    ops.copy(slot[q * per:q * per + hi - lo], inp[q][lo:hi])
         G._sync()
         if me != src:
-            buf[lo:hi] = slot[me * per:me * per + hi - lo]
+            ops.copy(buf[lo:hi], slot[me * per:me * per + hi - lo])
 
 
 def all_to_all(G, out, inp, code):
     """Equal pieces: rank r's slot holds its piece for every q; q reads sub-slot q of everyone's slot."""
     P, me = G.world_size, G.rank
-    out[me][...] = inp[me]
+    ops.copy(out[me], inp[me])
     n = inp[0].size
     per = G.slot_bytes // inp[0].itemsize // P
     for lo, hi in _rounds(n, per):
         slots = [s.view(inp[0].dtype) for s in G._next_slots()]
         for q in range(P):
             if q != me:
-                slots[me][q * per:q * per + hi - lo] = inp[q][lo:hi]
+                ops.copy(slots[me][q * per:q * per + hi - lo], inp[q][lo:hi])
         G._sync()
         for q in range(P):
             if q != me:
-                out[q][lo:hi] = slots[q][me * per:me * per + hi - lo]
+                ops.copy(out[q][lo:hi], slots[q][me * per:me * per + hi - lo])
 
 
 def reduce_scatter(G, out, inp, code, op):
@@ -194,7 +194,7 @@ def reduce_scatter(G, out, inp, code, op):
         m = hi - lo
         for q in range(P):
             if q != me:
-                slots[me][q * per:q * per + m] = inp[q][lo:hi]
+                ops.copy(slots[me][q * per:q * per + m], inp[q][lo:hi])
         G._sync()
         parts = [inp[me][lo:hi] if q == me else slots[q][me * per:me * per + m] for q in range(P)]
         _reduce_parts(out[lo:hi], parts, op, code, P)

@@ -95,7 +95,7 @@ class ShmGroup(ProcessGroup):
     def __init__(self, store, key, rank, ranks, timeout=None, slot_bytes=None, chunk_bytes=None):
         super().__init__(rank, len(ranks), ranks, timeout)
         P = self.world_size
-        slot_bytes = slot_bytes or _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 4 << 20)
+        slot_bytes = slot_bytes or _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 1 << 20)
         chunk_bytes = chunk_bytes or _env_bytes("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20)
         self.layout = L = Layout(P, _align(slot_bytes), _align(chunk_bytes))
         self.slot_bytes, self.chunk_bytes = L.slot_bytes, L.chunk_bytes
@@ -265,7 +265,7 @@ class ShmGroup(ProcessGroup):
                 frame = frames[self._send_frame[dst]]
                 self._send_frame[dst] ^= 1
                 encode_header(frame, 0, code=code, tag=tag, seq=seq, total=total, index=i, length=part.size)
-                frame[HEADER_SIZE:HEADER_SIZE + part.size] = part
+                ops.copy(frame[HEADER_SIZE:HEADER_SIZE + part.size], part)
                 full.post()
 
     def _recv(self, buf, code, src, tag):
@@ -295,7 +295,7 @@ class ShmGroup(ProcessGroup):
                 if rseq != seq or index != i or length != min(cap, total - i * cap):
                     raise FrameError(f"out-of-order frame from rank {self.ranks[src]}: message {rseq} chunk "
                                      f"{index} ({length} bytes), expected message {seq} chunk {i}")
-                raw[i * cap:i * cap + length] = frame[HEADER_SIZE:HEADER_SIZE + length]
+                ops.copy(raw[i * cap:i * cap + length], frame[HEADER_SIZE:HEADER_SIZE + length])
                 empty.post()
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
