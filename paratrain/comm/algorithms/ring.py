@@ -39,6 +39,12 @@ def all_reduce(group, buf, code, op):
     # Scatter-reduce: P-1 steps; afterwards segment (me + 1) % P is fully reduced here.
     for s in range(P - 1):
         send_i, recv_i = (me - s) % P, (me - s - 1) % P
+        if max(seg[send_i + 1] - seg[send_i], seg[recv_i + 1] - seg[recv_i]) <= step:
+            # One chunk each way: a plain exchange, no helper thread to wake per step.
+            a, b = seg[recv_i], seg[recv_i + 1]
+            group._sendrecv(buf[seg[send_i]:seg[send_i + 1]], right, tmp[:b - a], left, code, TAG + s)
+            ops.combine(buf[a:b], buf[a:b], tmp[:b - a], op, code)
+            continue
         send_parts = _chunks(seg[send_i], seg[send_i + 1], step)
         work = group._lanes.submit(
             "send", lambda parts=send_parts, tag=TAG + s: [group._send(buf[a:b], code, right, tag) for a, b in parts],
