@@ -1,9 +1,13 @@
 """Rendezvous failures give messages that say what to do."""
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from conftest import spawn
+from conftest import ROOT, WORKERS, spawn
+from paratrain.launch.local import free_port
 
 
 def _run_alone(rank, world, port, timeout="3"):
@@ -26,32 +30,19 @@ def test_port_in_use():
 
 @pytest.mark.timeout(60)
 def test_unreachable_master():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nobody listens here
-    _, out = _run_alone(1, 2, port)
+    _, out = _run_alone(1, 2, free_port())  # nobody listens there
     assert "could not reach the rendezvous" in out, out
 
 
 @pytest.mark.timeout(60)
 def test_missing_ranks_are_named():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    _, out = _run_alone(0, 3, port)
+    _, out = _run_alone(0, 3, free_port())
     assert "only 1 of 3 ranks arrived" in out and "missing ranks [1, 2]" in out, out
 
 
 @pytest.mark.timeout(60)
 def test_world_size_disagreement():
-    from paratrain.launch.local import free_port
     port = free_port()
-    import subprocess
-    import sys
-    from conftest import ROOT, WORKERS
-    import os
     procs = []
     for rank, world in ((0, 2), (1, 3)):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
