@@ -19,7 +19,7 @@ import numpy as np
 from . import ops
 from .algorithms import naive, ring, tree
 from .errors import MismatchError
-from .work import CompletedWork, Lanes
+from .work import Lanes
 
 DEFAULT_TIMEOUT = 300.0
 INTERNAL_TAG = 1 << 24  # tags at and above this are the algorithms' own traffic

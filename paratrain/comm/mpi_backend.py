@@ -34,9 +34,7 @@ uppercase mpi4py methods): nothing is pickled. Ranks are group-local, as in the
 rest of paratrain; ``ranks`` maps them to global (COMM_WORLD) ranks.
 """
 import contextlib
-import os
 import threading
-import time
 import zlib
 
 import numpy as np
@@ -45,95 +43,10 @@ from . import ops
 from .algorithms import split_bounds
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
+from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _span, _spin_seconds, _unpack
 
-SPIN_TESTS = 32          # Test() calls at once: a small message is often there by then
-SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (_spin_seconds) ...
-SLEEP_FIRST = 20e-6      # ... then sleep, doubling from 20 us ...
-SLEEP_MAX = 1e-3         # ... to 1 ms: worst added latency 1 ms, and an idle rank costs ~nothing
 MAX_DRAIN_BYTES = 64 << 20  # a wrongly sized message up to this size is received and dropped
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
-
-
-def _mpi():
-    try:
-        from mpi4py import MPI
-    except ImportError as e:
-        raise ImportError("backend='mpi' needs mpi4py and an MPI library: pip install paratrain[mpi] "
-                          f"(importing mpi4py failed: {e})") from e
-    return MPI
-
-
-def _datatype(MPI, code):
-    """The MPI datatype a buffer of dtype ``code`` travels as (16-bit floats as raw uint16)."""
-    return {1: MPI.UINT16_T, 2: MPI.UINT16_T, 3: MPI.FLOAT, 4: MPI.DOUBLE,
-            5: MPI.INT32_T, 6: MPI.INT64_T, 7: MPI.UINT8_T}[code]
-
-
-def _addr(a):
-    return a.__array_interface__["data"][0]
-
-
-def _span(pieces):
-    """One flat view over pieces lying end to end in memory (views of one tensor, as
-    all_gather_into_tensor passes), so MPI can write them in one call; else None."""
-    first, total = pieces[0], sum(p.size for p in pieces)
-    if total == 0:
-        return np.empty(0, first.dtype)
-    at = _addr(first)
-    for p in pieces:
-        if _addr(p) != at:
-            return None
-        at += p.nbytes
-    # The view covers exactly the pieces' bytes, so writing it writes only them.
-    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
-
-
-def _same(a, b):
-    return a.size == b.size and _addr(a) == _addr(b)
-
-
-def _sending(pieces):
-    """The pieces as one buffer MPI can read: themselves if they lie end to end, else a copy."""
-    span = _span(pieces)
-    return np.concatenate(pieces) if span is None else span
-
-
-def _unpack(flat, pieces):
-    off = 0
-    for p in pieces:
-        p[...] = flat[off:off + p.size]
-        off += p.size
-
-
-def _spin_seconds():
-    """How long a waiting rank polls before it starts sleeping: 200 us (as ShmGroup spins)
-    unless this host runs more ranks than it has cores, where spinning steals the core the
-    awaited peer needs. PARATRAIN_MPI_SPIN_US overrides."""
-    v = os.environ.get("PARATRAIN_MPI_SPIN_US")
-    if v is not None:
-        return float(v) * 1e-6
-    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
-    return 0.0 if int(local) > len(os.sched_getaffinity(0)) else SPIN_S
-
-
-def _poll(done, timeout, on_timeout, spin_s=0.0):
-    """Call done() until it returns True (see the module docstring); past ``timeout``
-    seconds raise on_timeout(). MPI's nonblocking collectives advance only inside MPI
-    calls, so the polling Tests are also what makes progress."""
-    for _ in range(SPIN_TESTS):
-        if done():
-            return
-    now = time.monotonic()
-    spin_end, deadline = now + spin_s, now + timeout
-    while time.monotonic() < spin_end:
-        if done():
-            return
-    delay = SLEEP_FIRST
-    while not done():
-        if time.monotonic() >= deadline:
-            raise on_timeout()
-        time.sleep(delay)
-        delay = min(2 * delay, SLEEP_MAX)
 
 
 class MpiGroup(ProcessGroup):

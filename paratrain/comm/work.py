@@ -36,15 +36,6 @@ class Work:
         return f"<Work {self.what} {'done' if self.is_completed() else 'pending'}>"
 
 
-class CompletedWork(Work):
-    """What an async call returns when there was nothing to wait for."""
-
-    def __init__(self, what, value=None):
-        f = concurrent.futures.Future()
-        f.set_result(value)
-        super().__init__(f, what)
-
-
 class Lanes:
     """Named single-thread executors, created on first use."""
 
