@@ -31,7 +31,7 @@ def main():
     private = np.ones(32 << 20, dtype=np.uint8)
     rows = []
     print(f"{'chunk':>8} {'memcpy GB/s':>12} {'ufunc GB/s':>11} {'ratio':>6}")
-    for chunk in (32 << 10, 256 << 10, 1 << 20, 4 << 20):
+    for chunk in (32 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20):
         spots = [((lo // chunk) % 3) * chunk for lo in range(0, private.size, chunk)]
 
         def assign():
