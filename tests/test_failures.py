@@ -34,12 +34,11 @@ def test_torch_mismatch_detected_in_debug_mode():
 def test_dead_peer_raises_on_survivor_naming_the_rank():
     """Without a launcher to stop it, the survivor must notice on its own."""
     procs = spawn(2, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"})
-    t = time.time()
+    # communicate's 45 s is far below the 120 s timeout: passing means death was noticed, not waited out
     out0 = procs[0].communicate(timeout=45)[0]
     procs[1].wait(timeout=10)
     assert "caught PeerError" in out0, out0
     assert re.search(r"rank 1 \(pid \d+\) died", out0), out0
-    assert time.time() - t < 40  # far below the 120 s timeout: death is noticed, not waited out
 
 
 @pytest.mark.timeout(60)
@@ -54,11 +53,9 @@ def test_silent_peer_times_out_naming_the_rank():
 
 @pytest.mark.timeout(60)
 def test_launcher_stops_job_when_worker_is_killed_mid_collective(no_leftover_segments):
-    t = time.time()
-    res = launch(3, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"})
+    res = launch(3, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"}, timeout=50)
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr
-    assert time.time() - t < 45
 
 
 @pytest.mark.timeout(60)

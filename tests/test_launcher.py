@@ -173,7 +173,7 @@ def test_one_failure_stops_the_rest(tmp_path, capfd):
     elapsed = time.monotonic() - t0
     err = capfd.readouterr().err
     assert rc == 1
-    assert elapsed < 10, elapsed
+    assert elapsed < 45, elapsed  # the others sleep 60 s: finishing sooner means they were stopped
     assert "rank 1" in err and "exited with code 1" in err
     assert "ValueError: rank one gave up" in err.split("last lines of rank 1")[1]
     pids = read_pids(tmp_path, 3)
