@@ -50,7 +50,8 @@ def check_op_dtype(op, code):
             "all_reduce with op='sum' and divide as you need")
 
 
-def _torch_view(a, code):
+def torch_view(a, code):
+    """A torch tensor sharing the numpy buffer's memory (bfloat16 reinterpreted from uint16)."""
     t = torch.from_numpy(a)
     return t.view(torch.bfloat16) if code == 2 else t
 
@@ -62,7 +63,7 @@ _TORCH_FUNCS = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min":
 def combine(out, a, b, op, code):
     """out = a (op) b, elementwise, in the buffers' own dtype. out may alias a or b."""
     if code in _HALF_CODES:
-        _TORCH_FUNCS[op](_torch_view(a, code), _torch_view(b, code), out=_torch_view(out, code))
+        _TORCH_FUNCS[op](torch_view(a, code), torch_view(b, code), out=torch_view(out, code))
     else:
         _NP_FUNCS[op](a, b, out=out)
 
@@ -95,7 +96,7 @@ def copy(dst, src):
 def finish_avg(buf, world_size, code):
     """Turn a sum into the mean (floating dtypes only; see check_op_dtype)."""
     if code in _HALF_CODES:
-        _torch_view(buf, code).div_(world_size)
+        torch_view(buf, code).div_(world_size)
     else:
         np.divide(buf, world_size, out=buf)
 
