@@ -29,15 +29,17 @@ round instead of 2(P-1) per message.
 
     cost = (R + 1) alpha_barrier + (3 (P-1)/P + 2/P) n beta_memcpy
 
-Small messages (one round of at most SMALL_BYTES) take a shortcut: every rank
-copies its whole buffer in, one barrier, and every rank reduces the whole
-message itself. P times the reduction work, but a single barrier: latency is
-what counts there.
+Small messages take a shortcut: every rank copies its whole buffer in, one
+barrier, and every rank reduces the whole message itself. P times the
+reduction work, but one barrier instead of two and no copy-out. With 2 ranks
+it wins up to about 512 KiB (interleaved A/B here: 64 KiB 33 vs 55 us,
+256 KiB 60 vs 80 us, 1 MiB 167 vs 133 us); the extra work grows with P, so
+the limit is SMALL_BYTES / (P-1).
 """
 from .. import ops
 from . import split_bounds
 
-SMALL_BYTES = 16 * 1024
+SMALL_BYTES = 512 * 1024
 
 
 def _rounds(n, per_round):
@@ -61,7 +63,7 @@ def _reduce_parts(acc, parts, op, code, P):
 
 def all_reduce(G, buf, code, op, dst=None):
     """dst=None: every rank gets the result (all_reduce); dst=r: only rank r (reduce)."""
-    if buf.nbytes <= min(SMALL_BYTES, G.slot_bytes):
+    if buf.nbytes <= G.slot_bytes and buf.nbytes * (G.world_size - 1) <= SMALL_BYTES:
         return _all_reduce_small(G, buf, code, op, dst)
     P, me, dt = G.world_size, G.rank, buf.dtype
     keep = dst is None or dst == me
