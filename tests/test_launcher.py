@@ -202,15 +202,26 @@ def test_failed_workers_exit_code_is_returned(tmp_path, capfd):
     assert "rank 0" in capfd.readouterr().err
 
 
+def start_sleepers(tmp_path, n, **popen_kw):
+    """Launch n sleeping workers under `python -m paratrain.run`; return (launcher, worker pids)."""
+    s = script(tmp_path, SLEEPER)
+    launcher = subprocess.Popen([sys.executable, "-m", "paratrain.run", "-n", str(n), s, str(tmp_path)],
+                                cwd=REPO, **popen_kw)
+    try:
+        assert wait_until(lambda: read_pids(tmp_path, n), 40), "workers never started"
+    except BaseException:
+        launcher.kill()
+        launcher.wait()
+        kill_leftovers(tmp_path)
+        raise
+    return launcher, read_pids(tmp_path, n)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_to_launcher_stops_all_workers(tmp_path, sig, code):
-    s = script(tmp_path, SLEEPER)
-    launcher = subprocess.Popen([sys.executable, "-m", "paratrain.run", "-n", "3", s, str(tmp_path)],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher, pids = start_sleepers(tmp_path, 3, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert wait_until(lambda: read_pids(tmp_path, 3), 40), "workers never started"
-        pids = read_pids(tmp_path, 3)
         launcher.send_signal(sig)
         out, err = launcher.communicate(timeout=15)
         assert launcher.returncode == code, err.decode()
@@ -224,12 +235,8 @@ def test_signal_to_launcher_stops_all_workers(tmp_path, sig, code):
 
 @pytest.mark.timeout(60)
 def test_launcher_killed_abruptly_leaves_no_orphans(tmp_path):
-    s = script(tmp_path, SLEEPER)
-    launcher = subprocess.Popen([sys.executable, "-m", "paratrain.run", "-n", "2", s, str(tmp_path)],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher, pids = start_sleepers(tmp_path, 2, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert wait_until(lambda: read_pids(tmp_path, 2), 40), "workers never started"
-        pids = read_pids(tmp_path, 2)
         launcher.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG must do it
         launcher.wait()
         assert wait_until(lambda: not any(alive(p) for p in pids), 5), "orphaned workers"
