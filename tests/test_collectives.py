@@ -48,3 +48,12 @@ def test_hierarchical_pretend_hosts(n, no_leftover_segments):
     res = launch(n, "collectives.py", "--algorithms", ",ring", "--dtypes", "bfloat16,float32,int64",
                  "--sizes", "0,7,1000,100003", "--subgroup", env=env)
     _ok(res, n, "hierarchical")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n,backend", [(2, "shm"), (3, "shm"), (2, "torch")])
+def test_shared_buffers_all_reduce(n, backend, no_leftover_segments):
+    res = launch(n, "shared_buffers.py", env={"PARATRAIN_BACKEND": backend})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert res.stdout.count("shared-buffer checks passed on " + backend) == n, out[-4000:]

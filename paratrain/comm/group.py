@@ -42,7 +42,7 @@ def debug_checks():
 
 def describe(desc):
     """Human words for a descriptor row [seq, coll, op, dtype, numel, root, extra, _]."""
-    seq, coll, op, code, numel, root, *_ = (int(x) for x in desc)
+    seq, coll, op, code, numel, root, extra, *_ = (int(x) for x in desc)
     name = COLLECTIVES[coll - 1] if 1 <= coll <= len(COLLECTIVES) else f"collective #{coll}"
     parts = []
     if code:
@@ -51,6 +51,9 @@ def describe(desc):
         parts.append(f"op={ops.REDUCE_OPS[op - 1]}")
     if name in ("broadcast", "reduce", "gather", "scatter"):
         parts.append(f"root={root}")
+    if name == "all_reduce":
+        parts.append(f"in shared buffer #{(extra >> 40) - 1} at byte {extra & ((1 << 40) - 1)}" if extra
+                     else "in private memory")
     return f"{name}({', '.join(parts)}) [call #{seq}]"
 
 
@@ -191,7 +194,7 @@ class ProcessGroup:
         op = ops.normalize_op(op)
         buf, code = ops.as_buffer(tensor)
         ops.check_op_dtype(op, code)
-        desc = self._descriptor("all_reduce", code, op, buf.size)
+        desc = self._descriptor("all_reduce", code, op, buf.size, extra=self._placement(buf))
         algo = self._algorithm(algorithm, buf.nbytes)
         return self._run("coll", lambda: self._checked(desc, self._all_reduce_with, algo, buf, code, op),
                          async_op, "all_reduce")
@@ -282,6 +285,24 @@ class ProcessGroup:
         desc = self._descriptor("all_to_all", code, None, inp[0].size * self.world_size if even else 0, 0, int(even))
         return self._run("coll", lambda: self._checked(desc, self._all_to_all, out, inp, code, even),
                          async_op, "all_to_all")
+
+    # ---- memory ---------------------------------------------------------------------
+
+    def empty_shared(self, numel, dtype=None):
+        """A 1-D tensor of ``numel`` elements that collectives can use without copying it in.
+
+        On the shm backend it lives in shared memory that every rank of the group
+        can read (shm/shared.py), and ``all_reduce`` on it, or on a slice of it at
+        the same place on every rank, skips the copy-in and copy-out. Elsewhere it
+        is ordinary memory. Collective: every rank calls it in the same order with
+        the same numel and dtype. Contents are uninitialised (zero on shm)."""
+        import torch
+        return torch.empty(int(numel), dtype=dtype or torch.float32)
+
+    def _placement(self, buf):
+        """Where a buffer lives, as a number the descriptor check compares across ranks
+        (0: private memory; a backend with shared buffers says which)."""
+        return 0
 
     # ---- argument helpers ---------------------------------------------------------
 

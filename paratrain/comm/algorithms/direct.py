@@ -61,9 +61,13 @@ def _reduce_parts(acc, parts, op, code, P):
         ops.finish_avg(acc, P, code)
 
 
+def takes_small_path(G, buf):
+    return buf.nbytes <= G.slot_bytes and buf.nbytes * (G.world_size - 1) <= SMALL_BYTES
+
+
 def all_reduce(G, buf, code, op, dst=None):
     """dst=None: every rank gets the result (all_reduce); dst=r: only rank r (reduce)."""
-    if buf.nbytes <= G.slot_bytes and buf.nbytes * (G.world_size - 1) <= SMALL_BYTES:
+    if takes_small_path(G, buf):
         return _all_reduce_small(G, buf, code, op, dst)
     P, me, dt = G.world_size, G.rank, buf.dtype
     keep = dst is None or dst == me

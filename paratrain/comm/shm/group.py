@@ -24,7 +24,6 @@ frame k while the sender fills frame k+1.
 """
 import ctypes
 import os
-import secrets
 import threading
 import time
 from datetime import timedelta
@@ -32,12 +31,13 @@ from datetime import timedelta
 import numpy as np
 
 from .. import ops
-from ..algorithms import direct, naive
+from ..algorithms import direct, naive, resident
 from ..errors import CommTimeout, FrameError, MismatchError, PeerError
 from ..group import ProcessGroup, check_descriptors, describe
 from ..wire import HEADER_SIZE, decode_header, encode_header
 from . import segment
 from .semaphore import SEM_STRIDE, Semaphore
+from .shared import SharedBuffers
 
 MAGIC = 0x7061726174726E31  # "paratrn1"
 MAX_MESSAGE = 1 << 40
@@ -77,7 +77,10 @@ class Layout:
 
 
 def _alive(pid):
-    """True unless the process is gone or a zombie (a dead child its parent has not reaped)."""
+    """True unless the process is gone or a zombie (a dead child its parent has not reaped).
+    Pid 0: the rank has not published its pid yet (it is still finishing set-up)."""
+    if pid <= 0:
+        return True
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
@@ -102,31 +105,25 @@ class ShmGroup(ProcessGroup):
         spin_us = os.environ.get("PARATRAIN_SHM_SPIN_US")
         oversubscribed = P > (os.cpu_count() or 1)
         self.spin_s = (float(spin_us) if spin_us is not None else (0 if oversubscribed else 200)) * 1e-6
-        wait = timedelta(seconds=self.timeout)
-        if rank == 0:
-            name = f"{os.environ.get('PARATRAIN_JOB_ID', 'job')}-{key.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
-            self._path, self._mm = segment.create(name, L.size)
+        self._store, self._key = store, key
+        header = [MAGIC, P, L.slot_bytes, L.chunk_bytes]
+
+        def prepare(mm):  # rank 0, before anyone else can see the segment
+            self._mm = mm
             self._map()
-            self._meta[:4] = [MAGIC, P, L.slot_bytes, L.chunk_bytes]
+            self._meta[:4] = header
             for s in self._bar_sems:
                 s.init(0)
             for i, s in enumerate(self._p2p_sem_list):
                 s.init(0 if i % 2 == 0 else 2)  # full starts empty, empty starts at two free frames
-            store.set(f"{key}/segment", name)
-        else:
-            store.wait([f"{key}/segment"], wait)
-            name = store.get(f"{key}/segment").decode()
-            self._mm = segment.attach(name, L.size)
-            self._map()
-            if list(self._meta[:4]) != [MAGIC, P, L.slot_bytes, L.chunk_bytes]:
-                raise FrameError(f"shared-memory segment {name} has header {list(self._meta[:4])}, expected "
-                                 f"{[MAGIC, P, L.slot_bytes, L.chunk_bytes]}: ranks disagree on "
-                                 "PARATRAIN_SHM_* settings or paratrain versions")
+
+        self._mm = segment.open_shared(store, key, rank, ranks, L.size, timedelta(seconds=self.timeout), prepare)
+        self._map()
+        if list(self._meta[:4]) != header:
+            raise FrameError(f"shared-memory segment of group {key} has header {list(self._meta[:4])}, expected "
+                             f"{header}: ranks disagree on PARATRAIN_SHM_* settings or paratrain versions")
         self._pids[rank] = os.getpid()
-        store.set(f"{key}/attached/{rank}", "1")
-        if rank == 0:
-            store.wait([f"{key}/attached/{r}" for r in range(P)], wait)
-            segment.unlink(self._path)  # from here on nothing can leak: the memory dies with the last process
+        self._shared = SharedBuffers(self)
         self._epoch = 0
         self._round = 0
         self._send_seq = [0] * P
@@ -312,9 +309,20 @@ class ShmGroup(ProcessGroup):
     def default_algorithm(self, nbytes):
         return "direct"
 
+    def empty_shared(self, numel, dtype=None):
+        import torch
+        return self._shared.allocate(numel, dtype or torch.float32)
+
+    def _placement(self, buf):
+        return self._shared.placement(buf)
+
     def _all_reduce_with(self, algo, buf, code, op):
         if algo is None:
-            direct.all_reduce(self, buf, code, op)
+            loc = self._shared.locate(buf)
+            if loc is None or direct.takes_small_path(self, buf):
+                direct.all_reduce(self, buf, code, op)
+            else:
+                resident.all_reduce(self, *loc, buf, code, op)
         else:
             self._sync()  # the always-on check, before the point-to-point algorithm starts
             algo.all_reduce(self, buf, code, op)

@@ -72,3 +72,31 @@ def leftover_segments():
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
     except FileNotFoundError:
         return []
+
+
+def open_shared(store, key, rank, ranks, size, wait, prepare=None):
+    """Create (rank 0) or attach (the others) the segment of group ``key``; every rank
+    of the group calls it with the same size. Returns the mmap.
+
+    Rank 0 creates it, calls ``prepare(mm)`` (to write headers or initialise
+    semaphores before anyone else can see them) and publishes the name through
+    the rendezvous store; the others attach; once every rank says it has mapped
+    it, rank 0 unlinks the name, so from then on nothing can leak. ``wait`` is
+    a timedelta: how long to wait for the others.
+    """
+    import secrets
+    P = len(ranks)
+    if rank == 0:
+        name = f"{os.environ.get('PARATRAIN_JOB_ID', 'job')}-{key.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
+        path, mm = create(name, size)
+        if prepare is not None:
+            prepare(mm)
+        store.set(f"{key}/segment", name)
+    else:
+        store.wait([f"{key}/segment"], wait)
+        mm = attach(store.get(f"{key}/segment").decode(), size)
+    store.set(f"{key}/attached/{rank}", "1")
+    if rank == 0:
+        store.wait([f"{key}/attached/{r}" for r in range(P)], wait)
+        unlink(path)
+    return mm

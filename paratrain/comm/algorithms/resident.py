@@ -1,0 +1,65 @@
+"""All-reduce of buffers that already live in shared memory: no copy in, no copy out.
+
+When every rank's tensor lies in a shared allocation (``g.empty_shared``, see
+shm/shared.py), a rank can read its peers' tensors where they are. The
+all-reduce is then a reduce-scatter and an all-gather done directly on the
+tensors themselves, in rounds of ``round_bytes`` so each round stays in cache:
+
+1. reduce: rank r reduces slice r of the round, reading that slice of all P
+   tensors, and writes the result over slice r of its *own* tensor (nobody
+   else reads that slice of rank r's tensor: they each read their own slice);
+2. gather: after a barrier, rank r copies every other slice q of the round from
+   rank q's tensor, where q left the finished result.
+
+Reduce of round k and gather of round k-1 touch different memory, so they share
+one barrier: between barriers a rank reduces round k and gathers round k-1.
+One barrier first (every rank's input is complete, and the call descriptors
+agree), one per round, and one last (nobody still reads a tensor its owner is
+about to overwrite, e.g. with the next step's gradients).
+
+Per rank, for a message of n bytes: n read and n/P written to reduce,
+(P-1)/P n copied to gather. Against the direct algorithm over private memory
+this saves the (P-1)/P n copy-in and the n/P copy back of the rank's own part:
+
+    cost = (R + 2) alpha_barrier + (n + (P-1)/P n + n/P) beta_mem
+
+The reduction order is the owner's own slice first, then the others in rank
+order: each slice is computed once and copied, so every rank ends with the
+same bits (for P = 2 they also equal the naive algorithm's: a + b == b + a).
+"""
+from .. import ops
+from . import split_bounds
+
+ROUND_BYTES = 1 << 20
+
+
+def all_reduce(G, region, offset, buf, code, op, round_bytes=ROUND_BYTES):
+    P, me, dt = G.world_size, G.rank, buf.dtype
+    views = region.views(offset, buf.size, dt)
+    per = max(1, round_bytes // buf.itemsize)
+    rounds = [(lo, min(buf.size, lo + per)) for lo in range(0, buf.size, per)]
+    bounds = [split_bounds(hi - lo, P) for lo, hi in rounds]
+    G._sync()  # everyone's input is in place
+    for k in range(len(rounds) + 1):
+        if k < len(rounds):
+            _reduce_slice(views, rounds[k][0], bounds[k], me, P, op, code)
+        if k >= 1:
+            _gather_round(views, rounds[k - 1][0], bounds[k - 1], me, P)
+        G._sync()
+
+
+def _reduce_slice(views, lo, b, me, P, op, code):
+    s0, s1 = lo + b[me], lo + b[me + 1]
+    acc = views[me][s0:s1]
+    for q in range(P):
+        if q != me:
+            ops.combine(acc, acc, views[q][s0:s1], op, code)
+    if op == "avg":
+        ops.finish_avg(acc, P, code)
+
+
+def _gather_round(views, lo, b, me, P):
+    for q in range(P):
+        if q != me:
+            s0, s1 = lo + b[q], lo + b[q + 1]
+            ops.copy(views[me][s0:s1], views[q][s0:s1])

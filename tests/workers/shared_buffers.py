@@ -1,0 +1,57 @@
+"""Worker: all_reduce on tensors from g.empty_shared against a float64 reference.
+
+On shm these live in shared memory and take the zero-copy (resident) path; on
+other backends they are ordinary tensors and the same checks must hold. Slices
+at an offset, zero and odd lengths, several dtypes and ops, async; on shm, a
+rank passing a private tensor where the others pass a shared one is a
+MismatchError, not a hang or a wrong sum.
+"""
+import numpy as np
+import torch
+
+import paratrain as pt
+
+
+def inputs(P, n, dt, salt):
+    if dt.is_floating_point:
+        return [torch.from_numpy(np.random.default_rng(100 * r + salt).uniform(0.5, 1.5, n)).to(dt) for r in range(P)]
+    return [torch.from_numpy(np.random.default_rng(100 * r + salt).integers(0, 9, n)).to(dt) for r in range(P)]
+
+
+def main():
+    g = pt.init()
+    P, me = g.world_size, g.rank
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        for n in (0, 5, 1000, 300_001, 1_500_017):
+            buf = g.empty_shared(n + 7, dt)
+            for op in ("sum", "avg", "max") if dt.is_floating_point else ("sum", "max"):
+                ins = inputs(P, n, dt, n + len(op))
+                t = buf[3:3 + n]
+                t.copy_(ins[me])
+                g.all_reduce(t, op=op)
+                a = torch.stack([x.double() for x in ins])
+                want = {"sum": a.sum(0), "avg": a.mean(0), "max": a.amax(0) if n else a.sum(0)}[op]
+                tol = 5e-2 if dt == torch.bfloat16 else 1e-6
+                if not torch.allclose(t.double(), want, rtol=tol, atol=tol):
+                    raise AssertionError(f"{dt} n={n} op={op}: got {t[:4].tolist()} want {want[:4].tolist()}")
+            t = buf[:n]
+            t.fill_(me + 1)
+            g.all_reduce(t, async_op=True).wait()
+            if not (t.double() == P * (P + 1) / 2).all():
+                raise AssertionError(f"async all_reduce {dt} n={n}: got {t[:4].tolist()}")
+    if g.backend == "shm" and P > 1:
+        x = g.empty_shared(1 << 18)
+        try:
+            g.all_reduce(x if me == 0 else torch.zeros(1 << 18))
+        except pt.MismatchError as e:
+            if "shared buffer" not in str(e):
+                raise
+        else:
+            raise AssertionError("a shared tensor on rank 0 and private ones elsewhere went unnoticed")
+    else:
+        g.barrier()
+    print(f"shared-buffer checks passed on {g.backend}")
+
+
+if __name__ == "__main__":
+    main()
