@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 _API = {name: "paratrain.comm" for name in (
     "init", "world", "new_group", "destroy", "is_initialized", "ProcessGroup", "Work",
     "CommError", "CommTimeout", "PeerError", "MismatchError", "FrameError")}
+_API.update({name: "paratrain.parallel" for name in (
+    "DataParallel", "DataParallelNaive", "DistributedSampler")})
 __all__ = sorted(_API)
 
 
