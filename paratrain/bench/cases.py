@@ -27,8 +27,17 @@ def _pattern(n, offset=0):
     return (np.arange(offset, offset + n, dtype=np.int64) % 13).astype(DTYPE)
 
 
+def _filled(buf, values):
+    buf[...] = values
+    return buf
+
+
 class Case:
-    def __init__(self, collective, nbytes, world_size, rank):
+    """``alloc(n)`` makes the buffers the engines work on (zeroed float32 arrays): private
+    memory by default, or paratrain's shared memory (``--buffers shared``)."""
+
+    def __init__(self, collective, nbytes, world_size, rank, alloc=None):
+        alloc = alloc or (lambda k: np.zeros(k, DTYPE))
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
         self.collective, self.P, self.rank = collective, world_size, rank
@@ -37,16 +46,16 @@ class Case:
         n, P, r = self.count, world_size, rank
         if collective == "all_reduce":
             self.pristine = _pattern(n) + (r + 1)
-            self.buf = self.pristine.copy()
+            self.buf = _filled(alloc(n), self.pristine)
         elif collective == "broadcast":
             self.pristine = _pattern(n) + 1 if r == ROOT else np.zeros(n, DTYPE)
-            self.buf = self.pristine.copy()
+            self.buf = _filled(alloc(n), self.pristine)
         elif collective == "all_gather":
-            self.inp = _pattern(n // P) + 16 * r
-            self.out = np.zeros(n, DTYPE)
+            self.inp = _filled(alloc(n // P), _pattern(n // P) + 16 * r)
+            self.out = alloc(n)
         else:  # reduce_scatter
-            self.inp = _pattern(n) + (r + 1)
-            self.out = np.zeros(n // P, DTYPE)
+            self.inp = _filled(alloc(n), _pattern(n) + (r + 1))
+            self.out = alloc(n // P)
 
     def reset(self):
         """In-place collectives overwrite their input: restore it before each call

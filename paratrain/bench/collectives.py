@@ -80,6 +80,10 @@ def parser():
     p.add_argument("--algorithms", default="", type=lambda s: parse_list(s, ALGORITHMS, "algorithm") if s else [],
                    help="extra paratrain all_reduce algorithms to measure beside the default one, "
                         f"from {','.join(ALGORITHMS)} (e.g. ring,tree,naive)")
+    p.add_argument("--buffers", choices=("private", "shared"), default="private",
+                   help="where every engine's buffers live: private process memory (default), or paratrain's "
+                        "g.empty_shared memory, from which paratrain's shm engine reads peers' data in place "
+                        "(Gloo and MPI use the same buffers as ordinary memory)")
     p.add_argument("--no-mpi", action="store_true", help="leave Open MPI out")
     p.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     p.add_argument("--hierarchical", action="store_true",
@@ -152,7 +156,8 @@ def bench(args):
     elif not args.no_mpi:
         notes.append("Open MPI left out: no mpirun next to this Python or on PATH, or mpi4py is not installed.")
     cfg = dict(collectives=args.collectives, sizes=sizes, iters=iters, warmup=warmup, engines=engines,
-               algorithms=args.algorithms, hierarchical=False, hosts=2, op_timeout=OP_TIMEOUT)
+               algorithms=args.algorithms, hierarchical=False, hosts=2, op_timeout=OP_TIMEOUT,
+               buffers=args.buffers)
     n_eng = len(engines) + len(args.algorithms)
     timeout = args.timeout or 2 * estimate_seconds(sizes, iters, warmup, args.collectives, n_eng, args.nproc)
     out = Path(args.out)
@@ -191,7 +196,7 @@ def bench(args):
                                  mpi_yield_when_idle=os.environ.get(launcher.MPI_YIELD, "1") if use_mpi else None),
                 config=dict(nproc=args.nproc, collectives=args.collectives, sizes=sizes, iters=iters,
                             warmup=warmup, engines=engines, algorithms=args.algorithms,
-                            hierarchical=args.hierarchical, dtype="float32"),
+                            hierarchical=args.hierarchical, dtype="float32", buffers=args.buffers),
                 conventions=report.HEADER, notes=notes)
     json_path, png_path = out / "collectives.json", out / "collectives.png"
     report.write_json(json_path, results, meta)

@@ -84,21 +84,22 @@ def worker_env(master_port, extra=None, host="127.0.0.1"):
     return env
 
 
-def _command(module_args):
-    return [sys.executable, "-m", "paratrain.bench.collectives", "--worker", *module_args]
+def _command(module_args, module):
+    return [sys.executable, "-m", module, "--worker", *module_args]
 
 
-def start(nproc, module_args, env, use_mpi):
-    """Start the workers; returns the Popen objects (one mpirun, or one per rank)."""
+def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives"):
+    """Start the workers (``python -m MODULE --worker ARGS``); returns the Popen objects
+    (one mpirun, or one per rank)."""
     if use_mpi:
         forwarded = [a for k in sorted(env) if k.startswith(FORWARD_PREFIXES) for a in ("-x", k)]
         cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "-n", str(nproc), *forwarded, *_command(module_args)]
+               "-n", str(nproc), *forwarded, *_command(module_args, module)]
         return [subprocess.Popen(cmd, env=env, start_new_session=True)]
     procs = []
     for r in range(nproc):
         e = dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc))
-        procs.append(subprocess.Popen(_command(module_args), env=e, start_new_session=True))
+        procs.append(subprocess.Popen(_command(module_args, module), env=e, start_new_session=True))
     return procs
 
 

@@ -88,13 +88,16 @@ def run(cfg):
     if mpi is not None and (mpi.comm.rank, mpi.comm.size) != (rank, P):
         raise RuntimeError(f"MPI says rank {mpi.comm.rank} of {mpi.comm.size}, paratrain says {rank} of {P}")
     base, extra = _engines(cfg, group, mpi)
+    alloc = None
+    if cfg.get("buffers") == "shared":
+        alloc = lambda n: group.empty_shared(n).numpy()  # noqa: E731  (zero-filled float32)
     _progress(rank, f"[bench] {P} ranks up: {', '.join(e.name for e in base + extra)}")
 
     rows = []
     for coll in cfg["collectives"]:
         engines = base + (extra if coll == "all_reduce" else [])
         for nbytes, iters in zip(cfg["sizes"], cfg["iters"]):
-            case = Case(coll, nbytes, P, rank)
+            case = Case(coll, nbytes, P, rank, alloc)
             times, ok = _measure(case, engines, iters, cfg["warmup"])
             everyone = gather_to_all(group, np.concatenate([times.ravel(), ok]))
             slowest = everyone[:, :times.size].max(axis=0).reshape(times.shape)

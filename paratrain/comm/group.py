@@ -51,7 +51,7 @@ def describe(desc):
         parts.append(f"op={ops.REDUCE_OPS[op - 1]}")
     if name in ("broadcast", "reduce", "gather", "scatter"):
         parts.append(f"root={root}")
-    if name == "all_reduce":
+    if name in ("all_reduce", "all_gather", "reduce_scatter"):
         parts.append(f"in shared buffer #{(extra >> 40) - 1} at byte {extra & ((1 << 40) - 1)}" if extra
                      else "in private memory")
     return f"{name}({', '.join(parts)}) [call #{seq}]"
@@ -213,7 +213,7 @@ class ProcessGroup:
         world_size x tensor.numel() elements (torch's all_gather_into_tensor)."""
         buf, code = ops.as_buffer(tensor, "all_gather input")
         out = self._gathered(output, buf, code, "all_gather output")
-        desc = self._descriptor("all_gather", code, None, buf.size)
+        desc = self._descriptor("all_gather", code, None, buf.size, extra=self._placement(buf))
         return self._run("coll", lambda: self._checked(desc, self._all_gather_into, out, buf, code),
                          async_op, "all_gather")
 
@@ -224,7 +224,7 @@ class ProcessGroup:
         out, code = ops.as_buffer(output, "reduce_scatter output")
         ops.check_op_dtype(op, code)
         inp = self._gathered(input, out, code, "reduce_scatter input", writable=False)
-        desc = self._descriptor("reduce_scatter", code, op, out.size)
+        desc = self._descriptor("reduce_scatter", code, op, out.size, extra=self._placement(inp))
         return self._run("coll", lambda: self._checked(desc, self._reduce_scatter, out, inp, code, op),
                          async_op, "reduce_scatter")
 
@@ -300,8 +300,8 @@ class ProcessGroup:
         return torch.empty(int(numel), dtype=dtype or torch.float32)
 
     def _placement(self, buf):
-        """Where a buffer lives, as a number the descriptor check compares across ranks
-        (0: private memory; a backend with shared buffers says which)."""
+        """Where a buffer (or a list of pieces) lives, as a number the descriptor check
+        compares across ranks (0: private memory; a backend with shared buffers says which)."""
         return 0
 
     # ---- argument helpers ---------------------------------------------------------

@@ -39,6 +39,27 @@ def main():
             g.all_reduce(t, async_op=True).wait()
             if not (t.double() == P * (P + 1) / 2).all():
                 raise AssertionError(f"async all_reduce {dt} n={n}: got {t[:4].tolist()}")
+    for n in (0, 3, 70_001):
+        ins = inputs(P, P * n, torch.float32, 5)
+        src = g.empty_shared(P * n + 16)
+        piece = src[16:16 + n]  # all_gather of a resident input, at an offset
+        piece.copy_(ins[me][:n])
+        out = torch.full((P * n,), -1.0)
+        g.all_gather(out, piece)
+        want = torch.cat([x[:n] for x in ins])
+        if not torch.equal(out, want):
+            raise AssertionError(f"all_gather of a shared input, n={n}: got {out[:4].tolist()}")
+        whole = src[16:16 + P * n]  # reduce_scatter of a resident input (one tensor of P pieces)
+        whole.copy_(ins[me])
+        got = torch.full((n,), -1.0)
+        g.reduce_scatter(got, whole, op="sum")
+        want = torch.stack(ins).double().sum(0)[me * n:(me + 1) * n]
+        if not torch.allclose(got.double(), want, rtol=1e-6):
+            raise AssertionError(f"reduce_scatter of a shared input, n={n}: got {got[:4].tolist()}")
+        g.reduce_scatter(whole[me * n:(me + 1) * n], whole, op="max")  # in place: output inside the input
+        want = torch.stack(ins).amax(0)[me * n:(me + 1) * n] if n else torch.zeros(0)
+        if not torch.equal(whole[me * n:(me + 1) * n], want):
+            raise AssertionError(f"in-place reduce_scatter of a shared input, n={n}")
     if g.backend == "shm" and P > 1:
         x = g.empty_shared(1 << 18)
         try:

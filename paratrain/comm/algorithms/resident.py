@@ -1,4 +1,4 @@
-"""All-reduce of buffers that already live in shared memory: no copy in, no copy out.
+"""Collectives on buffers that already live in shared memory: no copy in, no copy out.
 
 When every rank's tensor lies in a shared allocation (``g.empty_shared``, see
 shm/shared.py), a rank can read its peers' tensors where they are. The
@@ -26,9 +26,13 @@ this saves the (P-1)/P n copy-in and the n/P copy back of the rank's own part:
 The reduction order is the owner's own slice first, then the others in rank
 order: each slice is computed once and copied, so every rank ends with the
 same bits (for P = 2 they also equal the naive algorithm's: a + b == b + a).
+
+all_gather and reduce_scatter on a resident input follow at the end: each is
+one pass over the peers' inputs between two barriers.
 """
 from .. import ops
-from . import split_bounds
+from . import scratch, split_bounds
+from .direct import _reduce_parts
 
 ROUND_BYTES = 1 << 20
 
@@ -63,3 +67,54 @@ def _gather_round(views, lo, b, me, P):
         if q != me:
             s0, s1 = lo + b[q], lo + b[q + 1]
             ops.copy(views[me][s0:s1], views[q][s0:s1])
+
+
+def all_gather(G, region, offset, out, buf):
+    """Every rank copies each peer's input straight from where it lies: one barrier
+    so the inputs are complete, P copies of n/P... of m bytes each, one barrier so
+    nobody overwrites its input while a peer still reads it.
+
+        cost = 2 alpha_barrier + P m beta_mem      (m = bytes per rank's input)
+
+    Over private memory (direct.all_gather) each peer's piece is copied twice, into
+    its owner's slot and out of it; here once, as a single-copy (CMA / XPMEM)
+    transport in MPI would do, but without a system call per message."""
+    P, me = G.world_size, G.rank
+    views = region.views(offset, buf.size, buf.dtype)
+    G._sync()
+    for q in range(P):
+        if q == me:
+            if out[me].__array_interface__["data"][0] != buf.__array_interface__["data"][0]:
+                ops.copy(out[me], buf)
+        else:
+            ops.copy(out[q], views[q])
+    G._sync()
+
+
+def reduce_scatter(G, region, offset, out, inp, code, op):
+    """Rank r reduces piece r of every rank's input, read where it lies, in rank order.
+    One barrier before (inputs complete) and one after (inputs still being read).
+
+        cost = 2 alpha_barrier + (P m + m) beta_mem      (m = bytes of the output)
+
+    If ``out`` overlaps this rank's own input (an in-place call), the reduction
+    goes through a scratch buffer, so no input is overwritten before it is read."""
+    P, me, n = G.world_size, G.rank, out.size
+    views = region.views(offset, n * P, out.dtype)
+    parts = [views[q][me * n:(me + 1) * n] for q in range(P)]
+    G._sync()
+    if _overlaps(out, inp):
+        tmp = scratch(out)
+        _reduce_parts(tmp, parts, op, code, P)
+        G._sync()
+        ops.copy(out, tmp)
+        return
+    _reduce_parts(out, parts, op, code, P)
+    G._sync()
+
+
+def _overlaps(out, pieces):
+    lo = pieces[0].__array_interface__["data"][0]
+    hi = lo + sum(p.nbytes for p in pieces)
+    a = out.__array_interface__["data"][0]
+    return a < hi and lo < a + out.nbytes

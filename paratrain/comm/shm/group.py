@@ -337,10 +337,18 @@ class ShmGroup(ProcessGroup):
         direct.all_reduce(self, buf, code, op, dst=dst)
 
     def _all_gather_into(self, out, buf, code):
-        direct.all_gather(self, out, buf, code)
+        loc = self._shared.locate(buf)
+        if loc is None:
+            direct.all_gather(self, out, buf, code)
+        else:
+            resident.all_gather(self, *loc, out, buf)
 
     def _reduce_scatter(self, out, inp, code, op):
-        direct.reduce_scatter(self, out, inp, code, op)
+        loc = self._shared.locate(inp)
+        if loc is None:
+            direct.reduce_scatter(self, out, inp, code, op)
+        else:
+            resident.reduce_scatter(self, *loc, out, inp, code, op)
 
     def _gather(self, out, buf, code, dst):
         direct.gather(self, out, buf, code, dst)

@@ -72,13 +72,22 @@ class SharedBuffers:
         return ops.torch_view(region.parts[G.rank][:nbytes].view(np_dtype), code)
 
     def locate(self, buf):
-        """(region, byte offset) if the flat buffer lies inside this rank's part of
-        a shared allocation, else None."""
+        """(region, byte offset) if the flat buffer, or a list of pieces that follow one
+        another in memory, lies inside this rank's part of a shared allocation; else None."""
         if not self._regions:
             return None
-        addr = buf.__array_interface__["data"][0]
+        if isinstance(buf, list):
+            addr = _address(buf[0])
+            nbytes = sum(p.nbytes for p in buf)
+            at = addr
+            for p in buf:
+                if _address(p) != at:
+                    return None
+                at += p.nbytes
+        else:
+            addr, nbytes = _address(buf), buf.nbytes
         for region in self._regions:
-            if region.lo <= addr and addr + buf.nbytes <= region.hi:
+            if region.lo <= addr and addr + nbytes <= region.hi:
                 return region, addr - region.lo
         return None
 
@@ -91,3 +100,7 @@ class SharedBuffers:
             return 0
         region, offset = loc
         return ((region.index + 1) << 40) | offset
+
+
+def _address(a):
+    return a.__array_interface__["data"][0]
