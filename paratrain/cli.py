@@ -1,15 +1,18 @@
 """The ``paratrain`` command: one entry point, a subcommand per job.
 
+    paratrain train                          the main job: a built-in model on 2 local workers
     paratrain run -n 4 script.py args...     start workers (paratrain.launch)
     paratrain bench collectives -n 2         collective benchmark beside Gloo and MPI
+    paratrain bench data-parallel            DataParallel beside PyTorch DDP
 """
 import sys
 
 USAGE = """usage: paratrain <command> [args]
 
 commands:
+  train    train a built-in model with data parallelism (defaults: digits, 2 workers)
   run      start N worker processes running a script (like torchrun)
-  bench    benchmarks: `paratrain bench collectives -n 2`
+  bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -20,15 +23,19 @@ def main(argv=None):
         print(USAGE)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from .train.job import main as train_main
+        return train_main(rest)
     if cmd == "run":
         from .launch.local import main as run_main
         return run_main(rest)
     if cmd == "bench":
-        if not rest or rest[0] != "collectives":
-            print("usage: paratrain bench collectives [options]   (the only benchmark so far)", file=sys.stderr)
+        benches = {"collectives": "collectives", "data-parallel": "data_parallel"}
+        if not rest or rest[0] not in benches:
+            print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2
-        from .bench.collectives import main as bench_main
-        return bench_main(rest[1:])
+        import importlib
+        return importlib.import_module(f".bench.{benches[rest[0]]}", __package__).main(rest[1:])
     print(f"paratrain: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

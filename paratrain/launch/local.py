@@ -167,8 +167,11 @@ def _choose_port(args):
     return args.master_port, None
 
 
-def main(argv=None):
-    """Run the launcher; returns the exit code (see watch.supervise)."""
+def main(argv=None, on_line=None):
+    """Run the launcher; returns the exit code (see watch.supervise).
+
+    on_line(worker, stream_name, text) sees each line a worker prints, before it
+    is relayed; returning True consumes it (see worker.Worker)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     opts, script, script_args = split_argv(parser, argv)
@@ -191,7 +194,7 @@ def main(argv=None):
     target = ["-m", args.script] if args.module else [args.script]
     cmd = [sys.executable, *target, *args.args]
     workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(os.environ, args, i, port, job_id),
-                      prefix=args.prefix) for i in range(args.nproc)]
+                      prefix=args.prefix, on_line=on_line) for i in range(args.nproc)]
     started = []
     try:
         try:

@@ -10,6 +10,8 @@ orphan is left holding a port, a GPU or shared memory.
 Its stdout and stderr come back through pipes; two reader threads copy them to
 the launcher's own stdout and stderr line by line with a ``[rank R] `` prefix,
 and keep the last lines so the failure report can show how a worker died.
+An optional ``on_line`` hook sees every line first and may consume it (how the
+front-end of ``paratrain train`` turns rank 0's progress lines into a bar).
 """
 import collections
 import ctypes
@@ -81,7 +83,7 @@ def emit(stream_name, data):
 class Worker:
     """A worker: its ranks, its process, its output readers and its last lines."""
 
-    def __init__(self, rank, local_rank, cmd, env, prefix=True):
+    def __init__(self, rank, local_rank, cmd, env, prefix=True, on_line=None):
         self.rank = rank
         self.local_rank = local_rank
         self.cmd = cmd
@@ -91,6 +93,8 @@ class Worker:
         self.proc = None
         self.signalled = False  # the launcher sent it a signal (its exit is then not a failure of its own)
         self._readers = []
+        # on_line(worker, stream_name, text) -> True if it took the line (text: no newline).
+        self.on_line = on_line
 
     @property
     def pid(self):
@@ -115,11 +119,31 @@ class Worker:
             for line in iter(pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"  # the last line of a worker that did not end it
-                self.tail.append(line[:-1].decode(errors="replace").rstrip("\r"))
+                text = line[:-1].decode(errors="replace").rstrip("\r")
                 with OUTPUT_LOCK:
+                    if self._offer(stream_name, text):
+                        continue  # consumed: neither printed nor kept in the tail
+                    self.tail.append(text)
                     emit(stream_name, self.prefix + line)
         finally:
             pipe.close()
+
+    def _offer(self, stream_name, text):
+        """Show the line to on_line; True if it took it.
+
+        Called holding OUTPUT_LOCK, so whatever the hook writes cannot interleave
+        with other ranks' lines (and the hook must not take that lock itself). A
+        hook that raises is dropped with one message, and its lines pass through:
+        this reader must keep draining the pipe, or the worker blocks on it."""
+        if self.on_line is None:
+            return False
+        try:
+            return bool(self.on_line(self, stream_name, text))
+        except Exception as e:  # noqa: BLE001 - any bug in the hook, reported below
+            self.on_line = None
+            emit("stderr", f"paratrain run: output hook failed on rank {self.rank}'s output "
+                           f"({type(e).__name__}: {e}); showing its lines unchanged\n".encode())
+            return False
 
     def join_output(self, timeout):
         """Wait for the readers to reach end-of-file. A grandchild that inherited

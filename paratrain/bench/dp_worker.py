@@ -1,0 +1,102 @@
+"""One worker of the data-parallel benchmark: every engine in this process, round by round.
+
+Each engine is a full training step of the same model (same initial weights,
+same batch on this rank, SGD) under a different way of averaging gradients:
+
+- ``single``: no averaging, one process (only run with one worker: the
+  baseline scaling efficiency is measured against);
+- ``paratrain``: pt.DataParallel with the shm engine's default algorithm
+  (buckets in shared memory, all-reduced in place);
+- ``paratrain/ring``, ``paratrain/naive``: the same DataParallel forced onto the
+  ring algorithm, or the master-based scheme (every gradient to rank 0, summed
+  there, sent back);
+- ``ddp``: PyTorch's DistributedDataParallel over Gloo (its defaults: 25 MB
+  buckets, overlap with backward).
+
+Rounds are interleaved: each round times ``steps`` steps of every engine, in an
+order that rotates by one each round, after that engine's own barrier; a
+round's time is the slowest rank's. Rank 0 writes all rounds' times to JSON.
+"""
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+
+def build_model(sizes):
+    from ..train.models import MLP
+    torch.manual_seed(0)
+    return MLP(sizes)
+
+
+class Engine:
+    def __init__(self, name, model, barrier):
+        self.name, self.model, self.barrier = name, model, barrier
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(self, x, y):
+        F.cross_entropy(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+
+def make_engines(names, sizes, group, port, timeout):
+    import paratrain as pt
+    engines = []
+    for name in names:
+        if name == "single":
+            engines.append(Engine(name, build_model(sizes), lambda: None))
+        elif name.startswith("paratrain"):
+            algo = name.split("/", 1)[1] if "/" in name else None
+            engines.append(Engine(name, pt.DataParallel(build_model(sizes), group=group, algorithm=algo),
+                                  group.barrier))
+        elif name == "ddp":
+            import torch.distributed as dist
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
+                                        world_size=group.world_size, timeout=timedelta(seconds=timeout))
+            model = torch.nn.parallel.DistributedDataParallel(build_model(sizes))
+            engines.append(Engine(name, model, dist.barrier))
+        else:
+            raise ValueError(f"unknown engine {name!r}")
+    return engines
+
+
+def main(cfg_path):
+    import paratrain as pt
+    cfg = json.loads(open(cfg_path).read())
+    torch.set_num_threads(1)
+    group = pt.init(backend="shm")
+    engines = make_engines(cfg["engines"], cfg["sizes"], group, int(os.environ["MASTER_PORT"]), cfg["timeout"])
+    gen = torch.Generator().manual_seed(1 + group.rank)
+    x = torch.randn(cfg["batch"], cfg["sizes"][0], generator=gen)
+    y = torch.randint(0, cfg["sizes"][-1], (cfg["batch"],), generator=gen)
+    for e in engines:
+        for _ in range(cfg["warmup"]):
+            e.step(x, y)
+    times = {e.name: [] for e in engines}
+    for r in range(cfg["rounds"]):
+        k = r % len(engines)
+        for e in engines[k:] + engines[:k]:
+            e.barrier()
+            t0 = time.perf_counter()
+            for _ in range(cfg["steps"]):
+                e.step(x, y)
+            times[e.name].append((time.perf_counter() - t0) / cfg["steps"])
+    # a round lasts as long as its slowest rank
+    flat = torch.tensor([t for e in engines for t in times[e.name]], dtype=torch.float64)
+    group.all_reduce(flat, op="max")
+    if group.rank == 0:
+        per = flat.view(len(engines), -1).tolist()
+        with open(cfg["result"], "w") as f:
+            json.dump({e.name: per[i] for i, e in enumerate(engines)}, f)
+    group.barrier()
+    pt.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[-1]))

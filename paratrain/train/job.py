@@ -1,0 +1,75 @@
+"""``paratrain train``: the main job, as a user starts it.
+
+This process is the front-end: it checks the options before anything starts,
+makes the run directory, starts the workers through the launcher (one
+``python -m paratrain.train.worker`` per rank), draws rank 0's progress as a
+bar on this terminal (the workers' own output is piped, so they cannot), and
+prints the summary table that rank 0 left in ``runs/<id>/summary.json``.
+"""
+import json
+import os
+import sys
+import time
+
+from .options import build_parser
+
+NOT_YET = {"ps": "the parameter-server strategy (--strategy ps) is not available yet; "
+                 "use --strategy allreduce or allreduce-naive"}
+
+
+def new_run_dir(root, model):
+    base = os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-{model}")
+    path, i = base, 1
+    while os.path.exists(path):
+        i += 1
+        path = f"{base}-{i}"
+    os.makedirs(path)
+    return path
+
+
+def check(args):
+    """A message for what is wrong with the options, or None."""
+    if args.strategy in NOT_YET:
+        return NOT_YET[args.strategy]
+    if args.resume:
+        from .checkpoint import load_checkpoint
+        from .tasks import build_task
+        try:
+            load_checkpoint(args.resume, expect_config=build_task(args.model, seed=args.seed).config)
+        except (FileNotFoundError, ValueError) as e:
+            return str(e)
+    if args.algorithm and args.strategy == "allreduce" and args.algorithm not in ("direct", "ring", "tree", "naive"):
+        return f"unknown --algorithm {args.algorithm!r}; choose direct, ring, tree or naive"
+    return None
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag: argparse said why
+        return e.code if isinstance(e.code, int) else 2
+    problem = check(args)
+    if problem:
+        print(f"paratrain train: error: {problem}", file=sys.stderr)
+        return 2
+    run_dir = new_run_dir(args.runs, args.model)
+    from ..launch.local import main as launch
+    from .metrics import render_summary
+    from .progress import ProgressDisplay
+    launcher = ["-n", str(args.workers), "--threads", str(args.threads), "-m", "paratrain.train.worker",
+                *argv, "--run-dir", run_dir]
+    print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
+          flush=True)
+    with ProgressDisplay(f"{args.model} x{args.workers}") as display:
+        rc = launch(launcher, on_line=display.on_line)
+    if rc != 0:
+        return rc
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: do not fold paths at 80 columns
+        console = Console(width=120)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        render_summary(json.load(f), console)
+    return 0

@@ -1,0 +1,64 @@
+"""The options of ``paratrain train``, shared by the front-end (which checks them
+before starting anything) and the workers (which receive the same words)."""
+import argparse
+
+STRATEGIES = ("allreduce", "allreduce-naive", "ps")
+OPTIMIZERS = ("sgd", "adam")
+COMPRESSIONS = ("none", "fp16", "bf16")
+
+
+def positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
+def build_parser():
+    from .tasks import TASKS
+    p = argparse.ArgumentParser(
+        prog="paratrain train", allow_abbrev=False,
+        description="Train a built-in model on several local worker processes with data parallelism. "
+                    "With no arguments: the digits classifier on 2 workers.")
+    p.add_argument("--model", default="digits", choices=TASKS,
+                   help="built-in task: digits (CNN on scikit-learn's digits), gpt (character-level GPT on "
+                        "the Python standard library's source), mlp / mlp-large (benchmark MLPs on synthetic data)")
+    p.add_argument("--workers", "-n", type=positive_int, default=2, help="worker processes (default 2)")
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the task's)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step")
+    p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default: the task's)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the task's")
+    p.add_argument("--strategy", choices=STRATEGIES, default="allreduce",
+                   help="allreduce: bucketed, overlapped DataParallel; allreduce-naive: every gradient "
+                        "all-reduced after backward (DataParallelNaive); ps: parameter server (not yet)")
+    p.add_argument("--algorithm", default=None,
+                   help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
+                        "and back)")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (default 25)")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="none",
+                   help="cast buckets to fp16/bf16 for the all-reduce")
+    p.add_argument("--backend", default=None, choices=("shm", "torch"),
+                   help="communication engine (default: shm on one host)")
+    p.add_argument("--threads", type=positive_int, default=1, help="compute threads per worker (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (default 0)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None,
+                   help="save runs/<id>/checkpoint.pt every N steps (always at the end)")
+    p.add_argument("--eval-every", type=positive_int, default=None, help="evaluate every N steps (default: the task's)")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="continue from a checkpoint, e.g. runs/<id>/checkpoint.pt")
+    p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
+    return p

@@ -1,0 +1,155 @@
+"""The training loop every worker of ``paratrain train`` runs.
+
+Each worker builds the same task (tasks.py: model, data, loss), wraps the model
+in the chosen strategy, reads its own shard of every epoch through
+DistributedSampler, and steps. Rank 0 alone writes: one JSON line per step
+(metrics.jsonl), the progress lines the front-end turns into a bar, periodic
+checkpoints (atomic), and at the end summary.json and a plot.
+
+Resuming is exact: the data order is a function of (seed, epoch) and the step
+says where in the epoch we are, the optimizer state travels in the checkpoint,
+and the built-in models have no dropout, so a run stopped at step k and
+resumed reaches the same parameters at step k+j as a run that never stopped.
+"""
+import itertools
+import json
+import os
+import time
+
+import torch
+
+import paratrain as pt
+
+from . import checkpoint as ckpt
+from .metrics import MetricsLog, plot_loss
+from .progress import ProgressReporter
+from .tasks import build_task
+
+
+def make_optimizer(name, params, lr):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
+
+
+def wrap(module, args, group):
+    if args.strategy == "allreduce":
+        return pt.DataParallel(module, group=group, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
+                               compression=None if args.compression == "none" else args.compression)
+    if args.strategy == "allreduce-naive":
+        return pt.DataParallelNaive(module, group=group, algorithm=args.algorithm)
+    raise ValueError(f"strategy {args.strategy!r} is not available yet in paratrain train")
+
+
+class Settings:
+    """The task's defaults, overridden by whatever the user gave on the command line."""
+
+    def __init__(self, task, args, world_size):
+        d = task.defaults
+        self.steps = args.steps or d["steps"]
+        self.batch_size = args.batch_size or d["batch_size"]
+        self.lr = args.lr or d["lr"]
+        self.optimizer = args.optimizer or d["optimizer"]
+        self.eval_every = args.eval_every or d.get("eval_every") or max(1, self.steps // 5)
+        self.checkpoint_every = args.checkpoint_every
+        per_epoch = len(task.train_set) // (world_size * self.batch_size)
+        if per_epoch < 1:
+            raise ValueError(f"the {task.name} training set has {len(task.train_set)} samples, fewer than one "
+                             f"step needs ({world_size} workers x batch {self.batch_size}); lower --batch-size")
+        self.steps_per_epoch = per_epoch
+
+
+def batches_from(task, sampler, batch_size, start_step, steps_per_epoch):
+    """Yield (step, batch) from start_step on; epoch e's order is set_epoch(e)'s, and a
+    resumed run skips the steps of its epoch that were already taken."""
+    step = start_step
+    while True:
+        epoch, skip = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
+        for batch in itertools.islice(loader, skip, steps_per_epoch):
+            yield step, batch
+            step += 1
+
+
+def run(args):
+    """Train as one worker of the job; returns the summary dict (rank 0) or None."""
+    group = pt.init(backend=args.backend)
+    me, P = group.rank, group.world_size
+    lead = me == 0
+    task = build_task(args.model, seed=args.seed)
+    s = Settings(task, args, P)
+    model = wrap(task.model, args, group)
+    opt = make_optimizer(s.optimizer, model.parameters(), s.lr)
+    start = 0
+    if args.resume:
+        state = ckpt.load_checkpoint(args.resume, expect_config=task.config)
+        task.model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        if start >= s.steps:
+            raise ValueError(f"the checkpoint {args.resume} is already at step {start}; ask for more --steps "
+                             f"than that (got {s.steps})")
+    sampler = pt.DistributedSampler(task.train_set, seed=args.seed, drop_last=True, group=group)
+    run_dir = args.run_dir
+    log = MetricsLog(run_dir) if lead else None
+    progress = ProgressReporter(s.steps, enabled=lead)
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    train_seconds = wait_before = 0.0
+    samples = 0
+    t_start = time.perf_counter()
+    last_eval = {}
+
+    def save(step):
+        if lead:
+            ckpt.save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
+                "config": task.config, "model_name": task.name, "step": step,
+                "model": task.model.state_dict(), "optimizer": opt.state_dict()})
+
+    for step, batch in batches_from(task, sampler, s.batch_size, start, s.steps_per_epoch):
+        if step >= s.steps:
+            break
+        t0 = time.perf_counter()
+        loss = task.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        loss_sum[0] = loss.item()
+        group.all_reduce(loss_sum, op="avg")  # the loss over every worker's batch, not rank 0's alone
+        dt = time.perf_counter() - t0
+        train_seconds += dt
+        samples += s.batch_size * P
+        wait = model.stats.wait_seconds - wait_before
+        wait_before = model.stats.wait_seconds
+        done = step + 1
+        if lead:
+            row = {"step": done, "time": round(time.perf_counter() - t_start, 4), "loss": float(loss_sum[0]),
+                   "step_seconds": round(dt, 5), "comm_wait_seconds": round(wait, 5)}
+            if done % s.eval_every == 0 or done == s.steps:
+                last_eval = task.evaluate(task.model)
+                row.update(last_eval)
+            log.log(**row)
+            progress.update(done, loss=float(loss_sum[0]), samples_per_s=samples / train_seconds)
+        if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
+            save(done)
+    save(s.steps)
+    if not lead:
+        return None
+    log.close()
+    plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"), f"{task.name}: {args.strategy}, {P} workers")
+    st = model.stats
+    summary = {
+        "model": task.name, "strategy": args.strategy, "backend": group.backend,
+        "algorithm": args.algorithm or "default", "workers": P, "steps": s.steps, "resumed_from": start or None,
+        "batch_per_worker": s.batch_size, "final_loss": float(loss_sum[0]), **last_eval,
+        "samples_per_s": samples / train_seconds if train_seconds else 0.0,
+        "time_total_s": time.perf_counter() - t_start, "time_training_s": train_seconds,
+        "time_compute_s": train_seconds - st.wait_seconds, "time_comm_wait_s": st.wait_seconds,
+        "time_comm_s": st.comm_seconds, "bytes_communicated": st.bytes,
+        "run_dir": run_dir, "plot": plot, "checkpoint": os.path.join(run_dir, "checkpoint.pt"),
+    }
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary

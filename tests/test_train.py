@@ -1,0 +1,107 @@
+"""`paratrain train` end to end: the CLI a user runs, with real worker processes.
+
+Short runs of the digits task (the default). What is checked: the run
+directory holds per-step metrics, a summary with the numbers the table shows,
+a PNG and a checkpoint; a run stopped at step k and resumed reaches exactly
+the parameters of an uninterrupted run (across an epoch boundary); bad input
+gets a clear error before any worker starts.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train(tmp_path, *args, timeout=150):
+    env = dict(os.environ, PARATRAIN_TIMEOUT="60")
+    cmd = [sys.executable, "-m", "paratrain", "train", "--runs", str(tmp_path / "runs"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_dirs(tmp_path):
+    return sorted((tmp_path / "runs").iterdir())
+
+
+def ok(res):
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+
+@pytest.mark.timeout(180)
+def test_default_task_trains_and_writes_its_run_directory(tmp_path):
+    res = train(tmp_path, "--steps", "40", "--eval-every", "20")
+    ok(res)
+    (run,) = run_dirs(tmp_path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert all(r["loss"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learned something in 40 steps
+    assert "accuracy" in rows[19] and "accuracy" in rows[39]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["steps"] == 40 and summary["model"] == "digits"
+    assert summary["accuracy"] > 0.3  # chance is 0.1
+    assert summary["samples_per_s"] > 0 and summary["bytes_communicated"] > 0
+    assert summary["bytes_communicated"] == 40 * sum(p.numel() * 4 for p in _digits_params())
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "checkpoint.pt").exists()
+    out = res.stdout
+    assert "samples/s" in out and str(run) in out  # the summary table, printed by the front-end
+
+
+def _digits_params():
+    from paratrain.train.tasks import build_task
+    return list(build_task("digits").model.parameters())
+
+
+@pytest.mark.timeout(240)
+def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tmp_path):
+    # batch 64 x 2 workers: the digits training split is about 11 steps an epoch, so 8 + 8 crosses one
+    common = ["--batch-size", "64", "--eval-every", "100"]
+    ok(train(tmp_path, *common, "--steps", "16"))
+    ok(train(tmp_path, *common, "--steps", "8"))
+    whole, first = run_dirs(tmp_path)
+    ok(train(tmp_path, *common, "--steps", "16", "--resume", str(first / "checkpoint.pt")))
+    resumed = [d for d in run_dirs(tmp_path) if d not in (whole, first)][0]
+    a = torch.load(whole / "checkpoint.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoint.pt", weights_only=True)
+    assert a["step"] == b["step"] == 16
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    c = torch.load(first / "checkpoint.pt", weights_only=True)
+    assert any(not torch.equal(a["model"][k], c["model"][k]) for k in a["model"])  # it did train on
+
+
+@pytest.mark.timeout(120)
+def test_gloo_backend_runs_the_same_job(tmp_path):
+    ok(train(tmp_path, "--steps", "5", "--backend", "torch"))
+    summary = json.loads((run_dirs(tmp_path)[0] / "summary.json").read_text())
+    assert summary["backend"] == "torch" and summary["steps"] == 5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,message", [
+    (["--model", "resnet"], "invalid choice: 'resnet'"),
+    (["--steps", "0"], "must be at least 1"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--strategy", "ps"], "parameter-server strategy"),
+    (["--resume", "nowhere/checkpoint.pt"], "nowhere/checkpoint.pt"),
+])
+def test_bad_input_is_refused_before_anything_starts(tmp_path, args, message):
+    res = train(tmp_path, *args)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert not (tmp_path / "runs").exists() or not run_dirs(tmp_path)  # nothing was started
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    ok(train(tmp_path, "--steps", "2"))
+    ckpt = run_dirs(tmp_path)[0] / "checkpoint.pt"
+    res = train(tmp_path, "--model", "mlp", "--resume", str(ckpt))
+    assert res.returncode == 2
+    assert "digits" in res.stderr and "mlp" in res.stderr
