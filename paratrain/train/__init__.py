@@ -1,0 +1,1 @@
+"""The main job: tasks, the trainer loop, checkpoints, metrics."""
