@@ -28,7 +28,7 @@ from . import launcher
 
 MODELS = {"small": [784, 512, 512, 10], "large": [784, 3072, 3072, 3072, 10]}
 QUICK_MODELS = {"small": [64, 128, 10], "large": [64, 512, 512, 10]}
-ENGINES = ["paratrain", "ddp", "paratrain/ring", "paratrain/naive"]
+ENGINES = ["paratrain", "ddp", "paratrain+overlap", "paratrain/ring", "paratrain/naive"]
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 

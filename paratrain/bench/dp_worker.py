@@ -9,7 +9,8 @@ same batch on this rank, SGD) under a different way of averaging gradients:
   (buckets in shared memory, all-reduced in place);
 - ``paratrain/ring``, ``paratrain/naive``: the same DataParallel forced onto the
   ring algorithm, or the master-based scheme (every gradient to rank 0, summed
-  there, sent back);
+  there, sent back); ``paratrain+overlap``: reducing buckets during backward on
+  a communication thread even where DataParallel would not choose to;
 - ``ddp``: PyTorch's DistributedDataParallel over Gloo (its defaults: 25 MB
   buckets, overlap with backward).
 
@@ -51,9 +52,11 @@ def make_engines(names, sizes, group, port, timeout):
         if name == "single":
             engines.append(Engine(name, build_model(sizes), lambda: None))
         elif name.startswith("paratrain"):
-            algo = name.split("/", 1)[1] if "/" in name else None
-            engines.append(Engine(name, pt.DataParallel(build_model(sizes), group=group, algorithm=algo),
-                                  group.barrier))
+            base, _, overlap = name.partition("+")
+            algo = base.split("/", 1)[1] if "/" in base else None
+            model = pt.DataParallel(build_model(sizes), group=group, algorithm=algo,
+                                    overlap=True if overlap == "overlap" else None)
+            engines.append(Engine(name, model, group.barrier))
         elif name == "ddp":
             import torch.distributed as dist
             if not dist.is_initialized():
