@@ -327,9 +327,14 @@ class ShmGroup(ProcessGroup):
     def _placement(self, buf):
         return self._shared.placement(buf)
 
+    def _resident(self):
+        """Where the current collective's buffer lives in shared memory, from its
+        descriptor (every rank's agrees, or the first barrier raises); None: private."""
+        return self._shared.decode(int(self._current[6]))
+
     def _all_reduce_with(self, algo, buf, code, op):
         if algo is None:
-            loc = self._shared.locate(buf)
+            loc = self._resident()
             if loc is None or direct.takes_small_path(self, buf):
                 direct.all_reduce(self, buf, code, op)
             else:
@@ -348,14 +353,14 @@ class ShmGroup(ProcessGroup):
         direct.all_reduce(self, buf, code, op, dst=dst)
 
     def _all_gather_into(self, out, buf, code):
-        loc = self._shared.locate(buf)
+        loc = self._resident()
         if loc is None:
             direct.all_gather(self, out, buf, code)
         else:
             resident.all_gather(self, *loc, out, buf)
 
     def _reduce_scatter(self, out, inp, code, op):
-        loc = self._shared.locate(inp)
+        loc = self._resident()
         if loc is None:
             direct.reduce_scatter(self, out, inp, code, op)
         else:

@@ -17,6 +17,7 @@ rank (each rank writes only its own), and returns this rank's part. Like the
 group's own segment, the name is unlinked as soon as every rank has mapped it,
 so nothing is left in /dev/shm after a crash.
 """
+import bisect
 from datetime import timedelta
 
 import numpy as np
@@ -51,7 +52,9 @@ class SharedBuffers:
 
     def __init__(self, group):
         self._group = group
-        self._regions = []
+        self._regions = []  # in allocation order: region.index is the position here
+        self._by_address = []  # this rank's parts sorted by address, for a bisect per call
+        self._starts = []
 
     def allocate(self, numel, dtype):
         G = self._group
@@ -69,6 +72,9 @@ class SharedBuffers:
                                  timedelta(seconds=G.timeout))
         region = SharedRegion(index, mm, part, G.world_size, G.rank)
         self._regions.append(region)
+        at = bisect.bisect(self._starts, region.lo)
+        self._starts.insert(at, region.lo)
+        self._by_address.insert(at, region)
         return ops.torch_view(region.parts[G.rank][:nbytes].view(np_dtype), code)
 
     def locate(self, buf):
@@ -86,8 +92,10 @@ class SharedBuffers:
                 at += p.nbytes
         else:
             addr, nbytes = _address(buf), buf.nbytes
-        for region in self._regions:
-            if region.lo <= addr and addr + nbytes <= region.hi:
+        at = bisect.bisect(self._starts, addr) - 1  # the last part starting at or before addr
+        if at >= 0:
+            region = self._by_address[at]
+            if addr + nbytes <= region.hi:
                 return region, addr - region.lo
         return None
 
@@ -100,6 +108,13 @@ class SharedBuffers:
             return 0
         region, offset = loc
         return ((region.index + 1) << 40) | offset
+
+    def decode(self, placement):
+        """(region, byte offset) back from ``placement``'s number (None for 0), so a
+        collective looks its buffer up once per call, in the descriptor."""
+        if not placement:
+            return None
+        return self._regions[(placement >> 40) - 1], placement & ((1 << 40) - 1)
 
 
 def _address(a):
