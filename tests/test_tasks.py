@@ -23,6 +23,19 @@ def params(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def linear_probe_accuracy(x, y, x_eval, y_eval, lr, steps):
+    """Fit a linear classifier on (x, y) with Adam; its accuracy on the eval set."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(x.shape[1], int(y.max()) + 1)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        return (model(x_eval).argmax(1) == y_eval).float().mean().item()
+
+
 def same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -71,15 +84,8 @@ def test_synthetic_is_deterministic_shares_teacher_and_is_learnable():
     counts = torch.bincount(y, minlength=4)
     assert counts.min() > 2048 / 4 / 3, counts  # every class present, none starved
     # a linear model fitted on a generalises to c (same teacher, other samples) far above chance
-    torch.manual_seed(0)
-    model = torch.nn.Linear(32, 4)
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    for _ in range(200):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
     xc, yc = c.tensors
-    assert (model(xc).argmax(1) == yc).float().mean() > 0.8
+    assert linear_probe_accuracy(x, y, xc, yc, lr=0.05, steps=200) > 0.8
 
 
 def test_stdlib_text_is_sorted_stdlib_source_cut_at_max_bytes():
@@ -224,14 +230,7 @@ def test_mlp_eval_set_poses_the_training_problem():
     x, y = task.train_set.tensors
     xe, ye = task.eval_set.tensors
     assert not torch.equal(x[:len(xe)], xe)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(784, 10)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(40):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    assert (model(xe).argmax(1) == ye).float().mean() > 0.5
+    assert linear_probe_accuracy(x, y, xe, ye, lr=0.01, steps=40) > 0.5
 
 
 def test_unknown_task_names_choices():

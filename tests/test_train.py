@@ -105,3 +105,16 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     res = train(tmp_path, "--model", "mlp", "--resume", str(ckpt))
     assert res.returncode == 2
     assert "digits" in res.stderr and "mlp" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_own_model_example_under_the_launcher_finds_the_true_weights():
+    """examples/train_custom.py: the Python API with `paratrain run`, on a regression
+    whose exact answer the data generator knows."""
+    env = dict(os.environ, PARATRAIN_TIMEOUT="60")
+    res = subprocess.run([sys.executable, "-m", "paratrain.run", "-n", "2", "examples/train_custom.py",
+                          "--epochs", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    ok(res)
+    line = [l for l in res.stdout.splitlines() if "largest error against the true weights" in l]
+    assert len(line) == 1, res.stdout[-2000:]
+    assert float(line[0].rsplit(":", 1)[1]) < 0.01

@@ -230,7 +230,7 @@ ROWS = {
     "time_training_s": ("time, training steps", lambda v, s: format_seconds(v)),
     "time_compute_s": ("compute", lambda v, s: format_seconds(v) + _share(s, v)),
     "time_comm_wait_s": ("communication (exposed wait)", lambda v, s: format_seconds(v) + _share(s, v)),
-    "time_comm_s": ("communication (total, overlapped)", lambda v, s: format_seconds(v)),
+    "time_comm_s": ("communication (total, incl. any overlapped with backward)", lambda v, s: format_seconds(v)),
     "bytes_communicated": ("bytes communicated", lambda v, s: format_bytes(v)),
     "run_dir": ("run dir", None),
     "plot": ("plot", None),

@@ -42,7 +42,7 @@ def build_parser():
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default: the task's)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the task's")
     p.add_argument("--strategy", choices=STRATEGIES, default="allreduce",
-                   help="allreduce: bucketed, overlapped DataParallel; allreduce-naive: every gradient "
+                   help="allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
                         "all-reduced after backward (DataParallelNaive); ps: parameter server (not yet)")
     p.add_argument("--algorithm", default=None,
                    help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
