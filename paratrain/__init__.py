@@ -21,6 +21,10 @@ __all__ = sorted(_API)
 
 
 def __getattr__(name):
+    if name == "ps":  # the parameter server's API lives in its own namespace: pt.ps.connect()
+        value = importlib.import_module("paratrain.ps")
+        globals()[name] = value
+        return value
     module = _API.get(name)
     if module is None:
         raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

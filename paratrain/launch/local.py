@@ -64,6 +64,8 @@ def build_parser():
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
                    help=f"rendezvous port (default: a free one with one node, {DEFAULT_MULTINODE_PORT} with several)")
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker (default 1)")
+    p.add_argument("--servers", type=int, default=0,
+                   help="parameter servers to start beside the workers (paratrain.ps; single node)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any wait in paratrain.comm may take (exported as PARATRAIN_TIMEOUT)")
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -128,6 +130,24 @@ def worker_env(base, args, local_rank, port, job_id):
     return env
 
 
+def server_addresses(args):
+    """One free port per parameter server, on the master's address."""
+    return [f"tcp://{args.master_addr}:{free_port()}" for _ in range(args.servers)]
+
+
+def make_servers(args, addrs, base_env, job_id):
+    """Worker objects (as the launcher sees them) for the parameter servers."""
+    servers = []
+    for i, addr in enumerate(addrs):
+        env = dict(base_env, PARATRAIN_PS_INDEX=str(i), PARATRAIN_PS_BIND=addr, PARATRAIN_JOB_ID=job_id,
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        if args.timeout is not None:
+            env["PARATRAIN_TIMEOUT"] = f"{args.timeout:g}"
+        servers.append(Worker(i, i, [sys.executable, "-m", "paratrain.ps.server"], env, prefix=args.prefix,
+                              label=f"server {i}"))
+    return servers
+
+
 def remove_leftover_segments(job_id):
     """The shm engine unlinks its segment names right after set-up; a worker
     killed during those milliseconds leaves one behind. Job ids are hex, so
@@ -152,6 +172,8 @@ def _check(args):
         return f"--timeout must be a positive number of seconds, got {args.timeout:g}"
     if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master-port must be between 1 and 65535, got {args.master_port}"
+    if args.servers < 0 or (args.servers and args.nnodes > 1):
+        return "--servers must be >= 0, and parameter servers run on one node for now (--nnodes 1)"
     if not args.module and not os.path.isfile(args.script):
         where = "" if os.path.isabs(args.script) else f" (looked in {os.getcwd()})"
         return f"script {args.script!r} not found{where}"
@@ -193,21 +215,26 @@ def main(argv=None, on_line=None):
     job_id = f"{os.getpid():x}{secrets.token_hex(3)}"
     target = ["-m", args.script] if args.module else [args.script]
     cmd = [sys.executable, *target, *args.args]
-    workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(os.environ, args, i, port, job_id),
+    base = dict(os.environ)
+    addrs = server_addresses(args)
+    if addrs:
+        base["PARATRAIN_PS_ADDRS"] = ",".join(addrs)
+    workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(base, args, i, port, job_id),
                       prefix=args.prefix, on_line=on_line) for i in range(args.nproc)]
+    servers = make_servers(args, addrs, base, job_id)
     started = []
     try:
         try:
-            for w in workers:
+            for w in servers + workers:
                 w.start()
                 started.append(w)
         except OSError as e:
-            say(f"paratrain run: error: could not start rank {w.rank} ({' '.join(cmd)}): {e}")
+            say(f"paratrain run: error: could not start {w.label} ({' '.join(w.cmd)}): {e}")
             with LauncherSignals() as signals:
                 stop(started, signals)
             return 1
         for w in started:
             w.start_output()
-        return supervise(workers)
+        return supervise(workers, servers=servers)
     finally:
         remove_leftover_segments(job_id)

@@ -86,28 +86,34 @@ def stop(workers, signals, grace=GRACE):
 
 
 def _report(failed, others):
-    lines = [f"paratrain run: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.pid}) "
+    lines = [f"paratrain run: {failed.label} (local rank {failed.local_rank}, pid {failed.pid}) "
              f"{describe_exit(failed.proc.returncode)}; stopped the other workers."]
     if others:
         lines.append("also failed on their own: " + ", ".join(
-            f"rank {w.rank} ({describe_exit(w.proc.returncode)})" for w in others))
+            f"{w.label} ({describe_exit(w.proc.returncode)})" for w in others))
     if failed.tail:
-        lines.append(f"last lines of rank {failed.rank}:")
-        lines += [f"  [rank {failed.rank}] {line}" for line in failed.tail]
+        lines.append(f"last lines of {failed.label}:")
+        lines += [f"  [{failed.label}] {line}" for line in failed.tail]
     else:
-        lines.append(f"rank {failed.rank} printed nothing.")
+        lines.append(f"{failed.label} printed nothing.")
     say("\n".join(lines))
 
 
-def supervise(workers, grace=GRACE, poll=POLL):
+def supervise(workers, grace=GRACE, poll=POLL, servers=()):
     """Watch started workers until the job ends; return the launcher's exit code:
     0 when all succeed, the failed worker's code (1 if it died by a signal),
-    or 128 + the signal number when the launcher was interrupted."""
+    or 128 + the signal number when the launcher was interrupted.
+
+    ``servers`` (parameter servers) serve the workers: any of them ending
+    before the workers are done is a failure; once every worker has succeeded
+    they are asked to stop (SIGTERM) and their own exit does not count."""
     failed = None
+    everyone = list(workers) + list(servers)
     with LauncherSignals() as signals:
         while signals.received is None:
             codes = [w.poll() for w in workers]
-            bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)]
+            gone = [s for s in servers if s.poll() is not None]
+            bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)] + gone
             if bad:
                 failed = bad[0]  # the lowest rank among those found in the same look
                 break
@@ -115,7 +121,10 @@ def supervise(workers, grace=GRACE, poll=POLL):
                 break
             time.sleep(poll)  # a signal runs its handler, then the sleep resumes (PEP 475)
         if failed is not None or signals.received is not None:
-            stop(workers, signals, grace)
+            stop(everyone, signals, grace)
+        elif servers:
+            stop(list(servers), signals, grace)
+    workers = everyone
     deadline = time.monotonic() + READER_JOIN
     for w in workers:
         w.join_output(max(0.0, deadline - time.monotonic()))

@@ -83,12 +83,13 @@ def emit(stream_name, data):
 class Worker:
     """A worker: its ranks, its process, its output readers and its last lines."""
 
-    def __init__(self, rank, local_rank, cmd, env, prefix=True, on_line=None):
+    def __init__(self, rank, local_rank, cmd, env, prefix=True, on_line=None, label=None):
         self.rank = rank
+        self.label = label or f"rank {rank}"  # "server 0" for a parameter server
         self.local_rank = local_rank
         self.cmd = cmd
         self.env = env
-        self.prefix = f"[rank {rank}] ".encode() if prefix else b""
+        self.prefix = f"[{self.label}] ".encode() if prefix else b""
         self.tail = collections.deque(maxlen=TAIL_LINES)  # stdout and stderr, in arrival order
         self.proc = None
         self.signalled = False  # the launcher sent it a signal (its exit is then not a failure of its own)

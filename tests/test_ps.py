@@ -1,0 +1,89 @@
+"""The parameter server through real processes (`paratrain run --servers S -n W`),
+checked against independent references (tests/workers/ps_train.py), and a
+server's answer to malformed or unauthorised messages."""
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import launch
+from paratrain.launch.local import free_port
+from paratrain.ps import wire
+from paratrain.ps.server import Server
+from paratrain.ps.wire import Header, Op
+
+
+def _passed(res, n, mode):
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert res.stdout.count(f"ps {mode} passed") == n, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_bsp_one_worker_equals_plain_training_step_for_step(optimizer):
+    _passed(launch(1, "ps_train.py", "single", "--optimizer", optimizer, launcher_args=["--servers", "1"]),
+            1, "single")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("workers,servers,optimizer", [(2, 2, "sgd"), (3, 2, "adam")])
+def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer):
+    res = launch(workers, "ps_train.py", "bsp", "--optimizer", optimizer, launcher_args=["--servers", str(servers)])
+    _passed(res, workers, "bsp")
+    assert "parameter servers: 2" in res.stdout  # the placement is printed
+
+
+@pytest.mark.timeout(150)
+def test_ssp_never_serves_a_read_more_than_s_clocks_ahead():
+    res = launch(3, "ps_train.py", "ssp", launcher_args=["--servers", "2"])
+    _passed(res, 3, "ssp")
+    assert "staleness histogram" in res.stdout
+
+
+@pytest.mark.timeout(150)
+def test_asp_makes_progress_while_a_worker_is_paused():
+    res = launch(2, "ps_train.py", "asp", launcher_args=["--servers", "1"])
+    _passed(res, 2, "asp")
+    assert "worker 0 finished 10 steps while worker 1 was paused" in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_server_answers_bad_messages_with_errors_and_keeps_serving():
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    server = Server(0, addr, token=wire.token_digest("s3cret"), timeout=5)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(addr)
+
+    def ask(frames):
+        sock.send_multipart(frames)
+        h, meta, _ = wire.decode(sock.recv_multipart(), max_payload=1 << 20)
+        return h, meta
+
+    try:
+        h, meta = ask([b"garbage", b"", b""])
+        assert h.op == Op.ERROR and "malformed message" in meta["error"]
+        head = Header(op=Op.STATS, worker=0, token=wire.token_digest("wrong"))
+        h, meta = ask(wire.encode(head))
+        assert h.op == Op.ERROR and "token" in meta["error"]
+        head = Header(op=Op.PULL, worker=0, key=0, lo=0, hi=4, token=wire.token_digest("s3cret"))
+        h, meta = ask(wire.encode(head))
+        assert h.op == Op.ERROR and "register" in meta["error"]
+        head = Header(op=Op.REGISTER, worker=0, dtype_code=3, token=wire.token_digest("s3cret"))
+        meta = {"workers": 1, "mode": "bsp", "optimizer": "sgd", "hyper": {"lr": 0.1}, "pieces": [[0, 0, 4]]}
+        h, _ = ask(wire.encode(head, meta, np.arange(4, dtype=np.float32)))
+        assert h.op == Op.REPLY  # still serving after the bad ones
+        head = Header(op=Op.PULL, worker=0, key=0, lo=0, hi=4, token=wire.token_digest("s3cret"))
+        sock.send_multipart(wire.encode(head))
+        h, _, payload = wire.decode(sock.recv_multipart(), max_payload=1 << 20)
+        assert h.op == Op.REPLY and np.frombuffer(payload, np.float32).tolist() == [0, 1, 2, 3]
+    finally:
+        server.stopping = True
+        t.join(5)
+        sock.close()
+        ctx.term()
