@@ -88,7 +88,8 @@ def test_gloo_backend_runs_the_same_job(tmp_path):
     (["--model", "resnet"], "invalid choice: 'resnet'"),
     (["--steps", "0"], "must be at least 1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--strategy", "ps"], "parameter-server strategy"),
+    (["--strategy", "ps", "--consistency", "ssp"], "--consistency ssp needs --staleness"),
+    (["--strategy", "ps", "--resume", "x.pt"], "not available yet"),
     (["--resume", "nowhere/checkpoint.pt"], "nowhere/checkpoint.pt"),
 ])
 def test_bad_input_is_refused_before_anything_starts(tmp_path, args, message):
@@ -118,3 +119,22 @@ def test_own_model_example_under_the_launcher_finds_the_true_weights():
     line = [l for l in res.stdout.splitlines() if "largest error against the true weights" in l]
     assert len(line) == 1, res.stdout[-2000:]
     assert float(line[0].rsplit(":", 1)[1]) < 0.01
+
+
+@pytest.mark.timeout(240)
+def test_parameter_server_bsp_reaches_the_weights_of_allreduce(tmp_path):
+    """The same job (model, data order, SGD with momentum) with the optimizer on 2
+    parameter servers under BSP, and with DataParallel: the same weights, up to the
+    roundings of the servers' numpy optimizer."""
+    common = ["--steps", "12", "--optimizer", "sgd", "--eval-every", "100"]
+    ok(train(tmp_path, *common))
+    res = train(tmp_path, *common, "--strategy", "ps", "--servers", "2", "--consistency", "bsp")
+    ok(res)
+    allreduce, ps = run_dirs(tmp_path)
+    summary = json.loads((ps / "summary.json").read_text())
+    assert summary["strategy"] == "ps" and summary["backend"] == "zeromq, 2 servers, bsp"
+    a = torch.load(allreduce / "checkpoint.pt", weights_only=True)["model"]
+    b = torch.load(ps / "checkpoint.pt", weights_only=True)["model"]
+    for k in a:
+        err = (a[k] - b[k]).abs().max() / a[k].abs().max()
+        assert err < 1e-4, (k, float(err))

@@ -13,8 +13,6 @@ import time
 
 from .options import build_parser
 
-NOT_YET = {"ps": "the parameter-server strategy (--strategy ps) is not available yet; "
-                 "use --strategy allreduce or allreduce-naive"}
 
 
 def new_run_dir(root, model):
@@ -29,8 +27,12 @@ def new_run_dir(root, model):
 
 def check(args):
     """A message for what is wrong with the options, or None."""
-    if args.strategy in NOT_YET:
-        return NOT_YET[args.strategy]
+    if args.strategy == "ps" and args.resume:
+        return "--resume with --strategy ps is not available yet (the optimizer state lives on the servers)"
+    if args.consistency == "ssp" and (args.staleness is None or args.staleness < 0):
+        return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp)"
+    if args.strategy != "ps" and (args.consistency != "bsp" or args.staleness is not None):
+        return "--consistency and --staleness are for --strategy ps"
     if args.resume:
         from .checkpoint import load_checkpoint
         from .tasks import build_task
@@ -58,7 +60,8 @@ def main(argv=None):
     from ..launch.local import main as launch
     from .metrics import render_summary
     from .progress import ProgressDisplay
-    launcher = ["-n", str(args.workers), "--threads", str(args.threads), "-m", "paratrain.train.worker",
+    servers = ["--servers", str(args.servers)] if args.strategy == "ps" else []
+    launcher = ["-n", str(args.workers), "--threads", str(args.threads), *servers, "-m", "paratrain.train.worker",
                 *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
           flush=True)

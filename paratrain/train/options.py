@@ -43,7 +43,12 @@ def build_parser():
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the task's")
     p.add_argument("--strategy", choices=STRATEGIES, default="allreduce",
                    help="allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
-                        "all-reduced after backward (DataParallelNaive); ps: parameter server (not yet)")
+                        "all-reduced after backward (DataParallelNaive); ps: parameter server (optimizer on the servers)")
+    p.add_argument("--servers", type=positive_int, default=1, help="parameter servers (--strategy ps; default 1)")
+    p.add_argument("--consistency", choices=("bsp", "asp", "ssp"), default="bsp",
+                   help="--strategy ps: bsp (synchronous), asp (asynchronous), ssp (bounded staleness)")
+    p.add_argument("--staleness", type=int, default=None, help="--consistency ssp: how many clocks ahead a worker "
+                                                              "may run of the slowest (0 behaves like bsp)")
     p.add_argument("--algorithm", default=None,
                    help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
                         "and back)")

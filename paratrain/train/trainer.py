@@ -34,13 +34,45 @@ def make_optimizer(name, params, lr):
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
 
 
-def wrap(module, args, group):
-    if args.strategy == "allreduce":
-        return pt.DataParallel(module, group=group, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
-                               compression=None if args.compression == "none" else args.compression)
-    if args.strategy == "allreduce-naive":
-        return pt.DataParallelNaive(module, group=group, algorithm=args.algorithm)
-    raise ValueError(f"strategy {args.strategy!r} is not available yet in paratrain train")
+class AllReduceStep:
+    """DataParallel (or the naive version) with an optimizer in every worker: the
+    gradients are averaged during backward, then each worker steps alike."""
+
+    def __init__(self, module, args, group, optimizer, lr):
+        if args.strategy == "allreduce":
+            self.model = pt.DataParallel(module, group=group, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
+                                         compression=None if args.compression == "none" else args.compression)
+        else:
+            self.model = pt.DataParallelNaive(module, group=group, algorithm=args.algorithm)
+        self.group = group
+        self.opt = make_optimizer(optimizer, self.model.parameters(), lr)
+        self.stats = self.model.stats
+        self._loss = torch.zeros(1, dtype=torch.float64)
+
+    def before_step(self):
+        pass
+
+    def after_backward(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+    def logged_loss(self, loss):
+        self._loss[0] = loss.item()
+        self.group.all_reduce(self._loss, op="avg")  # the loss over every worker's batch, not rank 0's alone
+        return float(self._loss[0])
+
+    def finish(self):
+        pass
+
+
+def make_step(task, args, s):
+    """(the strategy's step object, rank, world size)."""
+    if args.strategy == "ps":
+        from .ps_strategy import ParameterServerStep
+        step = ParameterServerStep(task.model, s.optimizer, s.lr, args.consistency, args.staleness)
+        return step, step.ps.worker, step.ps.workers
+    group = pt.init(backend=args.backend)
+    return AllReduceStep(task.model, args, group, s.optimizer, s.lr), group.rank, group.world_size
 
 
 class Settings:
@@ -76,27 +108,26 @@ def batches_from(task, sampler, batch_size, start_step, steps_per_epoch):
 
 def run(args):
     """Train as one worker of the job; returns the summary dict (rank 0) or None."""
-    group = pt.init(backend=args.backend)
-    me, P = group.rank, group.world_size
-    lead = me == 0
     task = build_task(args.model, seed=args.seed)
+    P = int(os.environ.get("WORLD_SIZE", 1))
     s = Settings(task, args, P)
-    model = wrap(task.model, args, group)
-    opt = make_optimizer(s.optimizer, model.parameters(), s.lr)
+    strategy, me, P = make_step(task, args, s)
+    lead = me == 0
+    model = getattr(strategy, "model", task.model)
     start = 0
     if args.resume:
         state = ckpt.load_checkpoint(args.resume, expect_config=task.config)
         task.model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        strategy.opt.load_state_dict(state["optimizer"])
         start = int(state["step"])
         if start >= s.steps:
             raise ValueError(f"the checkpoint {args.resume} is already at step {start}; ask for more --steps "
                              f"than that (got {s.steps})")
-    sampler = pt.DistributedSampler(task.train_set, seed=args.seed, drop_last=True, group=group)
+    sampler = pt.DistributedSampler(task.train_set, num_replicas=P, rank=me, seed=args.seed, drop_last=True)
     run_dir = args.run_dir
     log = MetricsLog(run_dir) if lead else None
     progress = ProgressReporter(s.steps, enabled=lead)
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    loss_value = float("nan")
     train_seconds = wait_before = 0.0
     samples = 0
     t_start = time.perf_counter()
@@ -106,44 +137,50 @@ def run(args):
         if lead:
             ckpt.save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
                 "config": task.config, "model_name": task.name, "step": step,
-                "model": task.model.state_dict(), "optimizer": opt.state_dict()})
+                "model": task.model.state_dict(),
+                "optimizer": strategy.opt.state_dict() if hasattr(strategy, "opt") else {}})
 
     for step, batch in batches_from(task, sampler, s.batch_size, start, s.steps_per_epoch):
         if step >= s.steps:
             break
         t0 = time.perf_counter()
+        strategy.before_step()
         loss = task.loss(model, batch)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        loss_sum[0] = loss.item()
-        group.all_reduce(loss_sum, op="avg")  # the loss over every worker's batch, not rank 0's alone
+        strategy.after_backward()
+        loss_value = strategy.logged_loss(loss)
         dt = time.perf_counter() - t0
         train_seconds += dt
         samples += s.batch_size * P
-        wait = model.stats.wait_seconds - wait_before
-        wait_before = model.stats.wait_seconds
+        wait = strategy.stats.wait_seconds - wait_before
+        wait_before = strategy.stats.wait_seconds
         done = step + 1
         if lead:
-            row = {"step": done, "time": round(time.perf_counter() - t_start, 4), "loss": float(loss_sum[0]),
+            row = {"step": done, "time": round(time.perf_counter() - t_start, 4), "loss": loss_value,
                    "step_seconds": round(dt, 5), "comm_wait_seconds": round(wait, 5)}
             if done % s.eval_every == 0 or done == s.steps:
                 last_eval = task.evaluate(task.model)
                 row.update(last_eval)
             log.log(**row)
-            progress.update(done, loss=float(loss_sum[0]), samples_per_s=samples / train_seconds)
+            progress.update(done, loss=loss_value, samples_per_s=samples / train_seconds)
         if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
             save(done)
+    strategy.finish()
+    if lead and args.strategy == "ps":
+        last_eval = task.evaluate(task.model)  # the servers' final weights
     save(s.steps)
     if not lead:
         return None
     log.close()
     plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"), f"{task.name}: {args.strategy}, {P} workers")
-    st = model.stats
+    st = strategy.stats
     summary = {
-        "model": task.name, "strategy": args.strategy, "backend": group.backend,
+        "model": task.name, "strategy": args.strategy,
+        "backend": f"zeromq, {args.servers} servers, {args.consistency}"
+                   + (f" s={args.staleness}" if args.consistency == "ssp" else "") if args.strategy == "ps"
+        else strategy.group.backend,
         "algorithm": args.algorithm or "default", "workers": P, "steps": s.steps, "resumed_from": start or None,
-        "batch_per_worker": s.batch_size, "final_loss": float(loss_sum[0]), **last_eval,
+        "batch_per_worker": s.batch_size, "final_loss": loss_value, **last_eval,
         "samples_per_s": samples / train_seconds if train_seconds else 0.0,
         "time_total_s": time.perf_counter() - t_start, "time_training_s": train_seconds,
         "time_compute_s": train_seconds - st.wait_seconds, "time_comm_wait_s": st.wait_seconds,

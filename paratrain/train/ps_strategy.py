@@ -1,0 +1,52 @@
+"""``paratrain train --strategy ps``: the trainer's step over the parameter server.
+
+Where DataParallel averages gradients among the workers and each worker runs
+its own optimizer, here the optimizer runs on the servers: every step a
+worker pulls the current weights (waiting as the consistency model says),
+computes its gradient, pushes it and advances its clock. Nothing is
+all-reduced among workers, so in ASP and SSP a fast worker is not held back
+by the loss logging either: the logged loss is rank 0's own batches'.
+"""
+import time
+
+import paratrain as pt
+
+from ..parallel.data import CommStats
+
+
+class ParameterServerStep:
+    """The parts of a training step that talk to the servers, with the same
+    ``stats`` the summary reads from DataParallel."""
+
+    def __init__(self, model, optimizer, lr, consistency, staleness):
+        self.model = model
+        self.stats = CommStats()
+        self.ps = pt.ps.connect()
+        hyper = {"lr": lr, **({"momentum": 0.9} if optimizer == "sgd" else {})}
+        self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness, **hyper)
+        self.nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    def _timed(self, fn):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        self.stats.wait_seconds += dt
+        self.stats.comm_seconds += dt
+        self.stats.bytes += self.nbytes
+
+    def before_step(self):
+        self._timed(self.ps.pull)
+        self.model.zero_grad(set_to_none=False)
+
+    def after_backward(self):
+        self._timed(self.ps.push)
+        self.ps.clock()
+        self.stats.allreduces += 1
+
+    def logged_loss(self, loss):
+        return loss.item()
+
+    def finish(self):
+        """The final weights into the model (for the last evaluation and the checkpoint)."""
+        self.ps.pull()
+        self.ps.close()
