@@ -1,8 +1,9 @@
 """The training loop every worker of ``paratrain train`` runs.
 
-Each worker builds the same task (tasks.py: model, data, loss), wraps the model
-in the chosen strategy, reads its own shard of every epoch through
-DistributedSampler, and steps. Rank 0 alone writes: one JSON line per step
+Each worker builds the same task (tasks.py: model, data, loss), hands the model
+to the chosen strategy (a step object: AllReduceStep here, or
+ParameterServerStep in ps_strategy.py), reads its own shard of every epoch
+through DistributedSampler, and steps. Rank 0 alone writes: one JSON line per step
 (metrics.jsonl), the progress lines the front-end turns into a bar, periodic
 checkpoints (atomic), and at the end summary.json and a plot.
 
@@ -113,7 +114,7 @@ def run(args):
     s = Settings(task, args, P)
     strategy, me, P = make_step(task, args, s)
     lead = me == 0
-    model = getattr(strategy, "model", task.model)
+    model = strategy.model  # what the loss calls: the DataParallel wrapper, or the bare model (ps)
     start = 0
     if args.resume:
         state = ckpt.load_checkpoint(args.resume, expect_config=task.config)
