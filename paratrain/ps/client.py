@@ -26,6 +26,7 @@ from . import sharding, wire
 from .wire import Op
 
 CONSISTENCY = ("bsp", "asp", "ssp")
+CLOSE_TIMEOUT = 10.0  # seconds close() waits for the servers' goodbyes
 
 
 class PSError(RuntimeError):
@@ -61,16 +62,17 @@ class Client:
                         dtype_code=3 if payload is not None else 0, flags=0, payload_nbytes=0, token=self.token)
         self.socks[server].send_multipart(wire.encode(h, meta, payload), copy=False)
 
-    def _collect(self, expected, what):
+    def _collect(self, expected, what, timeout=None):
         """Wait for ``expected`` replies: {(server, key, lo): ...}; returns them with their payloads."""
         got = {}
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while len(got) < len(expected):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted({k[0] for k in expected if k not in got})
                 raise CommTimeout(f"worker {self.worker}: no answer to {what} from servers {missing} within "
-                                  f"{self.timeout:g}s (are they running? raise PARATRAIN_TIMEOUT if slow)", missing)
+                                  f"{timeout:g}s (are they running? raise PARATRAIN_TIMEOUT if slow)", missing)
             for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
                 server = self.socks.index(sock)
                 frames = sock.recv_multipart(copy=False)
@@ -160,7 +162,8 @@ class Client:
         try:
             for s in range(len(self.socks)):
                 self._send(s, Op.SHUTDOWN)
-            self._collect({(s, -1, 0): True for s in range(len(self.socks))}, "close")
+            # bounded: this also runs at exit, when the servers may be gone already
+            self._collect({(s, -1, 0): True for s in range(len(self.socks))}, "close", CLOSE_TIMEOUT)
         except (CommTimeout, PSError):
             pass
         for s in self.socks:
