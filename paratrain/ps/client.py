@@ -181,3 +181,23 @@ def connect(timeout=None):
     workers = int(os.environ.get("WORLD_SIZE", 1))
     timeout = float(os.environ.get("PARATRAIN_TIMEOUT", 300)) if timeout is None else timeout
     return Client(addrs.split(","), worker, workers, wire.token_from_env(), timeout)
+
+
+def farewell(addrs, worker, workers, timeout=CLOSE_TIMEOUT):
+    """Tell the servers at ``addrs`` that ``worker`` has left the job, on its behalf
+    (the launcher calls this when a worker dies in an ASP/SSP job, so the slowest
+    clock no longer counts a worker that will never clock again). Returns True
+    when every server acknowledged within ``timeout`` seconds."""
+    client = Client(addrs, worker, workers, wire.token_from_env(), timeout)
+    try:
+        for s in range(len(client.socks)):
+            client._send(s, Op.SHUTDOWN)
+        client._collect({(s, -1, 0): True for s in range(len(client.socks))}, "farewell", timeout)
+        return True
+    except (CommTimeout, PSError):
+        return False
+    finally:
+        client._closed = True
+        for s in client.socks:
+            s.close(linger=0)
+        client.ctx.term()
