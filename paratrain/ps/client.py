@@ -12,7 +12,18 @@ deferred pull after a later request), so a worker talks to all servers in
 parallel. Tensors travel as raw bytes straight from the parameter and gradient
 memory (wire.py: a fixed header, a msgpack dict, the bytes; nothing pickled).
 The placement of parameters on servers (sharding.py) is computed by every
-worker alike from the model, and printed by worker 0.
+worker alike from the model, and printed by worker 0. Embedding tables
+(embedding.py) are not placed: row r of a table lives on server r % S.
+
+A server that dies is restarted by the launcher from its checkpoint, on the
+same address. ZeroMQ reconnects by itself; what it cannot know is which
+requests the dead server took with it. So every request stays *outstanding*
+until its reply arrives, the sockets are watched (a ZeroMQ socket monitor)
+for disconnections, and on one every outstanding request to that server is
+sent again once the connection is back (ZMQ_IMMEDIATE: a message is only
+queued on a live connection, never left in a dead one's queue to be
+delivered twice). Heartbeats (ZMQ_HEARTBEAT_*) notice a server whose host
+vanished without closing the connection.
 """
 import atexit
 import os
@@ -27,6 +38,9 @@ from .wire import Op
 
 CONSISTENCY = ("bsp", "asp", "ssp")
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the servers' goodbyes
+HEARTBEAT_MS = 1000   # ZMTP heartbeats: a silent connection is declared dead after HEARTBEAT_TIMEOUT_MS
+HEARTBEAT_TIMEOUT_MS = 5000
+RESEND_POLL = 0.05    # seconds between attempts to send requests the connection was not ready for
 
 
 class PSError(RuntimeError):
@@ -39,31 +53,69 @@ class Client:
         self.worker, self.workers, self.timeout = worker, workers, timeout
         self.token = wire.token_digest(token) if isinstance(token, str) else (token or wire.token_digest(None))
         self.ctx = zmq.Context()
-        self.socks = []
+        self.socks, self.monitors = [], []
+        self.poller = zmq.Poller()
         for a in addrs:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 1000)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             s.connect(a)
             self.socks.append(s)
-        self.addrs = list(addrs)
-        self.poller = zmq.Poller()
-        for s in self.socks:
+            self.monitors.append(mon)
             self.poller.register(s, zmq.POLLIN)
+            self.poller.register(mon, zmq.POLLIN)
+        self.addrs = list(addrs)
+        self.outstanding = {}   # (server, op, key, lo) -> [frames, sent?]
+        self.reconnects = 0
         self.clock_value = 0
         self.params = None
         self.placement = None
+        self.tables = []        # the model's pt.ps.Embedding modules, in registration order
         self._closed = False
         atexit.register(self.close)
 
     # ---- messaging ----------------------------------------------------------------------
 
-    def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None):
+    def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None, reply=True):
+        """Send a request; one that expects a ``reply`` stays outstanding until it comes."""
         h = wire.Header(op=op, worker=self.worker, key=key, clock=self.clock_value, lo=lo, hi=hi,
                         dtype_code=3 if payload is not None else 0, flags=0, payload_nbytes=0, token=self.token)
-        self.socks[server].send_multipart(wire.encode(h, meta, payload), copy=False)
+        frames = wire.encode(h, meta, payload)
+        if not reply:   # a clock: if the connection is down it is lost, and the next request's clock says it
+            self._try_send(server, frames)
+            return
+        entry = [frames, False]
+        self.outstanding[(server, int(op), key, lo)] = entry
+        entry[1] = self._try_send(server, frames)
+
+    def _try_send(self, server, frames):
+        import zmq
+        try:
+            self.socks[server].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:   # no live connection to this server (yet, or any more)
+            return False
+
+    def _resend(self):
+        for (server, *_), entry in self.outstanding.items():
+            if not entry[1]:
+                entry[1] = self._try_send(server, entry[0])
+
+    def _lost_connection(self, server):
+        """A server's connection dropped: what it had not answered must be sent again."""
+        from zmq.utils.monitor import recv_monitor_message
+        recv_monitor_message(self.monitors[server])
+        self.reconnects += 1
+        for key, entry in self.outstanding.items():
+            if key[0] == server:
+                entry[1] = False
 
     def _collect(self, expected, what, timeout=None):
-        """Wait for ``expected`` replies: {(server, key, lo): ...}; returns them with their payloads."""
+        """Wait for the replies to ``expected`` requests, a set of (server, op, key, lo);
+        returns {(server, op, key, lo): (header, meta, payload)}."""
         got = {}
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -73,21 +125,41 @@ class Client:
                 missing = sorted({k[0] for k in expected if k not in got})
                 raise CommTimeout(f"worker {self.worker}: no answer to {what} from servers {missing} within "
                                   f"{timeout:g}s (are they running? raise PARATRAIN_TIMEOUT if slow)", missing)
-            for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
+            unsent = any(not e[1] for e in self.outstanding.values())
+            for sock, _ in self.poller.poll(min(left, RESEND_POLL if unsent else 1.0) * 1000):
+                if sock in self.monitors:
+                    self._lost_connection(self.monitors.index(sock))
+                    continue
                 server = self.socks.index(sock)
                 frames = sock.recv_multipart(copy=False)
                 h, meta, payload = wire.decode([f.buffer for f in frames], max_payload=1 << 40)
+                request = (server, h.flags, h.key, h.lo)
+                if request not in self.outstanding:
+                    if h.op == Op.ERROR and h.flags == 0:   # the server could not even read the request
+                        raise PSError(meta.get("error", "unknown error"))
+                    continue   # the answer to a request already answered (sent twice around a reconnection)
+                del self.outstanding[request]
                 if h.op == Op.ERROR:
                     raise PSError(meta.get("error", "unknown error"))
-                got[(server, h.key, h.lo)] = (h, meta, payload)
+                got[request] = (h, meta, payload)
+            self._resend()
         return got
 
     # ---- the API ------------------------------------------------------------------------------
 
+    def _request(self, requests, what, timeout=None):
+        """Send ``requests`` [(server, op, key, lo, hi, meta, payload)] all at once, then
+        wait for every reply: {(server, op, key, lo): (header, meta, payload)}."""
+        for server, op, key, lo, hi, meta, payload in requests:
+            self._send(server, op, key, lo, hi, meta, payload)
+        return self._collect({(r[0], int(r[1]), r[2], r[3]) for r in requests}, what, timeout)
+
     def register(self, model, optimizer="sgd", consistency="bsp", staleness=None, **hyper):
         """Place the model's parameters on the servers and start them from worker 0's values.
         Every worker calls it with the same model. optimizer: sgd, adagrad or adam, with its
-        hyper-parameters (lr=..., momentum=...); the state lives on the servers."""
+        hyper-parameters (lr=..., momentum=...); the state lives on the servers. The model's
+        ``pt.ps.Embedding`` tables are registered too; their rows live only on the servers."""
+        from .embedding import Embedding
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {', '.join(CONSISTENCY)}, not {consistency!r}")
         if consistency == "ssp" and (staleness is None or int(staleness) < 0):
@@ -97,78 +169,134 @@ class Client:
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {n} is {p.dtype}; the parameter server keeps float32 parameters")
         self.params = [p for _, p in named]
+        self.tables = [m for m in model.modules() if isinstance(m, Embedding)]
+        for key, table in enumerate(self.tables):
+            table.attach(self, key)
         pieces = sharding.place([(n, p.numel()) for n, p in named], len(self.socks))
         self.placement = sharding.by_server(pieces, len(self.socks))
         if self.worker == 0:
             print(sharding.describe(pieces, len(self.socks)), flush=True)
+            for key, t in enumerate(self.tables):
+                print(f"embedding table {key}: {t.num_embeddings} x {t.embedding_dim}, row r on server "
+                      f"r % {len(self.socks)}, rows created when first touched", flush=True)
         meta = {"workers": self.workers, "mode": consistency, "staleness": staleness, "optimizer": optimizer,
-                "hyper": hyper}
-        expected = {}
+                "hyper": hyper, "servers": len(self.socks), "tables": [t.spec() for t in self.tables]}
+        requests = []
         for s, mine in enumerate(self.placement):
-            m = dict(meta, pieces=[[pc.key, pc.lo, pc.hi] for pc in mine])
             payload = None
             if self.worker == 0:
                 payload = np.concatenate([self._flat(pc.key)[pc.lo:pc.hi] for pc in mine]) if mine else \
                     np.zeros(0, np.float32)
-            self._send(s, Op.REGISTER, meta=m, payload=payload)
-            expected[(s, -1, 0)] = True
-        self._collect(expected, "register")
+            requests.append((s, Op.REGISTER, -1, 0, 0, dict(meta, pieces=[[pc.key, pc.lo, pc.hi] for pc in mine]),
+                             payload))
+        self._request(requests, "register")
 
     def _flat(self, key, grad=False):
         t = self.params[key].grad if grad else self.params[key].detach()
         return t.reshape(-1).numpy()
 
+    def _check_registered(self):
+        if self.placement is None:
+            raise RuntimeError("register(model, ...) first: the servers do not know this model yet")
+
     def pull(self, model=None):
-        """Copy the servers' current weights into the model (waits as the consistency model says)."""
-        expected = {}
-        for s, mine in enumerate(self.placement):
-            for pc in mine:
-                self._send(s, Op.PULL, pc.key, pc.lo, pc.hi)
-                expected[(s, pc.key, pc.lo)] = pc
-        got = self._collect(expected, "pull")
+        """Copy the servers' current weights into the model (waits as the consistency model says).
+        Embedding rows are not pulled here but by each forward, for its batch's rows."""
+        self._check_registered()
+        got = self._request([(s, Op.PULL, pc.key, pc.lo, pc.hi, None, None)
+                             for s, mine in enumerate(self.placement) for pc in mine], "pull")
         with torch.no_grad():
-            for (s, key, lo), (h, _, payload) in got.items():
+            for (s, _, key, lo), (h, _, payload) in got.items():
                 self._flat(key)[lo:h.hi] = np.frombuffer(payload, dtype=np.float32)
 
     def push(self, model=None):
-        """Send this worker's gradients (parameters without a gradient send zeros)."""
-        expected = {}
+        """Send this worker's gradients (parameters without a gradient send zeros), and the
+        gradients of the embedding rows its forwards used since the last push (every
+        table goes to every server, with no rows if it touched none there, so that a BSP
+        round knows this worker is done with it)."""
+        self._check_registered()
+        requests = []
         for s, mine in enumerate(self.placement):
             for pc in mine:
                 p = self.params[pc.key]
                 g = self._flat(pc.key, grad=True)[pc.lo:pc.hi] if p.grad is not None else \
                     np.zeros(pc.hi - pc.lo, np.float32)
-                self._send(s, Op.PUSH, pc.key, pc.lo, pc.hi, payload=np.ascontiguousarray(g))
-                expected[(s, pc.key, pc.lo)] = pc
-        self._collect(expected, "push")
+                requests.append((s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(g)))
+        for table in self.tables:
+            rows, grads = table.take_gradients()
+            requests += self._row_requests(Op.PUSH_ROWS, table.key, rows, grads)
+        self._request(requests, "push")
+
+    def _row_requests(self, op, key, rows, grads=None):
+        S = len(self.socks)
+        owner = rows % S
+        out = []
+        for s in range(S):
+            mine = owner == s
+            payload = np.ascontiguousarray(grads[mine]) if grads is not None else None
+            if op == Op.PULL_ROWS and not mine.any():
+                continue
+            out.append((s, op, key, 0, 0, wire.rows_meta(rows[mine]), payload))
+        return out
+
+    def pull_rows(self, key, rows):
+        """The current values of ``rows`` (unique int64 ids) of embedding table ``key``, as
+        a (len(rows), dim) float32 array; waits as the consistency model says."""
+        self._check_registered()
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        dim = self.tables[key].embedding_dim
+        out = np.empty((rows.size, dim), dtype=np.float32)
+        owner = rows % len(self.socks)
+        got = self._request(self._row_requests(Op.PULL_ROWS, key, rows), "pull of embedding rows")
+        for (s, *_), (h, _, payload) in got.items():
+            mine = owner == s
+            values = np.frombuffer(payload, dtype=np.float32)
+            if values.size != mine.sum() * dim:
+                raise PSError(f"server {s} answered {values.size} values for {mine.sum()} rows of width {dim}")
+            out[mine] = values.reshape(-1, dim)
+        return out
+
+    def push_rows(self, key, rows, grads):
+        """Push gradients for ``rows`` of table ``key`` directly (the Embedding module does
+        this for you in push()); repeated rows are summed on the server."""
+        self._check_registered()
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(rows.size, -1)
+        self._request(self._row_requests(Op.PUSH_ROWS, key, rows, grads), "push of embedding rows")
 
     def clock(self):
-        """This worker finished a step: tell every server."""
+        """This worker finished a step: tell every server (no reply is awaited)."""
         for s in range(len(self.socks)):
-            self._send(s, Op.CLOCK)
+            self._send(s, Op.CLOCK, reply=False)
         self.clock_value += 1
         return self.clock_value
 
     def stats(self, server=0):
-        self._send(server, Op.STATS)
-        (_, meta, _), = self._collect({(server, -1, 0): True}, "stats").values()
+        """The server's statistics: the staleness histogram of reads, the clock log,
+        rounds applied, embedding rows stored and pushed."""
+        (_, meta, _), = self._request([(server, Op.STATS, -1, 0, 0, None, None)], "stats").values()
         return meta
 
-    def close(self):
-        """Tell the servers this worker is done (in SSP/ASP it no longer holds others back)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _goodbye(self, what, timeout):
         try:
-            for s in range(len(self.socks)):
-                self._send(s, Op.SHUTDOWN)
-            # bounded: this also runs at exit, when the servers may be gone already
-            self._collect({(s, -1, 0): True for s in range(len(self.socks))}, "close", CLOSE_TIMEOUT)
+            self._request([(s, Op.SHUTDOWN, -1, 0, 0, None, None) for s in range(len(self.socks))], what, timeout)
+            return True
         except (CommTimeout, PSError):
-            pass
-        for s in self.socks:
-            s.close()
-        self.ctx.term()
+            return False
+        finally:
+            self._closed = True
+            for s in self.socks:
+                s.disable_monitor()
+                s.close(linger=0)
+            for m in self.monitors:
+                m.close(linger=0)
+            self.ctx.term()
+
+    def close(self):
+        """Tell the servers this worker is done (in SSP/ASP it no longer holds others back).
+        Bounded by CLOSE_TIMEOUT: this also runs at exit, when the servers may be gone."""
+        if not self._closed:
+            self._goodbye("close", CLOSE_TIMEOUT)
 
 
 def connect(timeout=None):
@@ -188,16 +316,4 @@ def farewell(addrs, worker, workers, timeout=CLOSE_TIMEOUT):
     (the launcher calls this when a worker dies in an ASP/SSP job, so the slowest
     clock no longer counts a worker that will never clock again). Returns True
     when every server acknowledged within ``timeout`` seconds."""
-    client = Client(addrs, worker, workers, wire.token_from_env(), timeout)
-    try:
-        for s in range(len(client.socks)):
-            client._send(s, Op.SHUTDOWN)
-        client._collect({(s, -1, 0): True for s in range(len(client.socks))}, "farewell", timeout)
-        return True
-    except (CommTimeout, PSError):
-        return False
-    finally:
-        client._closed = True
-        for s in client.socks:
-            s.close(linger=0)
-        client.ctx.term()
+    return Client(addrs, worker, workers, wire.token_from_env(), timeout)._goodbye("farewell", timeout)

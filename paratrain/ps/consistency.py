@@ -97,6 +97,29 @@ class Clocks:
         self.log.append((w, self.clocks[w]))
         return self.clocks[w]
 
+    def observe(self, worker, clock):
+        """A request from ``worker`` carried ``clock``: its clock is at least that.
+        In normal operation the server has already counted every clock() before the
+        request (one connection delivers in order), so this changes nothing; after a
+        server restarts from a checkpoint it brings the restored clocks up to date
+        (clock messages sent since the checkpoint were lost with the old server)."""
+        w = self._check(worker)
+        if clock > self.clocks[w]:
+            self.clocks[w] = int(clock)
+
+    def state(self):
+        """What a checkpoint keeps: plain lists and numbers."""
+        return {"clocks": list(self.clocks), "done": sorted(self.done), "histogram": {str(k): v for k, v in
+                                                                                      self._hist.items()}}
+
+    def load(self, state):
+        clocks = [int(c) for c in state["clocks"]]
+        if len(clocks) != self.workers:
+            raise ValueError(f"checkpoint has clocks of {len(clocks)} workers, this job has {self.workers}")
+        self.clocks = clocks
+        self.done = {self._check(w) for w in state["done"]}
+        self._hist = collections.Counter({int(k): int(v) for k, v in state.get("histogram", {}).items()})
+
     def clock_of(self, worker):
         return self.clocks[self._check(worker)]
 

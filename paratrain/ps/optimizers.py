@@ -104,6 +104,15 @@ class _ShardOptimizer:
                                  f"not {size}: use one optimizer per shard")
         return [self.state[name] for name in self.ARRAYS]
 
+    def resize(self, size):
+        """Grow the state arrays to ``size`` elements, the new tail fresh (a sparse
+        table's arena grows as rows are created; rows.py). No-op before the first step."""
+        for name, a in self.state.items():
+            if a.size < size:
+                grown = self._fresh(name, size)
+                grown[:a.size] = a
+                self.state[name] = grown
+
     def _row_arrays(self, param2d):
         return [a.reshape(param2d.shape) for a in self._arrays(param2d.size)]
 

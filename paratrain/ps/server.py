@@ -24,6 +24,20 @@ Consistency (consistency.py; Ho et al., NIPS 2013):
   Messages from one worker to one server arrive in order and a worker pushes
   before it clocks, so once the server has seen a worker's clock k, that
   worker's pushes of clocks < k are applied.
+
+Sparse embedding tables (rows.py) follow the same rules per table: BSP
+gathers every worker's rows of a clock and applies their average once.
+
+Checkpoints (server_state.py): with PARATRAIN_PS_CHECKPOINT_DIR set, the
+server saves its state there right after registration, every
+PARATRAIN_PS_CHECKPOINT_SECONDS (default 30) or every
+PARATRAIN_PS_CHECKPOINT_CLOCKS clocks of the slowest worker, and when it
+stops cleanly; started again (by the launcher, after a crash) it loads that
+file and serves on. The workers resend what the dead server never answered
+(client.py). Until every worker has been heard from again, the restarted
+server *resynchronises* instead of judging: a BSP request from a clock ahead
+of a shard moves the shard forward to it (the rounds in between are the lost
+updates) and a push for a round already passed is acknowledged and dropped.
 """
 import os
 import signal
@@ -34,9 +48,10 @@ import time
 import numpy as np
 
 from ..comm.errors import FrameError
-from . import wire
+from . import server_state, wire
 from .consistency import Clocks
 from .optimizers import make_optimizer
+from .rows import make_table
 from .wire import Op
 
 POLL_MS = 100
@@ -55,11 +70,29 @@ class Shard:
         self.sum = np.zeros_like(values)
         self.pushed = set()   # BSP: workers whose gradient for clock ``applied`` is in ``sum``
 
+    def gather(self, worker, grad):
+        self.sum += grad
+        self.pushed.add(worker)
+
+    def apply_round(self):
+        """BSP: apply the average of the round's gradients as one update."""
+        self.opt.step(self.value, self.sum / len(self.pushed))
+        self.clear_round()
+        self.applied += 1
+
+    def clear_round(self):
+        self.sum[:] = 0
+        self.pushed.clear()
+
 
 class Server:
-    def __init__(self, index, bind, token=None, timeout=300.0):
+    def __init__(self, index, bind, token=None, timeout=300.0, checkpoint_dir=None, checkpoint_seconds=30.0,
+                 checkpoint_clocks=0):
         import zmq
         self.index, self.timeout = index, timeout
+        self.checkpoint = server_state.checkpoint_path(checkpoint_dir, index) if checkpoint_dir else None
+        self.checkpoint_seconds, self.checkpoint_clocks = checkpoint_seconds, checkpoint_clocks
+        self.last_save, self.saved_clock = time.monotonic(), 0
         self.token = token
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -70,9 +103,14 @@ class Server:
             raise OSError(f"parameter server {index} cannot listen on {bind}: {e} "
                           "(is the port in use? pick other ports or let paratrain run choose)") from None
         self.shards = {}       # (key, lo) -> Shard
+        self.tables = {}       # key -> RowTable (sparse embedding rows)
+        self.table_specs = {}
         self.clocks = None
-        self.mode = None
+        self.mode = self.optimizer = self.staleness = None
+        self.hyper = {}
         self.workers = 0
+        self.servers = 1
+        self.resync = None     # after a restart: the workers not heard from yet
         self.deferred = []     # [deadline, ident, header, meta, payload]
         self.stopping = False
         self.bye = set()
@@ -90,6 +128,9 @@ class Server:
                 frames = self.sock.recv_multipart(copy=False)
                 self.handle(frames[0].bytes, [f.buffer for f in frames[1:]])
             self._expire()
+            self._maybe_checkpoint()
+        if self.clocks is not None and self.checkpoint:
+            self.save()
         self.sock.close()
         self.ctx.term()
 
@@ -100,12 +141,19 @@ class Server:
             return self._error(ident, None, f"malformed message: {e}")
         try:
             handler = {Op.REGISTER: self._register, Op.PUSH: self._push, Op.PULL: self._pull,
+                       Op.PUSH_ROWS: self._push_rows, Op.PULL_ROWS: self._pull_rows,
                        Op.CLOCK: self._clock, Op.STATS: self._stats, Op.SHUTDOWN: self._shutdown}.get(h.op)
             if handler is None:
                 return self._error(ident, h, f"operation {h.op!r} is not served here")
+            if self.clocks is not None and 0 <= h.worker < self.workers and h.op != Op.REGISTER:
+                self.clocks.observe(h.worker, h.clock)
             handler(ident, h, meta, payload)
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, FrameError) as e:
             self._error(ident, h, str(e))
+        except Exception as e:   # a bug of ours: answer, log, and keep serving the other workers
+            import traceback
+            traceback.print_exc()
+            self._error(ident, h, f"internal error while handling {h.op.name}: {type(e).__name__}: {e}")
 
     def _reply(self, ident, h, meta=None, payload=None, key=None, lo=None, hi=None):
         head = wire.Header(op=Op.REPLY, worker=h.worker, key=h.key if key is None else key, clock=h.clock,
@@ -127,18 +175,28 @@ class Server:
         if self.clocks is None:
             if h.worker != 0:  # worker 0's values initialise the shards: wait for them
                 return self._defer(ident, h, meta, payload)
-            self._initialise(meta, pieces, payload)
-        elif sorted(pieces) != sorted((s.key, s.lo, s.hi) for s in self.shards.values()):
-            raise ValueError(f"worker {h.worker} registered other tensors than worker 0 did: "
+            self.initialise(meta, pieces, np.frombuffer(payload, dtype=np.float32))
+            self.save()
+        elif sorted(pieces) != sorted((s.key, s.lo, s.hi) for s in self.shards.values()) or \
+                [dict(t) for t in meta.get("tables", [])] != [self.table_specs[k] for k in sorted(self.tables)]:
+            raise ValueError(f"worker {h.worker} registered other tensors or embedding tables than worker 0 did "
+                             "(or this server was restarted with another job's checkpoint): "
                              "every worker must register the same model")
         self._reply(ident, h, {"mode": self.mode, "workers": self.workers})
         self._retry()
 
-    def _initialise(self, meta, pieces, payload):
-        self.workers = int(meta["workers"])
-        self.mode = meta["mode"]
-        self.clocks = Clocks(self.workers, self.mode, meta.get("staleness"))
-        values = np.frombuffer(payload, dtype=np.float32)
+    def initialise(self, meta, pieces, values, quiet=False):
+        """Set up the shards and tables from a registration (or a checkpoint)."""
+        workers, mode = int(meta["workers"]), meta["mode"]
+        clocks = Clocks(workers, mode, meta.get("staleness"))   # validates mode and staleness
+        make_optimizer(meta["optimizer"], **meta.get("hyper", {}))   # and the optimizer, before any state
+        self.workers, self.mode, self.clocks = workers, mode, clocks
+        self.staleness, self.optimizer, self.hyper = meta.get("staleness"), meta["optimizer"], meta.get("hyper", {})
+        self.servers = int(meta.get("servers", 1))
+        for key, spec in enumerate(meta.get("tables", [])):
+            spec = {k: spec[k] for k in ("num", "dim", "seed", "std")}
+            self.tables[key] = make_table(key, spec, self.index, self.servers, self.optimizer, self.hyper)
+            self.table_specs[key] = spec
         at = 0
         for key, lo, hi in pieces:
             n = hi - lo
@@ -147,9 +205,12 @@ class Server:
             opt = make_optimizer(meta["optimizer"], **meta.get("hyper", {}))
             self.shards[(key, lo)] = Shard(key, lo, hi, values[at:at + n].copy(), opt)
             at += n
+        if quiet:
+            return
         print(f"{len(pieces)} shards, {values.nbytes / 1e6:.2f} MB, "
               f"{self.mode}{'' if meta.get('staleness') is None else ' s=' + str(meta['staleness'])}, "
-              f"{self.workers} workers, optimizer {meta['optimizer']} {meta.get('hyper', {})}", flush=True)
+              f"{len(self.tables)} embedding tables, {self.workers} workers, "
+              f"optimizer {meta['optimizer']} {meta.get('hyper', {})}", flush=True)
 
     def _shard(self, h):
         if self.clocks is None:
@@ -159,57 +220,104 @@ class Server:
             raise ValueError(f"no shard [{h.lo}, {h.hi}) of tensor {h.key} lives here")
         return shard
 
+    def _table(self, h):
+        if self.clocks is None:
+            raise ValueError("no model is registered yet: call register() first")
+        table = self.tables.get(h.key)
+        if table is None:
+            raise ValueError(f"no embedding table {h.key} is registered (tables: {sorted(self.tables)})")
+        return table
+
+    def _catch_up(self, h, unit, name):
+        """After a restart: the first request of each worker for each shard or table
+        resynchronises it (module docstring). Returns True when it is a push to drop."""
+        if self.resync is None or (h.worker, name) in self.resync:
+            return False
+        self.resync.add((h.worker, name))
+        if self.mode != "bsp":
+            return False
+        if h.clock > unit.applied:   # the rounds in between were applied by the dead server, after its checkpoint
+            unit.clear_round()
+            unit.applied = h.clock
+        return h.op in (Op.PUSH, Op.PUSH_ROWS) and (h.clock < unit.applied or h.worker in unit.pushed)
+
+    def _check_round(self, h, unit):
+        if h.clock != unit.applied or h.worker in unit.pushed:
+            raise ValueError(f"worker {h.worker} pushed for clock {h.clock} while the server gathers clock "
+                             f"{unit.applied}{' (twice)' if h.worker in unit.pushed else ''}")
+
     def _push(self, ident, h, meta, payload):
         shard = self._shard(h)
         grad = np.frombuffer(payload, dtype=np.float32)
         if grad.size != shard.hi - shard.lo:
             raise ValueError(f"push of {grad.size} values for a shard of {shard.hi - shard.lo}")
-        if self.mode == "bsp":
-            if h.clock != shard.applied or h.worker in shard.pushed:
-                raise ValueError(f"worker {h.worker} pushed for clock {h.clock} while the shard gathers clock "
-                                 f"{shard.applied}{' (twice)' if h.worker in shard.pushed else ''}")
-            shard.sum += grad
-            shard.pushed.add(h.worker)
-            self._apply_if_complete(shard)
-        else:
-            shard.opt.step(shard.value, grad / self.workers)
+        if not self._catch_up(h, shard, (h.key, h.lo)):
+            if self.mode == "bsp":
+                self._check_round(h, shard)
+                shard.gather(h.worker, grad)
+                self._apply_if_complete(shard)
+            else:
+                shard.opt.step(shard.value, grad / self.workers)
         self._reply(ident, h)
         self._retry()
 
-    def _apply_if_complete(self, shard):
-        """BSP: once every active worker has pushed for the clock being gathered, apply
-        their average. Called after a push, and after a worker leaves (the round it
-        was the last one missing from is then complete)."""
-        if shard.pushed and self.clocks.aggregate_ready(shard.applied, shard.pushed):
-            shard.opt.step(shard.value, shard.sum / len(shard.pushed))
-            shard.sum[:] = 0
-            shard.pushed.clear()
-            shard.applied += 1
+    def _push_rows(self, ident, h, meta, payload):
+        table = self._table(h)
+        rows = table.check_rows(wire.rows_from_meta(meta, h, table.dim))
+        grads = np.frombuffer(payload, dtype=np.float32).reshape(rows.size, table.dim)
+        if not self._catch_up(h, table, ("table", h.key)):
+            table.rows_pushed += rows.size
+            if self.mode == "bsp":
+                self._check_round(h, table)
+                table.gather(h.worker, rows, grads)
+                self._apply_if_complete(table)
+            else:
+                table.apply(rows, grads, scale=1.0 / self.workers)
+        self._reply(ident, h)
+        self._retry()
 
-    def _pull_ready(self, h, shard):
+    def _apply_if_complete(self, unit):
+        """BSP: once every active worker has pushed for the clock a shard or table
+        gathers, apply their average. Called after a push, and after a worker leaves
+        (the round it was the last one missing from is then complete)."""
+        if unit.pushed and self.clocks.aggregate_ready(unit.applied, unit.pushed):
+            unit.apply_round()
+
+    def _ready(self, h, unit):
         if self.mode == "bsp":
-            return shard.applied >= h.clock
+            return unit.applied >= h.clock
         return self.clocks.may_read(h.worker)
 
     def _pull(self, ident, h, meta, payload):
         shard = self._shard(h)
-        if not self._pull_ready(h, shard):
+        self._catch_up(h, shard, (h.key, h.lo))
+        if not self._ready(h, shard):
             return self._defer(ident, h, meta, payload)
         self.clocks.record_read(h.worker)
         # A snapshot: zmq sends large frames later, from the buffer itself, and the next
         # push would change it under the send (a torn read of half-updated weights).
         self._reply(ident, h, None, shard.value.copy())
 
+    def _pull_rows(self, ident, h, meta, payload):
+        table = self._table(h)
+        rows = table.check_rows(wire.rows_from_meta(meta, h))
+        self._catch_up(h, table, ("table", h.key))
+        if not self._ready(h, table):
+            return self._defer(ident, h, meta, payload)
+        self.clocks.record_read(h.worker)
+        self._reply(ident, h, None, table.read(rows))   # fancy indexing: already a copy
+
     def _clock(self, ident, h, meta, payload):
-        self.clocks.advance(h.worker)
+        if self.clocks.clock_of(h.worker) == h.clock:   # (after a restart, a request may have carried it ahead)
+            self.clocks.advance(h.worker)
         self._retry()
 
     def _shutdown(self, ident, h, meta, payload):
-        if self.clocks is not None:
+        if self.clocks is not None and 0 <= h.worker < self.workers:
             self.clocks.finish(h.worker)
             if self.mode == "bsp":
-                for shard in self.shards.values():
-                    self._apply_if_complete(shard)
+                for unit in [*self.shards.values(), *self.tables.values()]:
+                    self._apply_if_complete(unit)
             self._retry()
         self.bye.add(h.worker)
         self._reply(ident, h)
@@ -218,7 +326,33 @@ class Server:
         c = self.clocks
         self._reply(ident, h, {} if c is None else {
             "histogram": {str(k): v for k, v in c.histogram().items()},
-            "log": [list(e) for e in c.log], "applied": {f"{s.key}:{s.lo}": s.applied for s in self.shards.values()}})
+            "log": [list(e) for e in c.log], "applied": {f"{s.key}:{s.lo}": s.applied for s in self.shards.values()},
+            "tables": {str(k): {"rows": t.used, "rows_pushed": t.rows_pushed, "applied": t.applied}
+                       for k, t in self.tables.items()},
+            "restored": self.resync is not None})
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save(self):
+        if self.checkpoint and self.clocks is not None:
+            server_state.save(self, self.checkpoint)
+            self.last_save, self.saved_clock = time.monotonic(), self.clocks.min_clock()
+
+    def _maybe_checkpoint(self):
+        if not self.checkpoint or self.clocks is None:
+            return
+        if (self.checkpoint_clocks and self.clocks.min_clock() >= self.saved_clock + self.checkpoint_clocks) or \
+                (self.checkpoint_seconds and time.monotonic() - self.last_save >= self.checkpoint_seconds):
+            self.save()
+
+    def restore(self):
+        """Load this server's checkpoint, if there is one; returns its meta or None."""
+        if not self.checkpoint or not os.path.exists(self.checkpoint):
+            return None
+        meta = server_state.load(self, self.checkpoint)
+        self.resync = set()
+        self.saved_clock = self.clocks.min_clock()
+        return meta
 
     # ---- deferred requests --------------------------------------------------------------
 
@@ -235,10 +369,8 @@ class Server:
 
     def handle_deferred(self, ident, h, meta, payload, deadline):
         before = len(self.deferred)
-        if h.op == Op.REGISTER:
-            self._register(ident, h, meta, payload)
-        else:
-            self._pull(ident, h, meta, payload)
+        {Op.REGISTER: self._register, Op.PULL: self._pull, Op.PULL_ROWS: self._pull_rows}[h.op](
+            ident, h, meta, payload)
         if len(self.deferred) > before:
             self.deferred[-1][0] = deadline  # still waiting: keep its original deadline
 
@@ -262,8 +394,17 @@ def main():
     index = int(os.environ["PARATRAIN_PS_INDEX"])
     bind = os.environ["PARATRAIN_PS_BIND"]
     timeout = float(os.environ.get("PARATRAIN_TIMEOUT", 300))
-    server = Server(index, bind, wire.token_from_env(), timeout)
-    print(f"listening on {bind}", flush=True)
+    server = Server(index, bind, wire.token_from_env(), timeout,
+                    checkpoint_dir=os.environ.get("PARATRAIN_PS_CHECKPOINT_DIR") or None,
+                    checkpoint_seconds=float(os.environ.get("PARATRAIN_PS_CHECKPOINT_SECONDS", 30)),
+                    checkpoint_clocks=int(os.environ.get("PARATRAIN_PS_CHECKPOINT_CLOCKS", 0)))
+    restored = server.restore()
+    restart = int(os.environ.get("PARATRAIN_PS_RESTART", 0))
+    if restored:
+        print(f"restart {restart}: restored {server.checkpoint} (clocks {restored['clocks']['clocks']}); "
+              "updates after it are lost", flush=True)
+    print(f"listening on {bind}" + (f", checkpoints in {server.checkpoint}" if server.checkpoint else ""),
+          flush=True)
     server.serve()
     return 0
 

@@ -230,3 +230,33 @@ def payload_array(header, payload):
     if header.dtype_code not in CODE_NUMPY:
         raise ValueError(f"message op {header.op!r} carries no tensor (dtype code {header.dtype_code})")
     return np.frombuffer(payload, dtype=CODE_NUMPY[header.dtype_code])
+
+
+MAX_ROWS = MAX_META // 8 - 64   # row ids one message can carry in its meta
+
+
+def rows_meta(rows, **extra):
+    """The meta of a PUSH_ROWS / PULL_ROWS: the row ids as raw little-endian int64
+    bytes (a msgpack bin, parsed without a per-id cost), plus ``extra``."""
+    rows = np.ascontiguousarray(rows, dtype="<i8")
+    if rows.ndim != 1 or rows.size > MAX_ROWS:
+        raise ValueError(f"a message carries a 1-d list of at most {MAX_ROWS} row ids, not shape {rows.shape}")
+    return dict(extra, rows=rows.tobytes())
+
+
+def rows_from_meta(meta, header, dim=None):
+    """The row ids of a PUSH_ROWS / PULL_ROWS as int64, checked against the payload:
+    a PUSH_ROWS carries exactly len(rows) x dim float32 values. Raises FrameError."""
+    raw = meta.get("rows", b"")
+    if not isinstance(raw, bytes) or len(raw) % 8:
+        raise FrameError(f"meta 'rows' must be raw int64 bytes (a multiple of 8), got {type(raw).__name__} "
+                         f"of {len(raw) if isinstance(raw, bytes) else '?'} bytes")
+    rows = np.frombuffer(raw, dtype="<i8")
+    if header.op == Op.PUSH_ROWS and dim is not None:
+        want = rows.size * dim * 4
+        if header.dtype_code != 3 and rows.size:
+            raise FrameError(f"PUSH_ROWS carries float32 gradients (dtype code 3), not code {header.dtype_code}")
+        if header.payload_nbytes != want:
+            raise FrameError(f"PUSH_ROWS of {rows.size} rows of width {dim} needs {want} bytes of float32, "
+                             f"got {header.payload_nbytes}")
+    return rows
