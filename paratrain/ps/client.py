@@ -70,6 +70,7 @@ class Client:
         self.addrs = list(addrs)
         self.outstanding = {}   # (server, op, key, lo) -> [frames, sent?]
         self.reconnects = 0
+        self.bytes_sent = self.bytes_received = 0   # tensor payload bytes, both ways (row ids included)
         self.clock_value = 0
         self.params = None
         self.placement = None
@@ -84,6 +85,7 @@ class Client:
         h = wire.Header(op=op, worker=self.worker, key=key, clock=self.clock_value, lo=lo, hi=hi,
                         dtype_code=3 if payload is not None else 0, flags=0, payload_nbytes=0, token=self.token)
         frames = wire.encode(h, meta, payload)
+        self.bytes_sent += memoryview(frames[2]).nbytes + len(meta.get("rows", b"") if meta else b"")
         if not reply:   # a clock: if the connection is down it is lost, and the next request's clock says it
             self._try_send(server, frames)
             return
@@ -133,6 +135,7 @@ class Client:
                 server = self.socks.index(sock)
                 frames = sock.recv_multipart(copy=False)
                 h, meta, payload = wire.decode([f.buffer for f in frames], max_payload=1 << 40)
+                self.bytes_received += payload.nbytes
                 request = (server, h.flags, h.key, h.lo)
                 if request not in self.outstanding:
                     if h.op == Op.ERROR and h.flags == 0:   # the server could not even read the request
