@@ -3,6 +3,8 @@
     paratrain run -n 4 train.py --lr 0.1
     paratrain run --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 -n 2 train.py
     paratrain run -n 2 -m some.module args
+    paratrain run --servers 2 -n 4 train.py          (and 2 parameter servers, servers.py)
+    paratrain run --ps-addrs tcp://h:29600,... -n 4 train.py   (servers started by `paratrain server`)
 
 One launcher per machine. It gives every worker the environment that
 ``pt.init()`` (and torch.distributed) reads: RANK, LOCAL_RANK, WORLD_SIZE,
@@ -20,7 +22,8 @@ import secrets
 import socket
 import sys
 
-from .watch import LauncherSignals, say, stop, supervise
+from . import servers as ps
+from .watch import LauncherSignals, Policy, say, stop, supervise
 from .worker import Worker
 
 DEFAULT_MULTINODE_PORT = 29500  # torchrun's default
@@ -36,17 +39,24 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
-def port_in_use(port):
-    """True if nothing on this machine could listen on port. Binds the wildcard
-    address (the rendezvous store listens on all interfaces) with SO_REUSEADDR,
-    so a port merely in TIME_WAIT from the previous run counts as free."""
+def bind_error(port, host=""):
+    """The OSError binding host:port raises, or None if something could listen
+    there now. The wildcard address by default (the rendezvous store listens on
+    all interfaces), with SO_REUSEADDR, so a port merely in TIME_WAIT from the
+    previous run counts as free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("", port))
+            s.bind((host, port))
         except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
+            return e
+    return None
+
+
+def port_in_use(port):
+    """True if nothing on this machine could listen on port."""
+    e = bind_error(port)
+    return e is not None and e.errno == errno.EADDRINUSE
 
 
 def build_parser():
@@ -66,6 +76,18 @@ def build_parser():
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker (default 1)")
     p.add_argument("--servers", type=int, default=0,
                    help="parameter servers to start beside the workers (paratrain.ps; single node)")
+    p.add_argument("--server-checkpoints", metavar="DIR", default=None,
+                   help="where the servers keep checkpoints, kept after the job; servers resume from what "
+                        "they find there (default: a new temporary directory, removed when the job succeeds)")
+    p.add_argument("--server-restarts", metavar="K", type=int, default=ps.DEFAULT_RESTARTS,
+                   help="times each server that dies is restarted from its checkpoint before the job "
+                        f"stops (default {ps.DEFAULT_RESTARTS})")
+    p.add_argument("--ps-addrs", metavar="ADDRS", default=None,
+                   help="use parameter servers started elsewhere (`paratrain server` prints the value: "
+                        "tcp://HOST:PORT,...); starts none here; works with --nnodes")
+    p.add_argument("--worker-failure", choices=("stop", "continue"), default="stop",
+                   help="when a worker dies: stop the job (default), or go on without it and tell the "
+                        "parameter servers it left (asynchronous training: ASP, SSP)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any wait in paratrain.comm may take (exported as PARATRAIN_TIMEOUT)")
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -135,19 +157,6 @@ def server_addresses(args):
     return [f"tcp://{args.master_addr}:{free_port()}" for _ in range(args.servers)]
 
 
-def make_servers(args, addrs, base_env, job_id):
-    """Worker objects (as the launcher sees them) for the parameter servers."""
-    servers = []
-    for i, addr in enumerate(addrs):
-        env = dict(base_env, PARATRAIN_PS_INDEX=str(i), PARATRAIN_PS_BIND=addr, PARATRAIN_JOB_ID=job_id,
-                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        if args.timeout is not None:
-            env["PARATRAIN_TIMEOUT"] = f"{args.timeout:g}"
-        servers.append(Worker(i, i, [sys.executable, "-m", "paratrain.ps.server"], env, prefix=args.prefix,
-                              label=f"server {i}"))
-    return servers
-
-
 def remove_leftover_segments(job_id):
     """The shm engine unlinks its segment names right after set-up; a worker
     killed during those milliseconds leaves one behind. Job ids are hex, so
@@ -172,8 +181,27 @@ def _check(args):
         return f"--timeout must be a positive number of seconds, got {args.timeout:g}"
     if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master-port must be between 1 and 65535, got {args.master_port}"
-    if args.servers < 0 or (args.servers and args.nnodes > 1):
-        return "--servers must be >= 0, and parameter servers run on one node for now (--nnodes 1)"
+    return _check_servers(args) or _check_script(args)
+
+
+def _check_servers(args):
+    if args.servers < 0 or args.server_restarts < 0:
+        return "--servers and --server-restarts must be >= 0"
+    if args.servers and args.ps_addrs is not None:
+        return "--servers starts parameter servers, --ps-addrs uses servers started elsewhere: give one of them"
+    if args.servers and args.nnodes > 1:
+        return ("--servers starts parameter servers beside one node's workers; with --nnodes > 1 start them "
+                "with `paratrain server` and pass its --ps-addrs value to every node's `paratrain run`")
+    if args.server_checkpoints is not None and not args.servers:
+        return "--server-checkpoints is for the servers --servers starts"
+    if args.ps_addrs is not None:
+        problem = ps.parse_addrs(args.ps_addrs)[1]
+        if problem:
+            return problem
+    return ps.check_checkpoint_dir(args.server_checkpoints, "--server-checkpoints")
+
+
+def _check_script(args):
     if not args.module and not os.path.isfile(args.script):
         where = "" if os.path.isabs(args.script) else f" (looked in {os.getcwd()})"
         return f"script {args.script!r} not found{where}"
@@ -216,25 +244,52 @@ def main(argv=None, on_line=None):
     target = ["-m", args.script] if args.module else [args.script]
     cmd = [sys.executable, *target, *args.args]
     base = dict(os.environ)
-    addrs = server_addresses(args)
+    addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)
     if addrs:
         base["PARATRAIN_PS_ADDRS"] = ",".join(addrs)
     workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(base, args, i, port, job_id),
                       prefix=args.prefix, on_line=on_line) for i in range(args.nproc)]
-    servers = make_servers(args, addrs, base, job_id)
-    started = []
-    try:
+    checkpoints, servers = None, []
+    if args.servers:
         try:
-            for w in servers + workers:
-                w.start()
-                started.append(w)
+            checkpoints = ps.Checkpoints(args.server_checkpoints, job_id)
         except OSError as e:
-            say(f"paratrain run: error: could not start {w.label} ({' '.join(w.cmd)}): {e}")
-            with LauncherSignals() as signals:
-                stop(started, signals)
-            return 1
-        for w in started:
-            w.start_output()
-        return supervise(workers, servers=servers)
+            say(f"paratrain run: error: cannot make the servers' checkpoint directory: {e}")
+            return 2
+        servers = ps.make_servers(addrs, base, job_id, checkpoints.path, args.timeout, args.prefix)
+    rc = 1
+    try:
+        rc = start_and_watch(workers, servers, _policy(args, addrs))
+        return rc
     finally:
         remove_leftover_segments(job_id)
+        if checkpoints is not None:
+            checkpoints.finish(rc == 0)
+
+
+def _policy(args, addrs):
+    world_size = args.nnodes * args.nproc
+    lost = None
+    if addrs and args.worker_failure == "continue":
+        def lost(w):
+            return ps.farewell_in_background(addrs, w.rank, world_size)
+    return Policy(worker_failure=args.worker_failure, restarts=ps.Restarts(args.server_restarts),
+                  worker_lost=lost)
+
+
+def start_and_watch(workers, servers, policy):
+    """Start the servers, then the workers, and watch them (watch.supervise);
+    returns the exit code. Also used by ``paratrain server`` (no workers)."""
+    started = []
+    try:
+        for w in servers + workers:
+            w.start()
+            started.append(w)
+    except OSError as e:
+        say(f"{policy.command}: error: could not start {w.label} ({' '.join(w.cmd)}): {e}")
+        with LauncherSignals() as signals:
+            stop(started, signals)
+        return 1
+    for w in started:
+        w.start_output()
+    return supervise(workers, servers=servers, policy=policy)

@@ -1,4 +1,4 @@
-"""Watching the workers of one job: all succeed, or all stop.
+"""Watching the processes of one job: all succeed, or all stop.
 
 A distributed job is only as alive as its least alive rank: once one worker
 fails, the others will soon block in a collective waiting for it (until their
@@ -7,7 +7,18 @@ worker's process group, SIGKILL after a grace period, then one report on
 stderr naming the rank that failed, how, and its last lines. The same stop
 runs when the launcher itself gets Ctrl-C (SIGINT) or SIGTERM; a second Ctrl-C
 skips the grace period. This is torchrun's policy without restarts.
+
+Two exceptions, each asked for on the command line (the Policy below):
+- A parameter server that dies while the workers still run is started again
+  from its checkpoint, a few times (servers.Restarts decides and does it): its
+  state is on disk and the workers reconnect to the same address.
+- With --worker-failure continue, a worker that dies is left behind: the
+  servers are told it has left, so SSP's slowest clock stops counting it, and
+  the others go on. That suits asynchronous parameter-server training (ASP,
+  SSP), where no worker waits for another; in a synchronous job the others
+  would block in their next collective until their timeout.
 """
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -27,15 +38,15 @@ def say(msg):
         print(msg, file=sys.stderr, flush=True)
 
 
-def describe_exit(rc):
+def describe_exit(rc, hint=True):
     if rc >= 0:
         return f"exited with code {rc}"
     try:
         name = signal.Signals(-rc).name
     except ValueError:
         name = f"signal {-rc}"
-    hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -rc == signal.SIGKILL else ""
-    return f"was killed by {name}{hint}"
+    oom = " (the kernel's out-of-memory killer sends SIGKILL)" if hint and -rc == signal.SIGKILL else ""
+    return f"was killed by {name}{oom}"
 
 
 class LauncherSignals:
@@ -82,12 +93,31 @@ def stop(workers, signals, grace=GRACE):
         try:
             w.proc.wait(timeout=REAP_TIMEOUT)
         except subprocess.TimeoutExpired:  # stuck in the kernel (uninterruptible I/O): do not hang with it
-            say(f"paratrain run: rank {w.rank} (pid {w.pid}) survived SIGKILL for {REAP_TIMEOUT:g}s; leaving it")
+            say(f"paratrain: {w.label} (pid {w.pid}) survived SIGKILL for {REAP_TIMEOUT:g}s; leaving it")
 
 
-def _report(failed, others):
-    lines = [f"paratrain run: {failed.label} (local rank {failed.local_rank}, pid {failed.pid}) "
-             f"{describe_exit(failed.proc.returncode)}; stopped the other workers."]
+@dataclasses.dataclass
+class Policy:
+    """What the job does when one of its processes ends early; local.py and
+    serve.py fill it in from their options. The default is the plain policy:
+    any failure stops everything."""
+    command: str = "paratrain run"   # how the launcher names itself in its messages
+    worker_failure: str = "stop"     # or "continue": a failed worker is left behind
+    restarts: object = None          # servers.Restarts: a dead server's replacement, or None
+    worker_lost: object = None       # called with a worker left behind; may return a thread to wait for
+
+
+def _count(workers, servers):
+    parts = [f"{len(p)} {name}{'s' if len(p) != 1 else ''}" for p, name in ((workers, "worker"), (servers, "server"))
+             if p]
+    return " and ".join(parts) or "nothing"
+
+
+def _report(command, failed, others, headline=None):
+    note = f" {failed.note}" if failed.note else ""
+    where = f"local rank {failed.local_rank}, " if failed.label == f"rank {failed.rank}" else ""
+    lines = [headline or f"{command}: {failed.label} ({where}pid {failed.pid}) "
+                         f"{describe_exit(failed.proc.returncode)}{note}; stopped the rest of the job."]
     if others:
         lines.append("also failed on their own: " + ", ".join(
             f"{w.label} ({describe_exit(w.proc.returncode)})" for w in others))
@@ -99,42 +129,90 @@ def _report(failed, others):
     say("\n".join(lines))
 
 
-def supervise(workers, grace=GRACE, poll=POLL, servers=()):
+def _worker_failures(workers, codes, lost, policy):
+    """The first worker whose failure stops the job (the lowest rank among those
+    found in the same look), or None. Under --worker-failure continue none does:
+    each newly failed worker is announced, handed to policy.worker_lost (which
+    tells the servers) and kept in ``lost`` with what that returned."""
+    for w, rc in zip(workers, codes):
+        if rc in (None, 0) or w in lost:
+            continue
+        if policy.worker_failure != "continue":
+            return w
+        say(f"{policy.command}: {w.label} {describe_exit(rc, hint=False)}; "
+            "the job goes on without it (--worker-failure continue)")
+        lost[w] = policy.worker_lost(w) if policy.worker_lost is not None else None
+    return None
+
+
+def _keep_servers(servers, policy):
+    """Replace, in ``servers`` itself, each server that ended by its restart; the
+    first one that is not restarted is returned: its end stops the job."""
+    for i, s in enumerate(servers):
+        if s.poll() is None:
+            continue
+        new = policy.restarts.replace(s) if policy.restarts is not None else None
+        if new is None:
+            return s
+        servers[i] = new
+    return None
+
+
+def _outcome(command, workers, lost):
+    """The exit code once every worker has ended without stopping the job: 0 when
+    at least one succeeded (the lost ones are listed), else the first lost one's."""
+    if not lost:
+        return 0
+    names = ", ".join(f"{w.label} ({describe_exit(w.proc.returncode, hint=False)})" for w in lost)
+    if len(lost) < len(workers):
+        say(f"{command}: {len(workers) - len(lost)} of {len(workers)} workers finished; lost {names}.")
+        return 0
+    _report(command, lost[0], [], headline=f"{command}: no worker finished: {names}.")
+    rc = lost[0].proc.returncode
+    return rc if rc > 0 else 1
+
+
+def supervise(workers, grace=GRACE, poll=POLL, servers=(), policy=None):
     """Watch started workers until the job ends; return the launcher's exit code:
     0 when all succeed, the failed worker's code (1 if it died by a signal),
     or 128 + the signal number when the launcher was interrupted.
 
-    ``servers`` (parameter servers) serve the workers: any of them ending
-    before the workers are done is a failure; once every worker has succeeded
-    they are asked to stop (SIGTERM) and their own exit does not count."""
-    failed = None
-    everyone = list(workers) + list(servers)
+    ``servers`` (parameter servers) serve the workers: one ending before the
+    workers are done is restarted if the policy allows, else a failure; once
+    every worker has ended they are asked to stop (SIGTERM) and their own exit
+    does not count. With servers and no workers (paratrain server) the job runs
+    until the launcher is interrupted or a server cannot be restarted.
+    ``policy`` (default: stop at the first failure) is described in Policy."""
+    policy = policy or Policy()
+    workers, servers = list(workers), list(servers)  # servers: replaced in place by their restarts
+    failed, lost = None, {}  # lost: worker left behind -> the thread telling the servers, or None
     with LauncherSignals() as signals:
         while signals.received is None:
             codes = [w.poll() for w in workers]
-            gone = [s for s in servers if s.poll() is not None]
-            bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)] + gone
-            if bad:
-                failed = bad[0]  # the lowest rank among those found in the same look
-                break
-            if all(rc == 0 for rc in codes):
+            failed = _worker_failures(workers, codes, lost, policy)
+            if failed is not None or (workers and None not in codes):
+                break  # a failure, or every worker has ended
+            failed = _keep_servers(servers, policy)
+            if failed is not None:
                 break
             time.sleep(poll)  # a signal runs its handler, then the sleep resumes (PEP 475)
+        everyone = workers + servers
         if failed is not None or signals.received is not None:
             stop(everyone, signals, grace)
-        elif servers:
-            stop(list(servers), signals, grace)
-    workers = everyone
+        else:
+            for t in filter(None, lost.values()):
+                t.join()  # bounded by the farewell's timeout; else it would fail against stopped servers
+            stop(servers, signals, grace)
     deadline = time.monotonic() + READER_JOIN
-    for w in workers:
+    for w in everyone:
         w.join_output(max(0.0, deadline - time.monotonic()))
     if signals.received is not None and failed is None:
         name = signal.Signals(signals.received).name
-        say(f"paratrain run: got {name}; stopped {len(workers)} workers.")
+        say(f"{policy.command}: got {name}; stopped {_count(workers, servers)}.")
         return 128 + signals.received
     if failed is not None:
-        others = [w for w in workers if w is not failed and not w.signalled and w.proc.returncode != 0]
-        _report(failed, others)
+        others = [w for w in everyone if w is not failed and not w.signalled and w.proc.returncode != 0]
+        _report(policy.command, failed, others)
         rc = failed.proc.returncode
         return rc if rc > 0 else 1
-    return 0
+    return _outcome(policy.command, workers, list(lost))

@@ -93,6 +93,7 @@ class Worker:
         self.tail = collections.deque(maxlen=TAIL_LINES)  # stdout and stderr, in arrival order
         self.proc = None
         self.signalled = False  # the launcher sent it a signal (its exit is then not a failure of its own)
+        self.note = ""  # said after how it ended in the failure report ("after 3 restarts")
         self._readers = []
         # on_line(worker, stream_name, text) -> True if it took the line (text: no newline).
         self.on_line = on_line
