@@ -2,6 +2,7 @@
 
     paratrain train                          the main job: a built-in model on 2 local workers
     paratrain run -n 4 script.py args...     start workers (paratrain.launch)
+    paratrain server --servers 2             parameter servers on this host for a multi-node job
     paratrain bench collectives -n 2         collective benchmark beside Gloo and MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
 """
@@ -12,6 +13,8 @@ USAGE = """usage: paratrain <command> [args]
 commands:
   train    train a built-in model with data parallelism (defaults: digits, 2 workers)
   run      start N worker processes running a script (like torchrun)
+  server   run parameter servers on this host for workers on other machines
+           (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
   bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`
 
 `paratrain <command> --help` for a command's options."""
@@ -29,6 +32,9 @@ def main(argv=None):
     if cmd == "run":
         from .launch.local import main as run_main
         return run_main(rest)
+    if cmd == "server":
+        from .launch.serve import main as server_main
+        return server_main(rest)
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel"}
         if not rest or rest[0] not in benches:

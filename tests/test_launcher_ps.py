@@ -1,7 +1,7 @@
 """The launcher's parameter-server policies: a killed server restarted from its
 checkpoint directory (and given up on after --server-restarts), workers left
-behind under --worker-failure continue, and `paratrain run --ps-addrs` for
-servers on another host.
+behind under --worker-failure continue, and `paratrain server` + `paratrain run
+--ps-addrs` for servers on another host.
 
 The restart tests run the real paratrain.ps.server; the worker script itself
 finds its sibling server among the launcher's children in /proc and kills it,
@@ -12,16 +12,21 @@ import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from paratrain.launch import main
+from paratrain.launch import free_port, main
+from paratrain.launch.local import port_in_use
+from paratrain.launch.serve import main as server_main
 from paratrain.launch.servers import Restarts, ServerProcess
 from paratrain.launch.watch import Policy, supervise
 from paratrain.launch.worker import Worker
-from test_launcher import alive, script
+from test_launcher import REPO, alive, script, wait_until
 
 # Worker-side helpers: the launcher's server children, as /proc shows them.
 SIBLINGS = """
@@ -223,6 +228,97 @@ def test_continue_fails_when_no_worker_finishes(tmp_path, capfd):
     assert err.count("the job goes on without it") == 2
     assert "no worker finished: rank 0 (exited with code 3), rank 1 (exited with code 3)" in err
     assert "[rank 0] giving up" in err  # the report shows the first lost rank's last lines
+
+
+def _consecutive_free_ports(n):
+    for _ in range(50):
+        p = free_port()
+        if p + n <= 65536 and not any(port_in_use(q) for q in range(p, p + n)):
+            return p
+    pytest.skip(f"found no {n} free consecutive ports")
+
+
+def _children(pid):
+    kids = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(p))
+        except OSError:
+            pass
+    return kids
+
+
+class Lines:
+    """Collects a pipe's lines in a thread (so the process never blocks on it)."""
+
+    def __init__(self, pipe):
+        self.lines = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(pipe.readline, "")), daemon=True)
+        self.thread.start()
+
+    def find(self, prefix):
+        return next((line for line in self.lines if line.startswith(prefix)), None)
+
+
+PS_STEPS = """
+    import os, torch
+    import paratrain as pt
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    ps = pt.ps.connect()
+    ps.register(model, optimizer="sgd", lr=0.1, consistency="bsp")
+    for step in range(3):
+        ps.pull(model)
+        model(torch.ones(2, 8) * (1 + int(os.environ["RANK"]))).sum().backward()
+        ps.push(model)
+        ps.clock()
+        model.zero_grad()
+    ps.pull(model)
+    print("weights", round(float(model.weight.sum()), 5), os.environ["PARATRAIN_PS_ADDRS"])
+    ps.close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_paratrain_server_serves_workers_started_apart(tmp_path, capfd):
+    port = _consecutive_free_ports(2)
+    cmd = [sys.executable, "-m", "paratrain", "server", "--servers", "2", "--port", str(port),
+           "--host", "127.0.0.1", "--advertise", "127.0.0.1", "--timeout", "40"]
+    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = Lines(server.stdout), Lines(server.stderr)
+    try:
+        assert wait_until(lambda: out.find("PARATRAIN_PS_ADDRS="), 30, 0.05), err.lines
+        addrs = out.find("PARATRAIN_PS_ADDRS=").strip().split("=", 1)[1]
+        assert addrs == f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 1}"
+        assert main(["--ps-addrs", addrs, "-n", "2", "--timeout", "40", script(tmp_path, PS_STEPS)]) == 0
+        lines = [x for x in capfd.readouterr().out.splitlines() if "weights" in x]
+        assert len(lines) == 2 and len({x.split("] ", 1)[1] for x in lines}) == 1  # BSP: the same weights
+        assert addrs in lines[0]
+        pids = _children(server.pid)
+        assert len(pids) == 2
+        server.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert server.wait(timeout=20) == 130
+        assert time.monotonic() - t0 < 10
+        assert wait_until(lambda: not any(alive(p) for p in pids), 5), "servers outlived `paratrain server`"
+        err.thread.join(5)
+        assert any("got SIGINT; stopped 2 servers" in x for x in err.lines), err.lines
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.timeout(30)
+def test_paratrain_server_port_in_use(capfd):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert server_main(["--servers", "2", "--port", str(port - 1), "--host", "127.0.0.1"]) == 2
+    err = capfd.readouterr().err
+    assert f"port {port} is already in use" in err or f"port {port - 1} is already in use" in err, err
 
 
 @pytest.mark.timeout(30)
