@@ -91,6 +91,8 @@ def test_gloo_backend_runs_the_same_job(tmp_path):
     (["--strategy", "ps", "--consistency", "ssp"], "--consistency ssp needs --staleness"),
     (["--strategy", "ps", "--resume", "x.pt"], "not available yet"),
     (["--resume", "nowhere/checkpoint.pt"], "nowhere/checkpoint.pt"),
+    (["--straggler", "2:3"], "no rank 2 among 2 workers"),
+    (["--jitter", "0.5:0.5"], "FACTOR must be a finite number >= 1"),
 ])
 def test_bad_input_is_refused_before_anything_starts(tmp_path, args, message):
     res = train(tmp_path, *args)

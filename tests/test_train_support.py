@@ -134,6 +134,123 @@ def test_summary_table_shows_the_values():
     assert "eval loss" not in out  # missing: left out
 
 
+def test_summary_table_shows_the_workers_and_the_staleness():
+    summary = {"model": "digits", "strategy": "ps", "samples_per_s": 1000.0, "batches_total": 30,
+               "staleness_histogram": {"0": 90, "1": 10}, "lost_workers": [{"rank": 2, "batches_at_last_heartbeat": 4}],
+               "per_worker": [
+                   {"rank": 0, "batches": 20, "share": 2 / 3, "compute_s": 1.0, "slowdown_s": 0.0, "comm_wait_s": 0.5,
+                    "loop_s": 2.0, "last_loss": 0.5},
+                   {"rank": 1, "batches": 10, "share": 1 / 3, "compute_s": 0.5, "slowdown_s": 1.0,
+                    "comm_wait_s": 0.25, "loop_s": 2.0, "last_loss": None}]}
+    con = console()
+    render_summary(summary, console=con)
+    out = con.file.getvalue()
+    for needle in ["0: 90 (90%), 1: 10 (10%)", "2: 4", "per worker", "66.7%", "33.3%", "0.5000", "1.00 s"]:
+        assert needle in out, needle
+    assert "'rank'" not in out  # per_worker is its own table, not a dict dumped into a cell
+
+
+def test_a_long_staleness_histogram_is_summed_up():
+    from paratrain.train.metrics import _histogram
+    h = {str(lag): 10 for lag in range(10)}  # 100 reads, lags 0..9 evenly
+    assert _histogram(h) == "100 reads: 10% at lag 0, median 4, 90th percentile 8, max 9"
+
+
+def test_time_to_target():
+    from paratrain.train.metrics import time_to_target
+    rows = [{"step": i + 1, "time": 0.5 * (i + 1), "loss": 3.0 - 0.1 * i} for i in range(30)]
+    rows[11]["eval_loss"] = 2.0   # at time 6.0
+    rows[15]["eval_loss"] = 1.5   # at time 8.0
+    out = time_to_target(rows, 1.6, window=4)
+    # the mean of 4 losses ending at step k is 3.15 - 0.1 * (k - 1), <= 1.6 first at k = 17 (time 8.5)
+    assert out == {"target_loss": 1.6, "time_to_target_s": 8.5, "time_to_target_eval_s": 8.0}
+    assert time_to_target(rows, 0.01) == {"target_loss": 0.01, "time_to_target_s": None,
+                                          "time_to_target_eval_s": None}
+
+
+def test_job_numbers_from_the_workers_reports():
+    from paratrain.train.summary import job_numbers
+    reports = {r: {"rank": r, "batches": b, "compute_s": 1.0, "slowdown_s": 0.0, "slowed_steps": 0,
+                   "comm_wait_s": 0.1, "loop_s": t, "last_loss": loss}
+               for r, b, t, loss in [(0, 30, 2.0, 0.5), (1, 10, 2.5, float("nan")), (2, 20, 2.4, 0.7)]}
+    out = job_numbers(reports, [], batch_size=8, mean_loss=True)
+    assert out["batches_total"] == 60 and out["time_wall_training_s"] == 2.5
+    assert out["samples_per_s"] == 60 * 8 / 2.5
+    assert [w["share"] for w in out["per_worker"]] == [0.5, 10 / 60, 20 / 60]
+    assert out["final_loss"] == pytest.approx(0.6)  # a NaN last loss is left out of the mean
+    assert out["lost_workers"] is None
+
+
+# -- slow workers and the batch pool ---------------------------------------------
+
+def test_slowdown_specs_are_parsed_and_checked():
+    import argparse
+    from paratrain.train.slowdown import jitter_spec, straggler_spec
+    assert straggler_spec("1:3") == (1, 3.0) and jitter_spec("0.3:2.5") == (0.3, 2.5)
+    for bad, message in [("1", "RANK:FACTOR"), ("a:3", "RANK:FACTOR"), ("-1:3", ">= 0"), ("1:0.5", ">= 1"),
+                         ("1:inf", "finite")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            straggler_spec(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="probability"):
+        jitter_spec("1.5:2")
+
+
+def test_slowdown_sleeps_factor_minus_one_times_the_compute():
+    from paratrain.train.slowdown import Slowdown
+    slept = []
+    both = Slowdown(1, seed=0, straggler=(1, 3.0), jitter=(1.0, 2.0), sleep=slept.append)
+    both.after_compute(0.01)
+    assert slept == [pytest.approx((3 * 2 - 1) * 0.01)]  # a straggler that also hiccups: the factors multiply
+    other = Slowdown(0, seed=0, straggler=(1, 3.0), sleep=slept.append)
+    assert not other.active and other.after_compute(0.01) == 0.0 and len(slept) == 1
+    assert other.steps == 1 and other.compute_s == 0.01 and other.slowed_steps == 0
+
+
+def test_jitter_decisions_depend_on_seed_and_rank_only():
+    from paratrain.train.slowdown import Slowdown
+
+    def decisions(seed, rank, n=2000):
+        s = Slowdown(rank, seed=seed, jitter=(0.3, 2.0), sleep=lambda t: None)
+        return [s.factor() > 1 for _ in range(n)]
+    a = decisions(0, 1)
+    assert a == decisions(0, 1)                       # reproducible
+    assert a != decisions(1, 1) and a != decisions(0, 2)  # seed and rank both matter
+    assert 0.25 < sum(a) / len(a) < 0.35              # with probability P
+
+
+def test_shared_pool_hands_out_exactly_the_total():
+    import threading
+    from torch.distributed import HashStore
+    from paratrain.train.coordination import Lockstep, SharedPool
+    store, total = HashStore(), 1000
+    pools = [SharedPool(store, total) for _ in range(4)]
+
+    def drain(pool):
+        while pool.take():
+            pass
+    threads = [threading.Thread(target=drain, args=(p,)) for p in pools]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(p.taken for p in pools) == total
+    lock = Lockstep(5, start=2)
+    assert [lock.take() for _ in range(4)] == [True, True, True, False]
+
+
+def test_store_board_gives_up_on_a_silent_worker(monkeypatch):
+    from torch.distributed import HashStore
+    from paratrain.train import coordination
+    from paratrain.train.coordination import StoreBoard
+    monkeypatch.setattr(coordination, "STALL_MIN", 0.3)
+    store = HashStore()
+    StoreBoard(store, 1, 3, timeout=30).gather({"rank": 1, "batches": 5})
+    StoreBoard(store, 2, 3, timeout=30).beat(7, 1.0)   # alive once, then never reports
+    reports, lost = StoreBoard(store, 0, 3, timeout=30).gather({"rank": 0, "batches": 9})
+    assert sorted(reports) == [0, 1] and reports[1]["batches"] == 5
+    assert lost == [{"rank": 2, "batches_at_last_heartbeat": 7}]
+
+
 # -- checkpoints --------------------------------------------------------------
 
 CONFIG = {"name": "mlp", "model": "MLP", "sizes": [4, 8, 3]}

@@ -14,7 +14,6 @@ import time
 from .options import build_parser
 
 
-
 def new_run_dir(root, model):
     base = os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-{model}")
     path, i = base, 1
@@ -33,6 +32,9 @@ def check(args):
         return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp)"
     if args.strategy != "ps" and (args.consistency != "bsp" or args.staleness is not None):
         return "--consistency and --staleness are for --strategy ps"
+    if args.straggler and args.straggler[0] >= args.workers:
+        return (f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: there is no rank {args.straggler[0]} "
+                f"among {args.workers} workers (ranks 0..{args.workers - 1})")
     if args.resume:
         from .checkpoint import load_checkpoint
         from .tasks import build_task

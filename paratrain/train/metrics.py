@@ -178,6 +178,35 @@ def plot_loss(metrics_path, png_path, title):
     return png_path
 
 
+# -- time to a fixed loss ---------------------------------------------------
+
+TARGET_WINDOW = 10  # logged steps in the trailing mean of the training loss
+
+
+def time_to_target(rows, target, window=TARGET_WINDOW):
+    """When did the run first reach loss <= target? Returns the summary fields
+
+        target_loss            the target
+        time_to_target_s       first ``time`` at which the mean training loss of the
+                               last ``window`` logged steps was <= target (one batch's
+                               loss is too noisy to call a crossing on its own)
+        time_to_target_eval_s  first ``time`` of an evaluation with eval_loss <= target
+
+    each None when the run never got there. ``rows`` are metrics.jsonl's."""
+    out = {"target_loss": target, "time_to_target_s": None, "time_to_target_eval_s": None}
+    recent = []
+    for r in rows:
+        if not _number(r.get("time")):
+            continue
+        if _number(r.get("loss")):
+            recent = (recent + [r["loss"]])[-window:]
+            if out["time_to_target_s"] is None and len(recent) == window and sum(recent) / window <= target:
+                out["time_to_target_s"] = r["time"]
+        if out["time_to_target_eval_s"] is None and _number(r.get("eval_loss")) and r["eval_loss"] <= target:
+            out["time_to_target_eval_s"] = r["time"]
+    return out
+
+
 # -- the summary table ------------------------------------------------------
 
 def format_bytes(n):
@@ -225,12 +254,24 @@ ROWS = {
     "final_loss": ("final loss", lambda v, s: f"{v:.4f}"),
     "accuracy": ("accuracy", lambda v, s: f"{100 * v:.2f}%"),
     "eval_loss": ("eval loss", lambda v, s: f"{v:.4f}"),
-    "samples_per_s": ("throughput", lambda v, s: f"{v:,.0f} samples/s"),
+    "target_loss": ("target loss", lambda v, s: f"{v:.4f}"),
+    "time_to_target_s": ("time to target (training loss, mean of 10 steps)", lambda v, s: format_seconds(v)),
+    "time_to_target_eval_s": ("time to target (eval loss)", lambda v, s: format_seconds(v)),
+    "samples_per_s": ("throughput (all workers)", lambda v, s: f"{v:,.0f} samples/s"),
+    "batches_total": ("batches (all workers)", None),
+    "time_wall_training_s": ("time, training loop (wall)", lambda v, s: format_seconds(v)),
+    "straggler": ("straggler (rank:factor)", None),
+    "jitter": ("jitter (probability:factor)", None),
+    "lost_workers": ("workers lost (rank: batches it was last seen at)",
+                     lambda v, s: ", ".join(f"{w['rank']}: {w['batches_at_last_heartbeat']}" for w in v)),
+    "staleness_histogram": ("staleness of reads (clocks ahead: reads)", lambda v, s: _histogram(v)),
     "time_total_s": ("time, total", lambda v, s: format_seconds(v)),
-    "time_training_s": ("time, training steps", lambda v, s: format_seconds(v)),
-    "time_compute_s": ("compute", lambda v, s: format_seconds(v) + _share(s, v)),
-    "time_comm_wait_s": ("communication (exposed wait)", lambda v, s: format_seconds(v) + _share(s, v)),
-    "time_comm_s": ("communication (total, incl. any overlapped with backward)", lambda v, s: format_seconds(v)),
+    "time_training_s": ("rank 0: time, training steps", lambda v, s: format_seconds(v)),
+    "time_compute_s": ("rank 0: compute", lambda v, s: format_seconds(v) + _share(s, v)),
+    "time_slowdown_s": ("rank 0: slowdown (--straggler, --jitter)", lambda v, s: format_seconds(v) + _share(s, v)),
+    "time_comm_wait_s": ("rank 0: communication (exposed wait)", lambda v, s: format_seconds(v) + _share(s, v)),
+    "time_comm_s": ("rank 0: communication (total, incl. any overlapped with backward)",
+                    lambda v, s: format_seconds(v)),
     "bytes_communicated": ("bytes communicated", lambda v, s: format_bytes(v)),
     "run_dir": ("run dir", None),
     "plot": ("plot", None),
@@ -238,9 +279,36 @@ ROWS = {
 }
 
 
+def _histogram(h, spell_out=6):
+    """'0: 90 (90%), 1: 10 (10%)'; past spell_out lags, percentiles instead
+    (summary.json keeps the whole histogram)."""
+    pairs = sorted((int(lag), int(n)) for lag, n in h.items())
+    total = sum(n for _, n in pairs) or 1
+    if len(pairs) <= spell_out:
+        return ", ".join(f"{lag}: {n} ({100 * n / total:.0f}%)" for lag, n in pairs)
+
+    def percentile(q):
+        seen = 0
+        for lag, n in pairs:
+            seen += n
+            if seen >= q * total:
+                return lag
+        return pairs[-1][0]
+    fresh = dict(pairs).get(0, 0)
+    return (f"{total} reads: {100 * fresh / total:.0f}% at lag 0, median {percentile(0.5)}, "
+            f"90th percentile {percentile(0.9)}, max {pairs[-1][0]}")
+
+
+PER_WORKER = (  # (heading, key, format) of the per-worker table
+    ("rank", "rank", str), ("batches", "batches", str), ("share", "share", lambda v: f"{100 * v:.1f}%"),
+    ("compute", "compute_s", format_seconds), ("slowdown", "slowdown_s", format_seconds),
+    ("comm wait", "comm_wait_s", format_seconds), ("loop", "loop_s", format_seconds),
+    ("last loss", "last_loss", lambda v: f"{v:.4f}"))
+
+
 def _cell(key, value, summary):
     fmt = ROWS.get(key, (None, None))[1]
-    if fmt is not None and _number(value):
+    if fmt is not None and (_number(value) or (isinstance(value, (dict, list)) and value)):
         return fmt(value, summary)
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -251,17 +319,27 @@ def render_summary(summary, console=None):
     """Print the run's final summary as a two-column table; returns the Table.
 
     Known keys (ROWS) come first, in a fixed order, with units; unknown keys
-    follow as they are; keys that are missing or None are left out."""
+    follow as they are; keys that are missing or None are left out. The
+    workers' own numbers (``per_worker``) follow as a second table."""
     table = Table(title="paratrain train: summary", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
     known = [k for k in ROWS if k in summary]
-    other = [k for k in summary if k not in ROWS]
+    other = [k for k in summary if k not in ROWS and k != "per_worker"]
     for key in known + other:
         value = summary[key]
         if value is None:
             continue
         label = ROWS[key][0] if key in ROWS else key
         table.add_row(label, _cell(key, value, summary))
-    (console or Console()).print(table)
+    console = console or Console()
+    console.print(table)
+    workers = summary.get("per_worker")
+    if workers:
+        per = Table(title="per worker", title_justify="left")
+        for heading, _, _ in PER_WORKER:
+            per.add_column(heading, justify="right")
+        for w in workers:
+            per.add_row(*(fmt(w[key]) if _number(w.get(key)) else "-" for _, key, fmt in PER_WORKER))
+        console.print(per)
     return table

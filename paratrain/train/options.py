@@ -2,6 +2,8 @@
 before starting anything) and the workers (which receive the same words)."""
 import argparse
 
+from .slowdown import jitter_spec, straggler_spec
+
 STRATEGIES = ("allreduce", "allreduce-naive", "ps")
 OPTIMIZERS = ("sgd", "adam")
 COMPRESSIONS = ("none", "fp16", "bf16")
@@ -49,6 +51,14 @@ def build_parser():
                    help="--strategy ps: bsp (synchronous), asp (asynchronous), ssp (bounded staleness)")
     p.add_argument("--staleness", type=int, default=None, help="--consistency ssp: how many clocks ahead a worker "
                                                               "may run of the slowest (0 behaves like bsp)")
+    p.add_argument("--straggler", type=straggler_spec, default=None, metavar="RANK:FACTOR",
+                   help="make worker RANK compute FACTOR times slower on every step (a persistently slow "
+                        "machine): it sleeps (FACTOR - 1) x its measured forward+backward time")
+    p.add_argument("--jitter", type=jitter_spec, default=None, metavar="P:FACTOR",
+                   help="on each step, each worker computes FACTOR times slower with probability P (transient "
+                        "hiccups), drawn from a generator seeded by --seed and the rank")
+    p.add_argument("--target-loss", type=positive_float, default=None, metavar="X",
+                   help="report in the summary when the loss first reached X (time to a fixed loss)")
     p.add_argument("--algorithm", default=None,
                    help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
                         "and back)")

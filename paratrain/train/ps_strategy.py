@@ -47,6 +47,23 @@ class ParameterServerStep:
         return loss.item()
 
     def finish(self):
-        """The final weights into the model (for the last evaluation and the checkpoint)."""
+        """The final weights into the model (for the last evaluation and the checkpoint),
+        then leave: under SSP a worker that has stopped clocking must not hold back
+        those still taking batches from the shared pool (coordination.py)."""
         self.ps.pull()
         self.ps.close()
+
+    def staleness_histogram(self):
+        """{lag: reads} summed over the servers: how many clocks each read was ahead of
+        the slowest worker (each server counts the reads of its own pieces; server.py).
+        Asked on a fresh connection, since finish() has closed ours; call it once every
+        worker has finished, so the counts are complete."""
+        client = pt.ps.connect()
+        try:
+            total = {}
+            for server in range(len(client.addrs)):
+                for lag, count in client.stats(server).get("histogram", {}).items():
+                    total[int(lag)] = total.get(int(lag), 0) + int(count)
+            return dict(sorted(total.items()))
+        finally:
+            client.close()

@@ -22,8 +22,10 @@ import torch
 import paratrain as pt
 
 from . import checkpoint as ckpt
-from .metrics import MetricsLog, plot_loss
+from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
 from .progress import ProgressReporter
+from .slowdown import Slowdown
+from .summary import job_numbers
 from .tasks import build_task
 
 
@@ -59,7 +61,13 @@ class AllReduceStep:
 
     def logged_loss(self, loss):
         self._loss[0] = loss.item()
+        t0 = time.perf_counter()
         self.group.all_reduce(self._loss, op="avg")  # the loss over every worker's batch, not rank 0's alone
+        # Counted as waiting: when a worker is slower after backward (a --straggler sleeps
+        # there, slowdown.py), this is where the others wait for it.
+        dt = time.perf_counter() - t0
+        self.stats.wait_seconds += dt
+        self.stats.comm_seconds += dt
         return float(self._loss[0])
 
     def finish(self):
@@ -107,8 +115,25 @@ def batches_from(task, sampler, batch_size, start_step, steps_per_epoch):
             step += 1
 
 
+def make_board(args, strategy, me, P, s, start):
+    """(board, pool): how the workers meet (coordination.py), and how many batches this one takes."""
+    from ..comm.group import timeout_from_env
+    from .coordination import GroupBoard, Lockstep, SharedPool, StoreBoard
+    if args.strategy != "ps":
+        return GroupBoard(strategy.group), Lockstep(s.steps, start)
+    board = StoreBoard.connect(me, P, timeout_from_env())
+    if args.consistency == "bsp":  # lockstep clocks: a shared pool could run dry mid-round and deadlock
+        return board, Lockstep(s.steps, start)
+    return board, SharedPool(board.store, s.steps * P)
+
+
 def run(args):
-    """Train as one worker of the job; returns the summary dict (rank 0) or None."""
+    """Train as one worker of the job; returns the summary dict (rank 0) or None.
+
+    Each step is timed in parts: the strategy's communication (its stats), the
+    compute (forward and backward, less any communication waited for inside
+    backward), and the slowdown the options ask for (slowdown.py), which sleeps
+    after backward and before the gradients leave, as a slower machine would."""
     task = build_task(args.model, seed=args.seed)
     P = int(os.environ.get("WORLD_SIZE", 1))
     s = Settings(task, args, P)
@@ -124,14 +149,14 @@ def run(args):
         if start >= s.steps:
             raise ValueError(f"the checkpoint {args.resume} is already at step {start}; ask for more --steps "
                              f"than that (got {s.steps})")
+    board, pool = make_board(args, strategy, me, P, s, start)
+    slow = Slowdown.from_args(args, me)
     sampler = pt.DistributedSampler(task.train_set, num_replicas=P, rank=me, seed=args.seed, drop_last=True)
     run_dir = args.run_dir
     log = MetricsLog(run_dir) if lead else None
     progress = ProgressReporter(s.steps, enabled=lead)
     loss_value = float("nan")
     train_seconds = wait_before = 0.0
-    samples = 0
-    t_start = time.perf_counter()
     last_eval = {}
 
     def save(step):
@@ -141,39 +166,61 @@ def run(args):
                 "model": task.model.state_dict(),
                 "optimizer": strategy.opt.state_dict() if hasattr(strategy, "opt") else {}})
 
+    board.start()
+    t_start = time.perf_counter()
     for step, batch in batches_from(task, sampler, s.batch_size, start, s.steps_per_epoch):
-        if step >= s.steps:
+        if not pool.take():
             break
         t0 = time.perf_counter()
         strategy.before_step()
+        tc, waited = time.perf_counter(), strategy.stats.wait_seconds
         loss = task.loss(model, batch)
         loss.backward()
+        compute = time.perf_counter() - tc - (strategy.stats.wait_seconds - waited)
+        slept = slow.after_compute(compute)
         strategy.after_backward()
         loss_value = strategy.logged_loss(loss)
         dt = time.perf_counter() - t0
         train_seconds += dt
-        samples += s.batch_size * P
         wait = strategy.stats.wait_seconds - wait_before
         wait_before = strategy.stats.wait_seconds
         done = step + 1
+        board.beat(done - start, time.perf_counter() - t_start)
         if lead:
             row = {"step": done, "time": round(time.perf_counter() - t_start, 4), "loss": loss_value,
-                   "step_seconds": round(dt, 5), "comm_wait_seconds": round(wait, 5)}
+                   "step_seconds": round(dt, 5), "compute_seconds": round(compute, 5),
+                   "comm_wait_seconds": round(wait, 5)}
+            if slept:
+                row["slowdown_seconds"] = round(slept, 5)
+            if pool.shared:  # the job's batches so far (taken, not all finished yet)
+                row["job_batches"] = min(pool.last_ticket + 1, pool.total)
             if done % s.eval_every == 0 or done == s.steps:
                 last_eval = task.evaluate(task.model)
                 row.update(last_eval)
             log.log(**row)
-            progress.update(done, loss=loss_value, samples_per_s=samples / train_seconds)
+            job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - start) * P
+            progress.update(min(s.steps, start + job_batches // P), loss=loss_value,
+                            samples_per_s=job_batches * s.batch_size / (time.perf_counter() - t_start))
         if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
             save(done)
+    loop_seconds = time.perf_counter() - t_start
     strategy.finish()
+    board.beat(pool.taken, loop_seconds, force=True)
     if lead and args.strategy == "ps":
         last_eval = task.evaluate(task.model)  # the servers' final weights
     save(s.steps)
+    report = {"rank": me, "batches": pool.taken, "compute_s": slow.compute_s, "slowdown_s": slow.slept_s,
+              "slowed_steps": slow.slowed_steps, "comm_wait_s": strategy.stats.wait_seconds,
+              "loop_s": loop_seconds, "last_loss": loss_value}
+    gathered = board.gather(report)
     if not lead:
         return None
+    reports, lost = gathered
     log.close()
-    plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"), f"{task.name}: {args.strategy}, {P} workers")
+    if pool.shared:
+        progress.update(s.steps, loss=loss_value)  # the bar ends full, whoever took the last batches
+    plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"),
+                     f"{task.name}: {args.strategy}, {P} workers")
     st = strategy.stats
     summary = {
         "model": task.name, "strategy": args.strategy,
@@ -182,12 +229,17 @@ def run(args):
         else strategy.group.backend,
         "algorithm": args.algorithm or "default", "workers": P, "steps": s.steps, "resumed_from": start or None,
         "batch_per_worker": s.batch_size, "final_loss": loss_value, **last_eval,
-        "samples_per_s": samples / train_seconds if train_seconds else 0.0,
+        **job_numbers(reports, lost, s.batch_size, mean_loss=args.strategy == "ps"),
         "time_total_s": time.perf_counter() - t_start, "time_training_s": train_seconds,
-        "time_compute_s": train_seconds - st.wait_seconds, "time_comm_wait_s": st.wait_seconds,
+        "time_compute_s": slow.compute_s, "time_slowdown_s": slow.slept_s if slow.active else None,
+        "time_comm_wait_s": st.wait_seconds,
         "time_comm_s": st.comm_seconds, "bytes_communicated": st.bytes,
+        "straggler": f"{args.straggler[0]}:{args.straggler[1]:g}" if args.straggler else None,
+        "jitter": f"{args.jitter[0]:g}:{args.jitter[1]:g}" if args.jitter else None,
+        "staleness_histogram": strategy.staleness_histogram() if args.strategy == "ps" else None,
+        **(time_to_target(read_metrics(log.path), args.target_loss) if args.target_loss else {}),
         "run_dir": run_dir, "plot": plot, "checkpoint": os.path.join(run_dir, "checkpoint.pt"),
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump(jsonable(summary), f, indent=1)
     return summary
