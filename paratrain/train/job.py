@@ -24,6 +24,21 @@ def new_run_dir(root, model):
     return path
 
 
+def worker_failure(args):
+    """Launcher options for a worker that dies. Under ASP and SSP no worker waits for
+    another, so the others go on and take its share of the batches (coordination.py);
+    under BSP and all-reduce they would block on it, so the launcher stops the job.
+    Passed only when this launcher knows the option (it came with the launcher's
+    parameter-server support). Rank 0 is the exception: it hosts the job's store
+    and writes the summary, so when it dies the job cannot continue."""
+    if args.strategy != "ps" or args.consistency == "bsp":
+        return []
+    from ..launch.local import build_parser
+    if "--worker-failure" not in build_parser().format_help():
+        return []
+    return ["--worker-failure", "continue"]
+
+
 def check(args):
     """A message for what is wrong with the options, or None."""
     if args.strategy == "ps" and args.resume:
@@ -63,8 +78,8 @@ def main(argv=None):
     from .metrics import render_summary
     from .progress import ProgressDisplay
     servers = ["--servers", str(args.servers)] if args.strategy == "ps" else []
-    launcher = ["-n", str(args.workers), "--threads", str(args.threads), *servers, "-m", "paratrain.train.worker",
-                *argv, "--run-dir", run_dir]
+    launcher = ["-n", str(args.workers), "--threads", str(args.threads), *servers, *worker_failure(args),
+                "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
           flush=True)
     with ProgressDisplay(f"{args.model} x{args.workers}") as display:
@@ -75,6 +90,12 @@ def main(argv=None):
     console = Console()
     if not console.is_terminal:  # a log or a pipe: do not fold paths at 80 columns
         console = Console(width=120)
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        render_summary(json.load(f), console)
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except FileNotFoundError:
+        print(f"paratrain train: error: the job ended without {run_dir}/summary.json: rank 0 writes it, and "
+              "rank 0 also hosts the job's store, so a job cannot finish without it", file=sys.stderr)
+        return 1
+    render_summary(summary, console)
     return 0
