@@ -7,6 +7,11 @@ through DistributedSampler, and steps. Rank 0 alone writes: one JSON line per st
 (metrics.jsonl), the progress lines the front-end turns into a bar, periodic
 checkpoints (atomic), and at the end summary.json and a plot.
 
+How many batches each worker takes, and how the workers' own numbers reach
+rank 0 for the summary, is coordination.py's job; the deliberate slowdowns of
+--straggler and --jitter are slowdown.py's; the job-wide numbers (samples/s,
+each worker's share) are summary.py's.
+
 Resuming is exact: the data order is a function of (seed, epoch) and the step
 says where in the epoch we are, the optimizer state travels in the checkpoint,
 and the built-in models have no dropout, so a run stopped at step k and
