@@ -71,11 +71,12 @@ class Client:
         self.outstanding = {}   # (server, op, key, lo) -> [frames, sent?]
         self.reconnects = 0
         self.bytes_sent = self.bytes_received = 0   # tensor payload bytes, both ways (row ids included)
+        self.wait_seconds = 0.0                     # time spent waiting for replies
         self.clock_value = 0
         self.params = None
         self.placement = None
         self.tables = []        # the model's pt.ps.Embedding modules, in registration order
-        self._closed = False
+        self._closed = self._left = False
         atexit.register(self.close)
 
     # ---- messaging ----------------------------------------------------------------------
@@ -119,6 +120,13 @@ class Client:
         """Wait for the replies to ``expected`` requests, a set of (server, op, key, lo);
         returns {(server, op, key, lo): (header, meta, payload)}."""
         got = {}
+        started = time.perf_counter()
+        try:
+            return self._wait_for(expected, what, got, timeout)
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
+    def _wait_for(self, expected, what, got, timeout):
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while len(got) < len(expected):
@@ -280,12 +288,24 @@ class Client:
         (_, meta, _), = self._request([(server, Op.STATS, -1, 0, 0, None, None)], "stats").values()
         return meta
 
-    def _goodbye(self, what, timeout):
-        try:
-            self._request([(s, Op.SHUTDOWN, -1, 0, 0, None, None) for s in range(len(self.socks))], what, timeout)
+    def leave(self, timeout=CLOSE_TIMEOUT):
+        """Tell the servers this worker takes no more steps (so it no longer holds the
+        others back, and BSP rounds stop waiting for it), but stay connected to read
+        weights and rows, e.g. for a final evaluation. Returns True if all servers
+        acknowledged."""
+        if self._left:
             return True
+        try:
+            self._request([(s, Op.SHUTDOWN, -1, 0, 0, None, None) for s in range(len(self.socks))], "leave",
+                          timeout)
+            self._left = True
         except (CommTimeout, PSError):
             return False
+        return True
+
+    def _goodbye(self, what, timeout):
+        try:
+            return self.leave(timeout)
         finally:
             self._closed = True
             for s in self.socks:

@@ -143,11 +143,14 @@ class Clocks:
         """``worker`` left: it no longer holds the others back. Finishing twice is harmless."""
         self.done.add(self._check(worker))
 
-    def record_read(self, worker):
+    def record_read(self, worker, lag=None):
         """Count a read in the staleness histogram: how many clocks the reader is
-        ahead of the slowest active worker (0 for a finished worker behind them).
-        Returns that lag."""
-        lag = max(0, self.clocks[self._check(worker)] - self.min_clock())
+        ahead of the slowest active worker (0 for a finished worker behind them),
+        or the ``lag`` the caller knows better (BSP: the reader's clock minus the
+        rounds applied, 0 by construction, where the slowest worker's clock message
+        may simply not have arrived yet). Returns that lag."""
+        self._check(worker)
+        lag = max(0, self.clocks[worker] - self.min_clock() if lag is None else lag)
         self._hist[lag] += 1
         return lag
 

@@ -288,12 +288,15 @@ class Server:
             return unit.applied >= h.clock
         return self.clocks.may_read(h.worker)
 
+    def _record_read(self, h, unit):
+        self.clocks.record_read(h.worker, h.clock - unit.applied if self.mode == "bsp" else None)
+
     def _pull(self, ident, h, meta, payload):
         shard = self._shard(h)
         self._catch_up(h, shard, (h.key, h.lo))
         if not self._ready(h, shard):
             return self._defer(ident, h, meta, payload)
-        self.clocks.record_read(h.worker)
+        self._record_read(h, shard)
         # A snapshot: zmq sends large frames later, from the buffer itself, and the next
         # push would change it under the send (a torn read of half-updated weights).
         self._reply(ident, h, None, shard.value.copy())
@@ -304,7 +307,7 @@ class Server:
         self._catch_up(h, table, ("table", h.key))
         if not self._ready(h, table):
             return self._defer(ident, h, meta, payload)
-        self.clocks.record_read(h.worker)
+        self._record_read(h, table)
         self._reply(ident, h, None, table.read(rows))   # fancy indexing: already a copy
 
     def _clock(self, ident, h, meta, payload):

@@ -54,7 +54,7 @@ def check(args):
         from .checkpoint import load_checkpoint
         from .tasks import build_task
         try:
-            load_checkpoint(args.resume, expect_config=build_task(args.model, seed=args.seed).config)
+            load_checkpoint(args.resume, expect_config=build_task(args.model, seed=args.seed, sparse=args.strategy == "ps").config)
         except (FileNotFoundError, ValueError) as e:
             return str(e)
     if args.algorithm and args.strategy == "allreduce" and args.algorithm not in ("direct", "ring", "tree", "naive"):

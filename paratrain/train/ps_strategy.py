@@ -24,15 +24,14 @@ class ParameterServerStep:
         self.ps = pt.ps.connect()
         hyper = {"lr": lr, **({"momentum": 0.9} if optimizer == "sgd" else {})}
         self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness, **hyper)
-        self.nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def _timed(self, fn):
-        t0 = time.perf_counter()
+        """Run a pull or push; the client's own counters give the time spent waiting
+        for servers and the bytes moved, including the embedding rows each forward
+        pulls (pt.ps.Embedding), which happen outside these calls."""
         fn()
-        dt = time.perf_counter() - t0
-        self.stats.wait_seconds += dt
-        self.stats.comm_seconds += dt
-        self.stats.bytes += self.nbytes
+        self.stats.wait_seconds = self.stats.comm_seconds = self.ps.wait_seconds
+        self.stats.bytes = self.ps.bytes_sent + self.ps.bytes_received
 
     def before_step(self):
         self._timed(self.ps.pull)
@@ -51,7 +50,7 @@ class ParameterServerStep:
         then leave: under SSP a worker that has stopped clocking must not hold back
         those still taking batches from the shared pool (coordination.py)."""
         self.ps.pull()
-        self.ps.close()
+        self.ps.leave()   # still connected: the final evaluation may read embedding rows
 
     def staleness_histogram(self):
         """{lag: reads} summed over the servers: how many clocks each read was ahead of

@@ -11,6 +11,8 @@ with different seeds are scored on the same evaluation set.
     gpt         a 0.87M-parameter GPT on the Python standard library's source; headline: eval loss
     mlp         MLP 784-512-512-10 (0.67M) on synthetic data; the small benchmark model
     mlp-large   MLP 784-3072x3-10 (21M) on the same data; the large benchmark model
+    recsys      click prediction with a 1M x 64 embedding table and Zipf ids (recsys.py); sparse rows
+                on the parameter servers with --strategy ps, a dense table otherwise
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from . import datasets
 from .models import GPT, MLP, DigitsCNN
 
-TASKS = ("digits", "gpt", "mlp", "mlp-large")
+TASKS = ("digits", "gpt", "mlp", "mlp-large", "recsys")
 
 
 @dataclass
@@ -134,8 +136,26 @@ def _mlp(name, sizes, defaults, seed):
         defaults=defaults, config={"name": name, "model": "MLP", "sizes": list(sizes)}, metric="accuracy")
 
 
-def build_task(name, seed=0):
-    """The task called name, its model initialised from seed."""
+def _recsys(seed, sparse):
+    from . import recsys
+    train, test = recsys.click_data()
+    torch.manual_seed(seed)
+    embedding = recsys.make_embedding(sparse)
+    model = recsys.ClickModel(embedding)
+    return Task(
+        name="recsys", model=model, train_set=train, eval_set=test,
+        loss=recsys.click_loss, evaluate=recsys.click_eval(test),
+        defaults={"steps": 1000, "batch_size": 64, "lr": 3e-3, "optimizer": "adam", "eval_every": 200},
+        config={"name": "recsys", "model": "ClickModel", "ids": recsys.NUM_IDS, "dim": recsys.DIM,
+                "fields": recsys.FIELDS, "sparse": bool(sparse)},
+        metric="eval_loss")
+
+
+def build_task(name, seed=0, sparse=False):
+    """The task called name, its model initialised from seed. sparse: recsys keeps its
+    embedding rows on the parameter servers (pt.ps.Embedding) instead of in the model."""
+    if name == "recsys":
+        return _recsys(seed, sparse)
     if name == "digits":
         return _digits(seed)
     if name == "gpt":

@@ -139,7 +139,7 @@ def run(args):
     compute (forward and backward, less any communication waited for inside
     backward), and the slowdown the options ask for (slowdown.py), which sleeps
     after backward and before the gradients leave, as a slower machine would."""
-    task = build_task(args.model, seed=args.seed)
+    task = build_task(args.model, seed=args.seed, sparse=args.strategy == "ps")
     P = int(os.environ.get("WORLD_SIZE", 1))
     s = Settings(task, args, P)
     strategy, me, P = make_step(task, args, s)
