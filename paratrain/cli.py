@@ -15,7 +15,8 @@ commands:
   run      start N worker processes running a script (like torchrun)
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
-  bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`
+  bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`,
+           `paratrain bench parameter-server`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -36,7 +37,7 @@ def main(argv=None):
         from .launch.serve import main as server_main
         return server_main(rest)
     if cmd == "bench":
-        benches = {"collectives": "collectives", "data-parallel": "data_parallel"}
+        benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

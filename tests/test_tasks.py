@@ -208,7 +208,7 @@ def test_build_task(name):
     loss = task.loss(task.model, batch)
     assert loss.shape == () and loss.requires_grad
     # an untrained model is at chance: loss near ln(number of classes)
-    n_out = 256 if name == "gpt" else 10
+    n_out = {"gpt": 256, "recsys": 2}.get(name, 10)   # recsys: click or not
     assert abs(loss.item() - torch.log(torch.tensor(float(n_out))).item()) < 0.3
     task.model.train()
     result = task.evaluate(task.model)
@@ -231,6 +231,23 @@ def test_mlp_eval_set_poses_the_training_problem():
     xe, ye = task.eval_set.tensors
     assert not torch.equal(x[:len(xe)], xe)
     assert linear_probe_accuracy(x, y, xe, ye, lr=0.01, steps=40) > 0.5
+
+
+def test_recsys_ids_are_zipf_and_a_batch_touches_few_rows():
+    from paratrain.ps.rows import initial_rows
+    from paratrain.train import recsys
+    task = build_task("recsys")
+    ids = task.train_set.tensors[0]
+    counts = torch.bincount(ids.reshape(-1), minlength=recsys.NUM_IDS).sort(descending=True).values
+    top = counts[:recsys.NUM_IDS // 100].sum().item() / counts.sum().item()
+    assert top > 0.5          # Zipf 1.05: the most common 1% of ids carry most of the lookups
+    assert torch.unique(ids[:64]).numel() < 64 * recsys.FIELDS   # a batch repeats hot ids
+    rows = torch.tensor([0, 12345, 999_999])   # the dense table starts where the servers' rows do
+    want = initial_rows(recsys.SEED, 0, rows.numpy(), recsys.DIM, recsys.INIT_STD)
+    assert torch.equal(task.model.emb.weight[rows].detach(), torch.from_numpy(want))
+    sparse = build_task("recsys", sparse=True)
+    assert sparse.model.emb.num_embeddings == recsys.NUM_IDS and sparse.config["sparse"]
+    assert sum(p.numel() for p in sparse.model.parameters()) < 50_000   # the table is not in the process
 
 
 def test_unknown_task_names_choices():

@@ -1,0 +1,235 @@
+"""The parameter server beside all-reduce, and BSP beside ASP and SSP.
+
+    paratrain bench parameter-server [--tables 1,2,3] [--quick]
+    python benchmarks/parameter_server.py            (the same)
+
+Every row is a real ``paratrain train`` run (the same command a user types),
+started from here one after another and read back from its summary.json and
+metrics.jsonl, so what is measured is what users get:
+
+1. dense MLP (``--model mlp``, 2 workers): parameter server (BSP, 1 and 2
+   servers) against data parallelism over all-reduce: samples/s. Dense models
+   are all-reduce's home ground; the target is the PS within 30%.
+2. recommendation model (``--model recsys``: a 1M x 64 embedding table, Zipf
+   ids, 2 workers): the PS with sparse rows against all-reduce of the dense
+   table: samples/s and bytes moved per step per worker. Targets: >= 5x the
+   samples/s, >= 50x fewer bytes.
+3. the character-level GPT (``--model gpt``, 3 workers), BSP vs ASP vs
+   SSP(s=1,3,8), once with ``--jitter 0.3:3`` and once with ``--straggler
+   1:3``: samples/s, final evaluation loss, and the time until the training
+   loss (a 20-step moving average of rank 0's) first reaches a fixed target.
+   Theory (the issue's): with jitter BSP's step is 2.31 compute units, a
+   worker's mean 1.6, so enough slack approaches 1.44x BSP; with the straggler
+   ASP approaches 2.33x BSP and SSP stays near BSP.
+
+Writes benchmarks/results/parameter_server.json and parameter_server.png
+(loss against time for table 3).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+MODES = [("bsp", []), ("asp", []), ("ssp s=1", ["--staleness", "1"]), ("ssp s=3", ["--staleness", "3"]),
+         ("ssp s=8", ["--staleness", "8"])]
+SLOWDOWNS = [("jitter 0.3:3", ["--jitter", "0.3:3"]), ("straggler 1:3", ["--straggler", "1:3"])]
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="paratrain bench parameter-server",
+                                description="parameter server vs all-reduce; BSP vs ASP vs SSP (real training runs)")
+    p.add_argument("--tables", default="1,2,3", help="which of the three tables to run (default all)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration in tables 1-2 (median; default 2)")
+    p.add_argument("--gpt-steps", type=int, default=200, help="table 3: --steps (batches per worker; default 200)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="table 3: the training loss to time (default: BSP's final smoothed loss + 5%%)")
+    p.add_argument("--quick", action="store_true", help="few steps everywhere (a smoke test of the script)")
+    p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before one run is stopped")
+    return p
+
+
+def train(args, runs, *flags):
+    """One ``paratrain train`` run; returns (summary dict, [(time, loss), ...] of rank 0)."""
+    before = set(os.listdir(runs)) if os.path.isdir(runs) else set()
+    cmd = [sys.executable, "-m", "paratrain", "train", "--runs", runs, *flags]
+    print(f"[bench] paratrain train {' '.join(flags)}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    run_dir, = set(os.listdir(runs)) - before
+    with open(os.path.join(runs, run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(runs, run_dir, "metrics.jsonl")) as f:
+        curve = [(r["time"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+    summary["wall_s"] = time.perf_counter() - t0
+    return summary, curve
+
+
+def smoothed(curve, window=20):
+    out, acc = [], []
+    for t, loss in curve:
+        acc.append(loss)
+        acc = acc[-window:]
+        out.append((t, sum(acc) / len(acc)))
+    return out
+
+
+def time_to(curve, target):
+    """When the smoothed loss first reached ``target`` (None if never)."""
+    return next((t for t, loss in smoothed(curve) if loss <= target), None)
+
+
+def per_step_bytes(s):
+    return s["bytes_communicated"] / max(1, s.get("steps_done_by_rank0", s["steps"]))
+
+
+def table_dense(args, runs):
+    steps = "20" if args.quick else "300"
+    configs = [("all-reduce", ["--strategy", "allreduce"]),
+               ("ps bsp, 1 server", ["--strategy", "ps", "--servers", "1"]),
+               ("ps bsp, 2 servers", ["--strategy", "ps", "--servers", "2"])]
+    rows = {}
+    for r in range(args.repeats):   # alternate the configurations, so drift hits them alike
+        for name, flags in configs:
+            s, _ = train(args, runs, "--model", "mlp", "--workers", "2", "--steps", steps, "--eval-every", steps,
+                         *flags)
+            rows.setdefault(name, []).append(s["samples_per_s"])
+    base = statistics.median(rows["all-reduce"])
+    return [{"config": n, "samples_per_s": statistics.median(v), "runs": v,
+             "vs_allreduce": statistics.median(v) / base} for n, v in rows.items()]
+
+
+def table_sparse(args, runs):
+    configs = [("all-reduce, dense table", ["--strategy", "allreduce"], "4" if args.quick else "30"),
+               ("ps, sparse rows, 1 server", ["--strategy", "ps", "--servers", "1"], "20" if args.quick else "300"),
+               ("ps, sparse rows, 2 servers", ["--strategy", "ps", "--servers", "2"], "20" if args.quick else "300")]
+    rows = {}
+    for r in range(args.repeats):
+        for name, flags, steps in configs:
+            s, _ = train(args, runs, "--model", "recsys", "--workers", "2", "--steps", steps, "--eval-every", steps,
+                         *flags)
+            rows.setdefault(name, []).append((s["samples_per_s"], s["bytes_communicated"] / s["steps"], s))
+    base = rows["all-reduce, dense table"]
+    base_sps = statistics.median(v[0] for v in base)
+    base_bytes = statistics.median(v[1] for v in base)
+    out = []
+    for n, v in rows.items():
+        sps, nbytes = statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)
+        out.append({"config": n, "samples_per_s": sps, "bytes_per_step": nbytes, "vs_allreduce": sps / base_sps,
+                    "fewer_bytes": base_bytes / nbytes if nbytes else float("inf"),
+                    "eval_loss": v[-1][2].get("eval_loss")})
+    return out
+
+
+def table_consistency(args, runs):
+    steps = str(20 if args.quick else args.gpt_steps)
+    out, curves = [], {}
+    for slow_name, slow in SLOWDOWNS:
+        results = {}
+        for mode, extra in MODES:
+            flags = ["--model", "gpt", "--workers", "3", "--strategy", "ps", "--servers", "1", "--steps", steps,
+                     "--eval-every", steps, "--consistency", mode.split()[0], *extra, *slow]
+            results[mode] = train(args, runs, *flags)
+            curves[f"{slow_name} / {mode}"] = results[mode][1]
+        bsp_summary, bsp_curve = results["bsp"]
+        target = args.target_loss or smoothed(bsp_curve)[-1][1] * 1.05
+        for mode, (s, curve) in results.items():
+            out.append({"slowdown": slow_name, "mode": mode, "samples_per_s": s["samples_per_s"],
+                        "vs_bsp": s["samples_per_s"] / bsp_summary["samples_per_s"],
+                        "final_eval_loss": s.get("eval_loss"), "final_train_loss": smoothed(curve)[-1][1],
+                        "loss_vs_bsp": (s.get("eval_loss") or 0) / (bsp_summary.get("eval_loss") or 1) - 1,
+                        "target_loss": target, "time_to_target_s": time_to(curve, target),
+                        "shares": s.get("worker_shares") or s.get("shares")})
+    return out, curves
+
+
+def render(results):
+    from rich.console import Console
+    from rich.table import Table
+    console = Console(width=140)
+    if "dense" in results:
+        t = Table(title="(1) dense MLP 784-512-512-10, 2 workers: parameter server vs all-reduce")
+        for c in ("configuration", "samples/s", "vs all-reduce", "target"):
+            t.add_column(c)
+        for r in results["dense"]:
+            t.add_row(r["config"], f"{r['samples_per_s']:,.0f}", f"{r['vs_allreduce']:.2f}x",
+                      "" if r["config"] == "all-reduce" else ">= 0.70x")
+        console.print(t)
+    if "sparse" in results:
+        t = Table(title="(2) recsys: 1M x 64 embedding table, Zipf ids, 2 workers")
+        for c in ("configuration", "samples/s", "vs all-reduce", "bytes/step/worker", "fewer bytes", "target"):
+            t.add_column(c)
+        for r in results["sparse"]:
+            dense = r["config"].startswith("all-reduce")
+            t.add_row(r["config"], f"{r['samples_per_s']:,.0f}", f"{r['vs_allreduce']:.1f}x",
+                      f"{r['bytes_per_step'] / 1e6:,.3f} MB", f"{r['fewer_bytes']:,.0f}x",
+                      "" if dense else ">= 5x, >= 50x")
+        console.print(t)
+    if "consistency" in results:
+        t = Table(title="(3) gpt, 3 workers, 1 server: BSP vs ASP vs SSP under slow workers")
+        for c in ("slowdown", "mode", "samples/s", "vs BSP", "eval loss", "vs BSP loss", "time to target", "shares"):
+            t.add_column(c)
+        for r in results["consistency"]:
+            tt = r["time_to_target_s"]
+            t.add_row(r["slowdown"], r["mode"], f"{r['samples_per_s']:,.0f}", f"{r['vs_bsp']:.2f}x",
+                      f"{r['final_eval_loss']:.3f}" if r["final_eval_loss"] else "-", f"{r['loss_vs_bsp']:+.1%}",
+                      f"{tt:.1f} s (loss {r['target_loss']:.2f})" if tt is not None else "not reached",
+                      str(r["shares"]) if r["shares"] else "")
+        console.print(t)
+
+
+def plot(path, curves):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, (slow_name, _) in zip(axes, SLOWDOWNS):
+        for name, curve in curves.items():
+            if name.startswith(slow_name):
+                pts = smoothed(curve)
+                ax.plot([t for t, _ in pts], [loss for _, loss in pts], label=name.split(" / ")[1])
+        ax.set_title(f"gpt, 3 workers, {slow_name}")
+        ax.set_xlabel("seconds")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("training loss (20-step moving average, rank 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    tables = {t.strip() for t in args.tables.split(",")}
+    if args.quick:
+        args.repeats = 1
+    results, curves = {}, {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-ps-bench-") as runs:
+        if "1" in tables:
+            results["dense"] = table_dense(args, runs)
+        if "2" in tables:
+            results["sparse"] = table_sparse(args, runs)
+        if "3" in tables:
+            results["consistency"], curves = table_consistency(args, runs)
+    render(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "parameter_server_quick" if args.quick else "parameter_server"
+    if curves:
+        results["plot"] = plot(str(out / f"{name}.png"), curves)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / (name + '.json')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
