@@ -28,9 +28,13 @@ def test_bsp_one_worker_equals_plain_training_step_for_step(optimizer):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("workers,servers,optimizer", [(2, 2, "sgd"), (3, 2, "adam")])
-def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer):
-    res = launch(workers, "ps_train.py", "bsp", "--optimizer", optimizer, launcher_args=["--servers", str(servers)])
+@pytest.mark.parametrize("workers,servers,optimizer,transport", [(2, 2, "sgd", "shm"), (3, 2, "adam", "shm"),
+                                                                 (2, 2, "adam", "tcp")])
+def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer, transport):
+    """Through the same-host shared segments (the default) and over TCP alone (shared.py)."""
+    res = launch(workers, "ps_train.py", "bsp", "--optimizer", optimizer, launcher_args=["--servers", str(servers)],
+                 env={"PARATRAIN_PS_SHM": "1" if transport == "shm" else "0"})
+    assert res.stdout.count(f"transport {transport}") == workers, res.stdout[-2000:]
     _passed(res, workers, "bsp")
     assert "parameter servers: 2" in res.stdout  # the placement is printed
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..comm.errors import CommTimeout
-from . import sharding, wire
+from . import shared, sharding, wire
 from .wire import Op
 
 CONSISTENCY = ("bsp", "asp", "ssp")
@@ -76,6 +76,8 @@ class Client:
         self.params = None
         self.placement = None
         self.tables = []        # the model's pt.ps.Embedding modules, in registration order
+        self.regions = [None] * len(addrs)   # shared.Regions per server on this host (the fast path), or None
+        self.offsets = {}       # (key, lo) -> the piece's place in its server's regions
         self._closed = self._left = False
         atexit.register(self.close)
 
@@ -90,9 +92,32 @@ class Client:
         if not reply:   # a clock: if the connection is down it is lost, and the next request's clock says it
             self._try_send(server, frames)
             return
-        entry = [frames, False]
+        self._track(server, op, key, lo, frames)
+
+    def _track(self, server, op, key, lo, frames, rebuild=None):
+        entry = [frames, False, rebuild]
         self.outstanding[(server, int(op), key, lo)] = entry
         entry[1] = self._try_send(server, frames)
+
+    def _send_shared(self, server, op):
+        """A push or pull of every piece this worker has on ``server``, through the
+        server's shared segment (shared.py): one header, no payload."""
+        def build():
+            r = self.regions[server]
+            if op == Op.PUSH:   # the gradients into this worker's push region first
+                for pc in self.placement[server]:
+                    np.copyto(r.push(self.worker, self.offsets[(pc.key, pc.lo)], pc.hi - pc.lo), self._grad(pc))
+            h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, flags=shared.FLAG_SHM,
+                            token=self.token)
+            return wire.encode(h, {"shm": r.name})
+        self._track(server, op, -1, 0, build(), build)
+        return (server, int(op), -1, 0)
+
+    def _grad(self, pc):
+        p = self.params[pc.key]
+        if p.grad is None:
+            return np.zeros(pc.hi - pc.lo, np.float32)
+        return self._flat(pc.key, grad=True)[pc.lo:pc.hi]
 
     def _try_send(self, server, frames):
         import zmq
@@ -149,6 +174,13 @@ class Client:
                     if h.op == Op.ERROR and h.flags == 0:   # the server could not even read the request
                         raise PSError(meta.get("error", "unknown error"))
                     continue   # the answer to a request already answered (sent twice around a reconnection)
+                entry = self.outstanding[request]
+                if h.op == Op.ERROR and entry[2] and meta.get("shm"):
+                    # a restarted server, with a new segment: map it and send the request again
+                    self.regions[server] = shared.attach(meta["shm"], self.workers)
+                    if self.regions[server] is not None:
+                        entry[0], entry[1] = entry[2](), False
+                        continue
                 del self.outstanding[request]
                 if h.op == Op.ERROR:
                     raise PSError(meta.get("error", "unknown error"))
@@ -200,7 +232,13 @@ class Client:
                     np.zeros(0, np.float32)
             requests.append((s, Op.REGISTER, -1, 0, 0, dict(meta, pieces=[[pc.key, pc.lo, pc.hi] for pc in mine]),
                              payload))
-        self._request(requests, "register")
+            at = 0
+            for pc in mine:   # the server lays its shards out in this order (server.initialise)
+                self.offsets[(pc.key, pc.lo)] = at
+                at += pc.hi - pc.lo
+        got = self._request(requests, "register")
+        for (s, *_), (_, reply, _) in got.items():
+            self.regions[s] = shared.attach(reply.get("shm"), self.workers)
 
     def _flat(self, key, grad=False):
         t = self.params[key].grad if grad else self.params[key].detach()
@@ -214,11 +252,23 @@ class Client:
         """Copy the servers' current weights into the model (waits as the consistency model says).
         Embedding rows are not pulled here but by each forward, for its batch's rows."""
         self._check_registered()
-        got = self._request([(s, Op.PULL, pc.key, pc.lo, pc.hi, None, None)
-                             for s, mine in enumerate(self.placement) for pc in mine], "pull")
+        expected = set()
+        for s, mine in enumerate(self.placement):
+            if self.regions[s] is not None and mine:
+                expected.add(self._send_shared(s, Op.PULL))
+                continue
+            for pc in mine:
+                self._send(s, Op.PULL, pc.key, pc.lo, pc.hi)
+                expected.add((s, int(Op.PULL), pc.key, pc.lo))
+        got = self._collect(expected, "pull")
         with torch.no_grad():
             for (s, _, key, lo), (h, _, payload) in got.items():
-                self._flat(key)[lo:h.hi] = np.frombuffer(payload, dtype=np.float32)
+                if key >= 0:
+                    self._flat(key)[lo:h.hi] = np.frombuffer(payload, dtype=np.float32)
+                    continue
+                r = self.regions[s]   # every piece, from this worker's pull region of the server's segment
+                for pc in self.placement[s]:
+                    self._flat(pc.key)[pc.lo:pc.hi] = r.pull(self.worker, self.offsets[(pc.key, pc.lo)], pc.hi - pc.lo)
 
     def push(self, model=None):
         """Send this worker's gradients (parameters without a gradient send zeros), and the
@@ -226,17 +276,22 @@ class Client:
         table goes to every server, with no rows if it touched none there, so that a BSP
         round knows this worker is done with it)."""
         self._check_registered()
-        requests = []
+        expected = set()
         for s, mine in enumerate(self.placement):
+            if self.regions[s] is not None and mine:
+                expected.add(self._send_shared(s, Op.PUSH))
+                continue
             for pc in mine:
-                p = self.params[pc.key]
-                g = self._flat(pc.key, grad=True)[pc.lo:pc.hi] if p.grad is not None else \
-                    np.zeros(pc.hi - pc.lo, np.float32)
-                requests.append((s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(g)))
+                self._send(s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(self._grad(pc)))
+                expected.add((s, int(Op.PUSH), pc.key, pc.lo))
+        requests = []
         for table in self.tables:
             rows, grads = table.take_gradients()
             requests += self._row_requests(Op.PUSH_ROWS, table.key, rows, grads)
-        self._request(requests, "push")
+        for server, op, key, lo, hi, meta, payload in requests:
+            self._send(server, op, key, lo, hi, meta, payload)
+            expected.add((server, int(op), key, lo))
+        self._collect(expected, "push")
 
     def _row_requests(self, op, key, rows, grads=None):
         S = len(self.socks)

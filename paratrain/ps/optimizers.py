@@ -206,7 +206,9 @@ class SGD(_ShardOptimizer):
             first = "momentum_buffer" not in self.state
             buf, = self._arrays(param.size)
             g = self._direction(g, buf, first)
-        param -= F32(self.lr) * g
+        if getattr(self, "_scratch", None) is None or self._scratch.shape != param.shape:
+            self._scratch = np.empty_like(param)   # lr x direction, without a fresh temporary per step
+        param -= np.multiply(g, F32(self.lr), out=self._scratch)
         self.steps += 1
 
     def step_rows(self, param2d, rows, grad_rows):

@@ -146,6 +146,7 @@ def main():
         globals()[args.mode](ps, me, workers, args.optimizer)
     else:
         globals()[args.mode](ps, me, workers)
+    print(f"transport {'shm' if all(r is not None for r in ps.regions) else 'tcp'}")
     ps.close()
     print(f"ps {args.mode} passed")
 

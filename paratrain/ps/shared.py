@@ -1,0 +1,103 @@
+"""The same-host fast path: dense pushes and pulls through shared memory.
+
+ZeroMQ over TCP loopback moves about 1.6-1.9 GB/s here (a 2.7 MB round trip
+takes 2.9 ms, measured with pyzmq alone), and each byte is copied by the
+kernel twice. When a worker and a server share a host, the tensor bytes need
+not travel through a socket at all: the server maps one segment with two
+regions per worker, and
+
+- push: the worker copies its gradient into its *push* region and sends a
+  header without payload; the server reads the gradient there (summing or
+  applying it) before it replies, and the worker does not write the region
+  again until that reply;
+- pull: the server copies the shard into the worker's *pull* region and
+  replies without payload; the worker copies it out before its next request.
+
+Each region belongs to one worker and is written by one side at a time, with
+the ZeroMQ request/reply as the hand-over, so no read is torn. ZeroMQ still
+carries every header (ordering, errors, the consistency rules are unchanged);
+only the payload moves. BytePS does the same for servers co-located with
+workers (Jiang et al., "A Unified Architecture for Accelerating Distributed
+DNN Training in Heterogeneous GPU/CPU Clusters", OSDI 2020, sec. 6).
+
+The worker decides: the server's registration reply names the segment and
+its host; a worker on the same host (same hostname and boot id) that can map
+it uses it. A restarted server has a new segment; a request naming the old
+one is answered with an error asking for TCP, and the worker falls back.
+The name is unlinked once every worker has used it (or at the server's exit;
+the launcher sweeps ``/dev/shm/paratrain-<job>-*`` too).
+"""
+import itertools
+import os
+import socket
+
+import numpy as np
+
+from ..comm.shm import segment
+
+FLAG_SHM = 1   # request header flags: the payload is in the shared segment
+_serial = itertools.count()   # several servers in one process (tests) get distinct names
+
+
+def host_id():
+    """This machine: hostname and kernel boot id (two containers may share a name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Regions:
+    """``workers`` x (push, pull) regions of ``total`` float32 each."""
+
+    def __init__(self, mm, workers, total):
+        self.mm, self.workers, self.total = mm, workers, total
+        self.array = np.frombuffer(mm, dtype=np.float32, count=2 * workers * total)
+
+    def push(self, worker, offset, n):
+        at = 2 * worker * self.total + offset
+        return self.array[at:at + n]
+
+    def pull(self, worker, offset, n):
+        at = (2 * worker + 1) * self.total + offset
+        return self.array[at:at + n]
+
+    @staticmethod
+    def nbytes(workers, total):
+        return max(4, 2 * workers * total * 4)
+
+
+class ServerRegions(Regions):
+    """The server's segment; its name is removed once every worker has used it."""
+
+    def __init__(self, index, workers, total):
+        job = os.environ.get("PARATRAIN_JOB_ID", "ps")
+        self.name = f"{job}-ps{index}-{os.getpid()}-{next(_serial)}"
+        self.path, mm = segment.create(self.name, self.nbytes(workers, total))
+        super().__init__(mm, workers, total)
+        self.users = set()
+
+    def used_by(self, worker):
+        self.users.add(worker)
+        if len(self.users) == self.workers and self.path:
+            segment.unlink(self.path)   # every worker has it mapped: nothing can leak any more
+            self.path = None
+
+    def describe(self):
+        return {"name": self.name, "host": host_id(), "total": self.total}
+
+
+def attach(info, workers):
+    """The worker's view of a server's segment, or None when it is on another host
+    or cannot be mapped (then the worker uses TCP)."""
+    if not info or info.get("host") != host_id():
+        return None
+    try:
+        mm = segment.attach(info["name"], Regions.nbytes(workers, int(info["total"])))
+    except (OSError, ValueError):
+        return None
+    regions = Regions(mm, workers, int(info["total"]))
+    regions.name = info["name"]
+    return regions
