@@ -28,12 +28,15 @@ def test_bsp_one_worker_equals_plain_training_step_for_step(optimizer):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("workers,servers,optimizer,transport", [(2, 2, "sgd", "shm"), (3, 2, "adam", "shm"),
+@pytest.mark.parametrize("workers,servers,optimizer,transport", [(2, 2, "sgd", "shm"), (3, 2, "adam", "shm-step"),
                                                                  (2, 2, "adam", "tcp")])
 def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer, transport):
-    """Through the same-host shared segments (the default) and over TCP alone (shared.py)."""
+    """Through the same-host shared segments (the default), with ps.step() (push, clock and
+    pull in one request), and over TCP alone (shared.py)."""
     res = launch(workers, "ps_train.py", "bsp", "--optimizer", optimizer, launcher_args=["--servers", str(servers)],
-                 env={"PARATRAIN_PS_SHM": "1" if transport == "shm" else "0"})
+                 env={"PARATRAIN_PS_SHM": "0" if transport == "tcp" else "1",
+                      "PS_TRAIN_STEP": "1" if transport == "shm-step" else "0"})
+    transport = transport.split("-")[0]
     assert res.stdout.count(f"transport {transport}") == workers, res.stdout[-2000:]
     _passed(res, workers, "bsp")
     assert "parameter servers: 2" in res.stdout  # the placement is printed
@@ -41,7 +44,7 @@ def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer, tr
 
 @pytest.mark.timeout(150)
 def test_ssp_never_serves_a_read_more_than_s_clocks_ahead():
-    res = launch(3, "ps_train.py", "ssp", launcher_args=["--servers", "2"])
+    res = launch(3, "ps_train.py", "ssp", launcher_args=["--servers", "2"], env={"PS_TRAIN_STEP": "1"})
     _passed(res, 3, "ssp")
     assert "staleness histogram" in res.stdout
 

@@ -99,16 +99,18 @@ class Client:
         self.outstanding[(server, int(op), key, lo)] = entry
         entry[1] = self._try_send(server, frames)
 
-    def _send_shared(self, server, op):
+    def _send_shared(self, server, op, step=False):
         """A push or pull of every piece this worker has on ``server``, through the
-        server's shared segment (shared.py): one header, no payload."""
+        server's shared segment (shared.py): one header, no payload. ``step``: a push
+        that also clocks and pulls the next clock's weights (step())."""
         def build():
             r = self.regions[server]
             if op == Op.PUSH:   # the gradients into this worker's push region first
                 for pc in self.placement[server]:
                     np.copyto(r.push(self.worker, self.offsets[(pc.key, pc.lo)], pc.hi - pc.lo), self._grad(pc))
-            h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, flags=shared.FLAG_SHM,
-                            token=self.token)
+                    self.bytes_sent += (pc.hi - pc.lo) * 4   # moved through shared memory, but moved
+            h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, token=self.token,
+                            flags=shared.FLAG_SHM | (shared.FLAG_STEP if step else 0))
             return wire.encode(h, {"shm": r.name})
         self._track(server, op, -1, 0, build(), build)
         return (server, int(op), -1, 0)
@@ -260,15 +262,44 @@ class Client:
             for pc in mine:
                 self._send(s, Op.PULL, pc.key, pc.lo, pc.hi)
                 expected.add((s, int(Op.PULL), pc.key, pc.lo))
-        got = self._collect(expected, "pull")
+        self._copy_in(self._collect(expected, "pull"))
+
+    def _copy_in(self, got):
+        """The weights of pull replies into the parameters: from the payload, or for a
+        request through the shared segment, every piece from this worker's pull region."""
         with torch.no_grad():
-            for (s, _, key, lo), (h, _, payload) in got.items():
-                if key >= 0:
-                    self._flat(key)[lo:h.hi] = np.frombuffer(payload, dtype=np.float32)
+            for (s, op, key, lo), (h, _, payload) in got.items():
+                if op not in (Op.PULL, Op.PUSH):
                     continue
-                r = self.regions[s]   # every piece, from this worker's pull region of the server's segment
+                if key >= 0:
+                    if op == Op.PULL:
+                        self._flat(key)[lo:h.hi] = np.frombuffer(payload, dtype=np.float32)
+                    continue
+                r = self.regions[s]
                 for pc in self.placement[s]:
                     self._flat(pc.key)[pc.lo:pc.hi] = r.pull(self.worker, self.offsets[(pc.key, pc.lo)], pc.hi - pc.lo)
+                    self.bytes_received += (pc.hi - pc.lo) * 4
+
+    def step(self, model=None):
+        """``push(); clock(); pull()`` as one request per server where every server shares
+        this host (shared.py): the reply is the next clock's weights, sent when the
+        consistency model allows. Elsewhere it is exactly those three calls."""
+        self._check_registered()
+        if not all(r is not None and mine for r, mine in zip(self.regions, self.placement)):
+            self.push()
+            self.clock()
+            return self.pull()
+        expected = set()
+        for table in self.tables:   # rows first: one connection delivers in order, so they precede the clock
+            rows, grads = table.take_gradients()
+            for server, op, key, lo, hi, meta, payload in self._row_requests(Op.PUSH_ROWS, table.key, rows, grads):
+                self._send(server, op, key, lo, hi, meta, payload)
+                expected.add((server, int(op), key, lo))
+        for s in range(len(self.socks)):
+            expected.add(self._send_shared(s, Op.PUSH, step=True))
+        got = self._collect(expected, "step")
+        self.clock_value += 1
+        self._copy_in(got)
 
     def push(self, model=None):
         """Send this worker's gradients (parameters without a gradient send zeros), and the

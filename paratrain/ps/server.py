@@ -39,6 +39,7 @@ server *resynchronises* instead of judging: a BSP request from a clock ahead
 of a shard moves the shard forward to it (the rounds in between are the lost
 updates) and a push for a round already passed is acknowledged and dropped.
 """
+import dataclasses
 import os
 import signal
 import sys
@@ -282,6 +283,12 @@ class Server:
             if grad.size != shard.hi - shard.lo:
                 raise ValueError(f"push of {grad.size} values for a shard of {shard.hi - shard.lo}")
             self._push_one(h, shard, grad)
+        if h.flags & shared.FLAG_STEP and h.flags & shared.FLAG_SHM:
+            # push, clock, pull in one request: the answer is the next clock's weights, sent as
+            # soon as the consistency model allows (a BSP round: once every worker pushed),
+            # which saves the worker a round trip and the server a message per step
+            self._clock(ident, h, meta, payload)
+            return self._pull(ident, dataclasses.replace(h, clock=h.clock + 1), meta, payload)
         self._reply(ident, h)
         self._retry()
 
@@ -417,8 +424,8 @@ class Server:
 
     def handle_deferred(self, ident, h, meta, payload, deadline):
         before = len(self.deferred)
-        {Op.REGISTER: self._register, Op.PULL: self._pull, Op.PULL_ROWS: self._pull_rows}[h.op](
-            ident, h, meta, payload)
+        {Op.REGISTER: self._register, Op.PULL: self._pull, Op.PULL_ROWS: self._pull_rows,
+         Op.PUSH: self._pull}[h.op](ident, h, meta, payload)   # (a PUSH waits only as a step's pull)
         if len(self.deferred) > before:
             self.deferred[-1][0] = deadline  # still waiting: keep its original deadline
 

@@ -36,6 +36,7 @@ import numpy as np
 from ..comm.shm import segment
 
 FLAG_SHM = 1   # request header flags: the payload is in the shared segment
+FLAG_STEP = 2  # a PUSH that also clocks and then pulls (the worker's whole step: Client.step)
 _serial = itertools.count()   # several servers in one process (tests) get distinct names
 
 

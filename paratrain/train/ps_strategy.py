@@ -24,6 +24,7 @@ class ParameterServerStep:
         self.ps = pt.ps.connect()
         hyper = {"lr": lr, **({"momentum": 0.9} if optimizer == "sgd" else {})}
         self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness, **hyper)
+        self.pulled = False
 
     def _timed(self, fn):
         """Run a pull or push; the client's own counters give the time spent waiting
@@ -34,12 +35,16 @@ class ParameterServerStep:
         self.stats.bytes = self.ps.bytes_sent + self.ps.bytes_received
 
     def before_step(self):
-        self._timed(self.ps.pull)
+        if not self.pulled:   # the first step; afterwards step() has brought the weights
+            self._timed(self.ps.pull)
+        self.pulled = False
         self.model.zero_grad(set_to_none=False)
 
     def after_backward(self):
-        self._timed(self.ps.push)
-        self.ps.clock()
+        """Push, clock, and pull the next step's weights, as one request per server on
+        this host (Client.step): the reply comes when the consistency model allows."""
+        self._timed(self.ps.step)
+        self.pulled = True
         self.stats.allreduces += 1
 
     def logged_loss(self, loss):
@@ -49,7 +54,8 @@ class ParameterServerStep:
         """The final weights into the model (for the last evaluation and the checkpoint),
         then leave: under SSP a worker that has stopped clocking must not hold back
         those still taking batches from the shared pool (coordination.py)."""
-        self.ps.pull()
+        if not self.pulled:   # (the last step() brought them already)
+            self.ps.pull()
         self.ps.leave()   # still connected: the final evaluation may read embedding rows
 
     def staleness_histogram(self):

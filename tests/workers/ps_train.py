@@ -7,6 +7,7 @@ started by `paratrain run --servers S -n W`.
   asp     ASP with worker 1 paused at the start: worker 0 finishes all its steps before worker 1 takes one
 """
 import argparse
+import os
 import sys
 import time
 
@@ -57,15 +58,23 @@ def close(a, b, what, tol=1e-5):
 
 
 def steps(ps, model, n, me, workers, on_step=None):
-    for step in range(n):
+    """n steps; with PS_TRAIN_STEP=1 through ps.step() (push, clock and pull in one request)."""
+    combined = os.environ.get("PS_TRAIN_STEP") == "1"
+    if combined:
         ps.pull(model)
+    for step in range(n):
+        if not combined:
+            ps.pull(model)
         if on_step:
             on_step(step)
         x, y = data(step, BATCH * workers)
         model.zero_grad()
         F.cross_entropy(model(x[me * BATCH:(me + 1) * BATCH]), y[me * BATCH:(me + 1) * BATCH]).backward()
-        ps.push(model)
-        ps.clock()
+        if combined:
+            ps.step(model)
+        else:
+            ps.push(model)
+            ps.clock()
     ps.pull(model)
 
 
