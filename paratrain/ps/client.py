@@ -214,6 +214,7 @@ class Client:
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {n} is {p.dtype}; the parameter server keeps float32 parameters")
         self.params = [p for _, p in named]
+        self.mode = consistency
         self.tables = [m for m in model.modules() if isinstance(m, Embedding)]
         for key, table in enumerate(self.tables):
             table.attach(self, key)
@@ -277,7 +278,9 @@ class Client:
                     continue
                 r = self.regions[s]
                 for pc in self.placement[s]:
-                    self._flat(pc.key)[pc.lo:pc.hi] = r.pull(self.worker, self.offsets[(pc.key, pc.lo)], pc.hi - pc.lo)
+                    n = pc.hi - pc.lo
+                    at = self.offsets[(pc.key, pc.lo)]
+                    self._flat(pc.key)[pc.lo:pc.hi] = r.values(at, n) if self.mode == "bsp" else r.pull(self.worker, at, n)
                     self.bytes_received += (pc.hi - pc.lo) * 4
 
     def step(self, model=None):

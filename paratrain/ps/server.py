@@ -216,6 +216,11 @@ class Server:
             at += n
         if at and os.environ.get("PARATRAIN_PS_SHM", "1") != "0":
             self.regions = shared.ServerRegions(self.index, self.workers, at)
+            if self.mode == "bsp":   # the shards live in the segment: pulls copy nothing here (shared.py)
+                for (key, lo), shard in self.shards.items():
+                    view = self.regions.values(self.offsets[(key, lo)], shard.hi - shard.lo)
+                    np.copyto(view, shard.value)
+                    shard.value = view
         if quiet:
             return
         print(f"{len(pieces)} shards, {values.nbytes / 1e6:.2f} MB, "
@@ -345,9 +350,10 @@ class Server:
         for shard in shards:
             self._record_read(h, shard)
         if via_shm:
-            for shard in shards:
-                np.copyto(self.regions.pull(h.worker, self.offsets[(shard.key, shard.lo)], shard.hi - shard.lo),
-                          shard.value)
+            if self.mode != "bsp":   # (BSP: the worker reads the values region itself)
+                for shard in shards:
+                    np.copyto(self.regions.pull(h.worker, self.offsets[(shard.key, shard.lo)], shard.hi - shard.lo),
+                              shard.value)
             return self._reply(ident, h)
         # A snapshot: zmq sends large frames later, from the buffer itself, and the next
         # push would change it under the send (a torn read of half-updated weights).

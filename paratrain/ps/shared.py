@@ -12,6 +12,10 @@ regions per worker, and
   again until that reply;
 - pull: the server copies the shard into the worker's *pull* region and
   replies without payload; the worker copies it out before its next request.
+  Under BSP the shards themselves live in the segment (its *values* region)
+  and a pull copies nothing on the server: the weights change only when a
+  round is complete, i.e. once every worker has pushed, and a worker pushes
+  only after it has copied them out.
 
 Each region belongs to one worker and is written by one side at a time, with
 the ZeroMQ request/reply as the hand-over, so no read is torn. ZeroMQ still
@@ -51,23 +55,26 @@ def host_id():
 
 
 class Regions:
-    """``workers`` x (push, pull) regions of ``total`` float32 each."""
+    """A values region, then ``workers`` x (push, pull) regions, ``total`` float32 each."""
 
     def __init__(self, mm, workers, total):
         self.mm, self.workers, self.total = mm, workers, total
-        self.array = np.frombuffer(mm, dtype=np.float32, count=2 * workers * total)
+        self.array = np.frombuffer(mm, dtype=np.float32, count=(1 + 2 * workers) * total)
+
+    def values(self, offset, n):
+        return self.array[offset:offset + n]
 
     def push(self, worker, offset, n):
-        at = 2 * worker * self.total + offset
+        at = (1 + 2 * worker) * self.total + offset
         return self.array[at:at + n]
 
     def pull(self, worker, offset, n):
-        at = (2 * worker + 1) * self.total + offset
+        at = (2 + 2 * worker) * self.total + offset
         return self.array[at:at + n]
 
     @staticmethod
     def nbytes(workers, total):
-        return max(4, 2 * workers * total * 4)
+        return max(4, (1 + 2 * workers) * total * 4)
 
 
 class ServerRegions(Regions):
