@@ -136,7 +136,10 @@ def test_bsp_embedding_with_two_workers_averages_their_row_gradients(servers):
     addrs = servers(2)
     a, b = _batches(6, 50, seed=1), _batches(6, 50, seed=2)
     out = {}
-    threads = [threading.Thread(target=lambda w, bs: out.__setitem__(w, _train_ps(addrs, "sgd", {"lr": 0.5}, bs, 2, w)),
+    # the models are built here: TinyRecommender seeds torch's global generator, which threads share
+    models = [TinyRecommender(pt.ps.Embedding(50, 8, std=0.5, seed=3)) for _ in range(2)]
+    threads = [threading.Thread(target=lambda w, bs: out.__setitem__(w, _train_ps(addrs, "sgd", {"lr": 0.5}, bs, 2, w,
+                                                                                  model=models[w])),
                                 args=(w, bs)) for w, bs in ((0, a), (1, b))]
     for t in threads:
         t.start()

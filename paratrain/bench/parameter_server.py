@@ -147,7 +147,8 @@ def table_consistency(args, runs):
                         "final_eval_loss": s.get("eval_loss"), "final_train_loss": smoothed(curve)[-1][1],
                         "loss_vs_bsp": (s.get("eval_loss") or 0) / (bsp_summary.get("eval_loss") or 1) - 1,
                         "target_loss": target, "time_to_target_s": time_to(curve, target),
-                        "shares": s.get("worker_shares") or s.get("shares")})
+                        "shares": [round(w["share"], 2) for w in sorted(s.get("per_worker") or [],
+                                                                         key=lambda w: w["rank"])]})
     return out, curves
 
 
@@ -182,7 +183,7 @@ def render(results):
             t.add_row(r["slowdown"], r["mode"], f"{r['samples_per_s']:,.0f}", f"{r['vs_bsp']:.2f}x",
                       f"{r['final_eval_loss']:.3f}" if r["final_eval_loss"] else "-", f"{r['loss_vs_bsp']:+.1%}",
                       f"{tt:.1f} s (loss {r['target_loss']:.2f})" if tt is not None else "not reached",
-                      str(r["shares"]) if r["shares"] else "")
+                      " / ".join(f"{x:.0%}" for x in r["shares"]))
         console.print(t)
 
 
