@@ -69,6 +69,20 @@ def test_step_matches_torch(name, hyper):
 
 
 @pytest.mark.parametrize("name,hyper", SETTINGS, ids=IDS)
+def test_lr_scaled_step_is_torch_with_the_smaller_lr(name, hyper):
+    """What ASP/SSP apply per push (lr / W): torch's optimizer with lr / 3, and the
+    optimizer's own lr unchanged afterwards."""
+    p0, grads = _problem(1)
+    want = _torch_trajectory(name, dict(hyper, lr=hyper["lr"] / 3), p0, grads)
+    opt = make_optimizer(name, **hyper)
+    p = p0.copy()
+    for t, g in enumerate(grads):
+        opt.step_lr_scaled(p, g, 1 / 3)
+        np.testing.assert_allclose(p, want[t], **TOL, err_msg=f"{name} {hyper} step {t + 1}")
+    assert opt.lr == hyper["lr"]
+
+
+@pytest.mark.parametrize("name,hyper", SETTINGS, ids=IDS)
 def test_state_dict_round_trip(name, hyper):
     p0, grads = _problem(2)
     whole, p = make_optimizer(name, **hyper), p0.copy()

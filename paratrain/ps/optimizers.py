@@ -104,6 +104,22 @@ class _ShardOptimizer:
                                  f"not {size}: use one optimizer per shard")
         return [self.state[name] for name in self.ARRAYS]
 
+    def step_lr_scaled(self, param, grad, lr_scale, rows=None):
+        """One step (or row step, with ``rows``) with the learning rate times
+        ``lr_scale``. The asynchronous modes apply each of W workers' pushes this
+        way with lr_scale = 1/W: scaling the *gradient* instead would change nothing
+        for Adam or Adagrad, which divide the scale out, and W full steps per clock
+        would take W times BSP's step. For SGD both are the same update."""
+        lr = self.lr
+        self.lr = lr * lr_scale
+        try:
+            if rows is None:
+                self.step(param, grad)
+            else:
+                self.step_rows(param, rows, grad)
+        finally:
+            self.lr = lr
+
     def resize(self, size):
         """Grow the state arrays to ``size`` elements, the new tail fresh (a sparse
         table's arena grows as rows are created; rows.py). No-op before the first step."""

@@ -128,9 +128,10 @@ class RowTable:
         slot = self.slots(rows)   # first: creating rows may grow (replace) the arena
         return self.values[slot]
 
-    def apply(self, rows, grads, scale=1.0):
-        """One optimizer update of the table from the gradients of ``rows``
-        (repeats are summed first, since the update is not linear), times ``scale``."""
+    def apply(self, rows, grads, scale=1.0, lr_scale=1.0):
+        """One optimizer update of the table from the gradients of ``rows`` (repeats
+        are summed first, since the update is not linear), times ``scale`` (BSP's
+        average), with the learning rate times ``lr_scale`` (ASP/SSP; server.py)."""
         grads = np.asarray(grads, dtype=F32).reshape(-1, self.dim)
         slot = self.slots(rows)
         uniq, inverse = np.unique(slot, return_inverse=True)
@@ -138,7 +139,7 @@ class RowTable:
         np.add.at(summed, inverse, grads)
         if scale != 1.0:
             summed *= F32(scale)
-        self.opt.step_rows(self.values, uniq, summed)
+        self.opt.step_lr_scaled(self.values, summed, lr_scale, rows=uniq)
 
     def gather(self, worker, rows, grads):
         """BSP: keep this worker's gradient for the round being gathered."""

@@ -18,9 +18,12 @@ Consistency (consistency.py; Ho et al., NIPS 2013):
   average, when every active worker has pushed; a pull at clock c waits until
   clock c-1 has been applied, so every worker reads the same weights and BSP
   equals synchronous data parallelism.
-- ASP / SSP: each push is applied on arrival, scaled by 1/W (so a full round of
-  pushes moves plain SGD as far as one BSP step); a pull at clock c waits only
-  while c is more than s clocks ahead of the slowest worker (ASP: never).
+- ASP / SSP: each push is applied on arrival with the learning rate divided by
+  W (so a full round of pushes moves about as far as one BSP step, for SGD
+  exactly; dividing the gradient instead would be lost on Adam and Adagrad,
+  which are invariant to its scale, and make each clock W full steps); a pull
+  at clock c waits only while c is more than s clocks ahead of the slowest
+  worker (ASP: never).
   Messages from one worker to one server arrive in order and a worker pushes
   before it clocks, so once the server has seen a worker's clock k, that
   worker's pushes of clocks < k are applied.
@@ -52,42 +55,13 @@ from ..comm.errors import FrameError
 from . import server_state, shared, wire
 from .consistency import Clocks
 from .optimizers import make_optimizer
+from .memory import keep_freed_memory
 from .rows import make_table
+from .shard import Shard
 from .wire import Op
 
 POLL_MS = 100
 MAX_PAYLOAD = 1 << 33
-
-
-class Shard:
-    """Elements [lo, hi) of parameter ``key``: the values, their optimizer, and the
-    BSP accumulator of the clock being gathered."""
-
-    def __init__(self, key, lo, hi, values, optimizer):
-        self.key, self.lo, self.hi = key, lo, hi
-        self.value = values
-        self.opt = optimizer
-        self.applied = 0      # BSP: clocks whose average has been applied
-        self.sum = np.zeros_like(values)
-        self.pushed = set()   # BSP: workers whose gradient for clock ``applied`` is in ``sum``
-
-    def gather(self, worker, grad):
-        if self.pushed:
-            self.sum += grad
-        else:   # the round's first gradient: a copy, so the sum needs no zeroing between rounds
-            np.copyto(self.sum, grad)
-        self.pushed.add(worker)
-
-    def apply_round(self):
-        """BSP: apply the average of the round's gradients as one update (in place: a
-        shard-sized temporary per update costs more than the arithmetic)."""
-        np.divide(self.sum, len(self.pushed), out=self.sum)
-        self.opt.step(self.value, self.sum)
-        self.clear_round()
-        self.applied += 1
-
-    def clear_round(self):
-        self.pushed.clear()
 
 
 class Server:
@@ -305,7 +279,7 @@ class Server:
             shard.gather(h.worker, grad)
             self._apply_if_complete(shard)
         else:
-            shard.opt.step(shard.value, grad / self.workers)
+            shard.opt.step_lr_scaled(shard.value, grad, 1.0 / self.workers)
 
     def _push_rows(self, ident, h, meta, payload):
         table = self._table(h)
@@ -318,7 +292,7 @@ class Server:
                 table.gather(h.worker, rows, grads)
                 self._apply_if_complete(table)
             else:
-                table.apply(rows, grads, scale=1.0 / self.workers)
+                table.apply(rows, grads, lr_scale=1.0 / self.workers)
         self._reply(ident, h)
         self._retry()
 
@@ -449,28 +423,6 @@ class Server:
                 self._error(ident, h, f"worker {h.worker} waited {self.timeout:g}s at clock {h.clock} for "
                                       f"workers {slow} (at clocks {[self.clocks.clock_of(w) for w in slow]}); "
                                       f"in {self.mode.upper()} a missing worker holds everyone back")
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory(limit=1 << 30):
-    """Ask glibc to keep freed memory in the process instead of handing it back.
-
-    Every update allocates a few shard-sized numpy temporaries (the BSP average,
-    lr x direction). glibc serves blocks of more than 128 KiB with a fresh mmap,
-    or trims the heap top once it is free, so each update page-faults its
-    temporaries in again; in the VMs we run on a fault costs microseconds, and a
-    1.6 MB push measured 2.9 ms on the server instead of 0.8 ms. mallopt
-    (a plain libc call, through ctypes) raises both thresholds. Returns True
-    when glibc accepted."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_TRIM_THRESHOLD, limit)) and bool(libc.mallopt(M_MMAP_THRESHOLD, limit))
-    except (OSError, AttributeError):   # not glibc: nothing to tune
-        return False
 
 
 def main():
