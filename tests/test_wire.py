@@ -40,7 +40,7 @@ def test_each_corruption_names_its_field(field, junk):
     if field == "magic":
         vals["magic"] = struct.pack("<I", junk)[:4] if struct.pack("<I", junk) != MAGIC else b"XXXX"
     elif field == "version":
-        vals["version"] = VERSION + junk % 1000
+        vals["version"] = VERSION + 1 + junk % 1000   # never VERSION itself
     elif field == "code":
         vals["code"] = 8 + junk % 1000
     elif field == "total":
