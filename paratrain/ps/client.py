@@ -292,12 +292,7 @@ class Client:
             self.push()
             self.clock()
             return self.pull()
-        expected = set()
-        for table in self.tables:   # rows first: one connection delivers in order, so they precede the clock
-            rows, grads = table.take_gradients()
-            for server, op, key, lo, hi, meta, payload in self._row_requests(Op.PUSH_ROWS, table.key, rows, grads):
-                self._send(server, op, key, lo, hi, meta, payload)
-                expected.add((server, int(op), key, lo))
+        expected = self._push_table_rows()   # rows first: one connection delivers in order, so before the clock
         for s in range(len(self.socks)):
             expected.add(self._send_shared(s, Op.PUSH, step=True))
         got = self._collect(expected, "step")
@@ -306,9 +301,7 @@ class Client:
 
     def push(self, model=None):
         """Send this worker's gradients (parameters without a gradient send zeros), and the
-        gradients of the embedding rows its forwards used since the last push (every
-        table goes to every server, with no rows if it touched none there, so that a BSP
-        round knows this worker is done with it)."""
+        gradients of the embedding rows its forwards used since the last push."""
         self._check_registered()
         expected = set()
         for s, mine in enumerate(self.placement):
@@ -318,14 +311,19 @@ class Client:
             for pc in mine:
                 self._send(s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(self._grad(pc)))
                 expected.add((s, int(Op.PUSH), pc.key, pc.lo))
-        requests = []
+        self._collect(expected | self._push_table_rows(), "push")
+
+    def _push_table_rows(self):
+        """Send every embedding table's row gradients since the last push (to every server,
+        with no rows where it touched none, so a BSP round knows this worker is done with
+        it); returns the requests to wait for."""
+        expected = set()
         for table in self.tables:
             rows, grads = table.take_gradients()
-            requests += self._row_requests(Op.PUSH_ROWS, table.key, rows, grads)
-        for server, op, key, lo, hi, meta, payload in requests:
-            self._send(server, op, key, lo, hi, meta, payload)
-            expected.add((server, int(op), key, lo))
-        self._collect(expected, "push")
+            for server, op, key, lo, hi, meta, payload in self._row_requests(Op.PUSH_ROWS, table.key, rows, grads):
+                self._send(server, op, key, lo, hi, meta, payload)
+                expected.add((server, int(op), key, lo))
+        return expected
 
     def _row_requests(self, op, key, rows, grads=None):
         S = len(self.socks)
