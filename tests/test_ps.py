@@ -29,13 +29,14 @@ def test_bsp_one_worker_equals_plain_training_step_for_step(optimizer):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("workers,servers,optimizer,transport", [(2, 2, "sgd", "shm"), (3, 2, "adam", "shm-step"),
-                                                                 (2, 2, "adam", "tcp")])
+                                                                 (2, 2, "adam", "tcp"), (3, 2, "adam", "shm-ssp0")])
 def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer, transport):
     """Through the same-host shared segments (the default), with ps.step() (push, clock and
-    pull in one request), and over TCP alone (shared.py)."""
+    pull in one request), over TCP alone (shared.py), and as SSP with staleness 0."""
     res = launch(workers, "ps_train.py", "bsp", "--optimizer", optimizer, launcher_args=["--servers", str(servers)],
                  env={"PARATRAIN_PS_SHM": "0" if transport == "tcp" else "1",
-                      "PS_TRAIN_STEP": "1" if transport == "shm-step" else "0"})
+                      "PS_TRAIN_STEP": "1" if transport == "shm-step" else "0",
+                      "PS_TRAIN_SSP0": "1" if transport == "shm-ssp0" else "0"})
     transport = transport.split("-")[0]
     assert res.stdout.count(f"transport {transport}") == workers, res.stdout[-2000:]
     _passed(res, workers, "bsp")

@@ -105,7 +105,10 @@ def bsp(ps, me, workers, opt_name):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # the servers start from worker 0's values, whatever the others hold
-    ps.register(model, optimizer=opt_name, consistency="bsp", **hyper)
+    if os.environ.get("PS_TRAIN_SSP0") == "1":   # SSP with staleness 0 must behave like BSP, to the bit
+        ps.register(model, optimizer=opt_name, consistency="ssp", staleness=0, **hyper)
+    else:
+        ps.register(model, optimizer=opt_name, consistency="bsp", **hyper)
     steps(ps, model, 5, me, workers)
     opt = make(ref.parameters())
     for step in range(5):
