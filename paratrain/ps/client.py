@@ -34,6 +34,7 @@ import torch
 
 from ..comm.errors import CommTimeout
 from . import shared, sharding, wire
+from .consistency import effective_mode
 from .wire import Op
 
 CONSISTENCY = ("bsp", "asp", "ssp")
@@ -214,6 +215,7 @@ class Client:
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {n} is {p.dtype}; the parameter server keeps float32 parameters")
         self.params = [p for _, p in named]
+        consistency, staleness = effective_mode(consistency, staleness)
         self.mode = consistency
         self.tables = [m for m in model.modules() if isinstance(m, Embedding)]
         for key, table in enumerate(self.tables):

@@ -75,7 +75,6 @@ class RowTable:
         self.applied = 0        # BSP: clocks whose aggregated update has been applied
         self.pending = []       # BSP: (rows, grads) pushed for clock ``applied``
         self.pushed = set()     # BSP: workers whose push for clock ``applied`` is in ``pending``
-        self.ahead = {}         # SSP: clock -> (pending, workers) of the clocks after ``applied``
         self.rows_pushed = 0    # rows received in pushes (for stats: exactly the touched rows)
 
     # ---- lookup ----------------------------------------------------------------------------
@@ -142,19 +141,9 @@ class RowTable:
             summed *= F32(scale)
         self.opt.step_lr_scaled(self.values, summed, lr_scale, rows=uniq)
 
-    def pushed_for(self, clock):
-        return self.pushed if clock == self.applied else self.ahead.get(clock, ([], set()))[1]
-
-    def gather(self, worker, rows, grads, clock=None):
-        """Keep this worker's gradient for its clock's round (BSP: the one being gathered;
-        SSP: up to s clocks ahead)."""
-        item = (np.asarray(rows, dtype=np.int64).copy(), np.array(grads, dtype=F32))
-        if clock is not None and clock != self.applied:
-            pending, workers = self.ahead.setdefault(clock, ([], set()))
-            pending.append(item)
-            workers.add(worker)
-            return
-        self.pending.append(item)
+    def gather(self, worker, rows, grads):
+        """BSP: keep this worker's gradient for the round being gathered."""
+        self.pending.append((np.asarray(rows, dtype=np.int64).copy(), np.array(grads, dtype=F32)))
         self.pushed.add(worker)
 
     def apply_round(self):
@@ -163,12 +152,12 @@ class RowTable:
         rows = np.concatenate([r for r, _ in self.pending])
         grads = np.concatenate([g.reshape(-1, self.dim) for _, g in self.pending])
         self.apply(rows, grads, scale=1.0 / len(self.pushed))
+        self.clear_round()
         self.applied += 1
-        self.pending, self.pushed = self.ahead.pop(self.applied, ([], set()))
 
     def clear_round(self):
-        self.pending, self.pushed = [], set()
-        self.ahead.clear()
+        self.pending.clear()
+        self.pushed.clear()
 
     # ---- checkpoints --------------------------------------------------------------------------------
 

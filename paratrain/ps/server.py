@@ -18,17 +18,12 @@ Consistency (consistency.py; Ho et al., NIPS 2013):
   average, when every active worker has pushed; a pull at clock c waits until
   clock c-1 has been applied, so every worker reads the same weights and BSP
   equals synchronous data parallelism.
-- SSP: the same aggregation, but a worker may push (and read) up to s clocks
-  ahead of the slowest: the server gathers each clock's round separately and
-  applies rounds in clock order as they complete; a pull at clock c waits only
-  while c is more than s clocks ahead of the slowest worker. That is Ho et al.'s
-  guarantee: every worker is then at c - s or later, so every clock before
-  c - s is complete and applied. The updates are BSP's, in BSP's order; only
-  the gradients are computed on weights up to s clocks old.
-- ASP: each push is applied on arrival with the learning rate divided by W (so
-  a full round of pushes moves about as far as one BSP step, for SGD exactly;
-  dividing the gradient instead would be lost on Adam and Adagrad, which are
-  invariant to its scale, and make each clock W full steps); nobody waits.
+- ASP / SSP: each push is applied on arrival with the learning rate divided by
+  W (so a full round of pushes moves about as far as one BSP step, for SGD
+  exactly; dividing the gradient instead would be lost on Adam and Adagrad,
+  which are invariant to its scale, and make each clock W full steps); a pull
+  at clock c waits only while c is more than s clocks ahead of the slowest
+  worker (ASP: never). SSP with s = 0 is BSP (consistency.effective_mode).
   Messages from one worker to one server arrive in order and a worker pushes
   before it clocks, so once the server has seen a worker's clock k, that
   worker's pushes of clocks < k are applied.
@@ -58,7 +53,7 @@ import numpy as np
 
 from ..comm.errors import FrameError
 from . import server_state, shared, wire
-from .consistency import Clocks
+from .consistency import Clocks, effective_mode
 from .optimizers import make_optimizer
 from .memory import keep_freed_memory
 from .rows import make_table
@@ -174,11 +169,12 @@ class Server:
 
     def initialise(self, meta, pieces, values, quiet=False):
         """Set up the shards and tables from a registration (or a checkpoint)."""
-        workers, mode = int(meta["workers"]), meta["mode"]
-        clocks = Clocks(workers, mode, meta.get("staleness"))   # validates mode and staleness
+        workers = int(meta["workers"])
+        mode, staleness = effective_mode(meta["mode"], meta.get("staleness"))
+        clocks = Clocks(workers, mode, staleness)   # validates mode and staleness
         make_optimizer(meta["optimizer"], **meta.get("hyper", {}))   # and the optimizer, before any state
         self.workers, self.mode, self.clocks = workers, mode, clocks
-        self.staleness, self.optimizer, self.hyper = meta.get("staleness"), meta["optimizer"], meta.get("hyper", {})
+        self.staleness, self.optimizer, self.hyper = staleness, meta["optimizer"], meta.get("hyper", {})
         self.servers = int(meta.get("servers", 1))
         for key, spec in enumerate(meta.get("tables", [])):
             spec = {k: spec[k] for k in ("num", "dim", "seed", "std")}
@@ -203,7 +199,7 @@ class Server:
         if quiet:
             return
         print(f"{len(pieces)} shards, {values.nbytes / 1e6:.2f} MB, "
-              f"{self.mode}{'' if meta.get('staleness') is None else ' s=' + str(meta['staleness'])}, "
+              f"{self.mode}{'' if staleness is None else ' s=' + str(staleness)}, "
               f"{len(self.tables)} embedding tables, {self.workers} workers, "
               f"optimizer {meta['optimizer']} {meta.get('hyper', {})}", flush=True)
 
@@ -229,7 +225,7 @@ class Server:
         if self.resync is None or (h.worker, name) in self.resync:
             return False
         self.resync.add((h.worker, name))
-        if self.mode == "asp":
+        if self.mode != "bsp":
             return False
         if h.clock > unit.applied:   # the rounds in between were applied by the dead server, after its checkpoint
             unit.clear_round()
@@ -237,16 +233,9 @@ class Server:
         return h.op in (Op.PUSH, Op.PUSH_ROWS) and (h.clock < unit.applied or h.worker in unit.pushed)
 
     def _check_round(self, h, unit):
-        """A push must be for the round being gathered (BSP) or one of the next s (SSP),
-        once per worker. Returns False for a stale push to drop after a restart."""
-        ahead_ok = self.mode == "ssp" and h.clock > unit.applied
-        twice = h.worker in unit.pushed_for(h.clock)
-        if (h.clock == unit.applied or ahead_ok) and not twice:
-            return True
-        if self.resync is not None and (h.clock < unit.applied or twice):
-            return False   # sent before the restart and already counted, or lost with it
-        raise ValueError(f"worker {h.worker} pushed for clock {h.clock} while the server gathers clock "
-                         f"{unit.applied}{' (twice)' if twice else ''}")
+        if h.clock != unit.applied or h.worker in unit.pushed:
+            raise ValueError(f"worker {h.worker} pushed for clock {h.clock} while the server gathers clock "
+                             f"{unit.applied}{' (twice)' if h.worker in unit.pushed else ''}")
 
     def _shared(self, ident, h, meta):
         """Is the request's shared segment this server's? If not (the server was
@@ -286,10 +275,10 @@ class Server:
     def _push_one(self, h, shard, grad):
         if self._catch_up(h, shard, (shard.key, shard.lo)):
             return
-        if self.mode != "asp":   # BSP and SSP: a clock's pushes are applied once, as their average
-            if self._check_round(h, shard):
-                shard.gather(h.worker, grad, h.clock)
-                self._apply_if_complete(shard)
+        if self.mode == "bsp":
+            self._check_round(h, shard)
+            shard.gather(h.worker, grad)
+            self._apply_if_complete(shard)
         else:
             shard.opt.step_lr_scaled(shard.value, grad, 1.0 / self.workers)
 
@@ -299,21 +288,20 @@ class Server:
         grads = np.frombuffer(payload, dtype=np.float32).reshape(rows.size, table.dim)
         if not self._catch_up(h, table, ("table", h.key)):
             table.rows_pushed += rows.size
-            if self.mode != "asp":
-                if self._check_round(h, table):
-                    table.gather(h.worker, rows, grads, h.clock)
-                    self._apply_if_complete(table)
+            if self.mode == "bsp":
+                self._check_round(h, table)
+                table.gather(h.worker, rows, grads)
+                self._apply_if_complete(table)
             else:
                 table.apply(rows, grads, lr_scale=1.0 / self.workers)
         self._reply(ident, h)
         self._retry()
 
     def _apply_if_complete(self, unit):
-        """BSP/SSP: once every active worker has pushed for the clock a shard or table
-        gathers, apply their average, and so on for the clocks after it that are
-        complete too (SSP). Called after a push, and after a worker leaves (the
-        round it was the last one missing from is then complete)."""
-        while unit.pushed and self.clocks.aggregate_ready(unit.applied, unit.pushed):
+        """BSP: once every active worker has pushed for the clock a shard or table
+        gathers, apply their average. Called after a push, and after a worker leaves
+        (the round it was the last one missing from is then complete)."""
+        if unit.pushed and self.clocks.aggregate_ready(unit.applied, unit.pushed):
             unit.apply_round()
 
     def _ready(self, h, unit):
@@ -363,7 +351,7 @@ class Server:
     def _shutdown(self, ident, h, meta, payload):
         if self.clocks is not None and 0 <= h.worker < self.workers:
             self.clocks.finish(h.worker)
-            if self.mode != "asp":
+            if self.mode == "bsp":
                 for unit in [*self.shards.values(), *self.tables.values()]:
                     self._apply_if_complete(unit)
             self._retry()

@@ -15,22 +15,8 @@ class Shard:
         self.applied = 0      # BSP: clocks whose average has been applied
         self.sum = np.zeros_like(values)
         self.pushed = set()   # BSP: workers whose gradient for clock ``applied`` is in ``sum``
-        self.ahead = {}       # SSP: clock -> (sum, workers) of the clocks after ``applied``
 
-    def pushed_for(self, clock):
-        return self.pushed if clock == self.applied else self.ahead.get(clock, (None, set()))[1]
-
-    def gather(self, worker, grad, clock=None):
-        """Add a gradient to its clock's round (SSP lets workers push up to s clocks ahead)."""
-        if clock is not None and clock != self.applied:
-            total, workers = self.ahead.get(clock, (None, set()))
-            if total is None:
-                total = np.array(grad, dtype=np.float32)
-            else:
-                total += grad
-            workers.add(worker)
-            self.ahead[clock] = (total, workers)
-            return
+    def gather(self, worker, grad):
         if self.pushed:
             self.sum += grad
         else:   # the round's first gradient: a copy, so the sum needs no zeroing between rounds
@@ -42,14 +28,8 @@ class Shard:
         shard-sized temporary per update costs more than the arithmetic)."""
         np.divide(self.sum, len(self.pushed), out=self.sum)
         self.opt.step(self.value, self.sum)
-        self.pushed = set()
+        self.clear_round()
         self.applied += 1
-        total, workers = self.ahead.pop(self.applied, (None, set()))
-        if total is not None:   # the next clock's round, gathered while this one waited
-            np.copyto(self.sum, total)
-            self.pushed = workers
 
     def clear_round(self):
-        """Drop the rounds being gathered (a restarted server resynchronising)."""
-        self.pushed = set()
-        self.ahead.clear()
+        self.pushed.clear()
