@@ -42,3 +42,21 @@ def no_leftover_segments():
     before = set(our_segments())
     yield
     assert set(our_segments()) - before == set(), "shared-memory segments left behind in /dev/shm"
+
+
+def cma_permitted():
+    """Does this kernel let a process read a sibling's memory (process_vm_readv)?
+    Containers with a strict seccomp profile or Yama ptrace_scope >= 1 do not."""
+    import numpy as np
+    from paratrain.comm.algorithms import cma
+    code = ("import numpy as np, sys; a = np.arange(3, dtype=np.int64); "
+            "print(a.__array_interface__['data'][0], flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        got = np.zeros(3, dtype=np.int64)
+        cma.read(p.pid, got, int(p.stdout.readline()))
+        return got.tolist() == [0, 1, 2]
+    except OSError:
+        return False
+    finally:
+        p.communicate("")

@@ -3,7 +3,7 @@ by the launcher, on each backend. Small shm slots and chunks force the
 multi-round and multi-chunk paths with small data."""
 import pytest
 
-from conftest import launch
+from conftest import cma_permitted, launch
 
 SMALL_SLOTS = {"PARATRAIN_SHM_SLOT_BYTES": "65536", "PARATRAIN_SHM_CHUNK_BYTES": "16384"}
 ALL_DTYPES = "float16,bfloat16,float32,float64,int32,int64,uint8"
@@ -31,6 +31,20 @@ def test_shm_numpy_arrays_default_slots():
     res = launch(2, "collectives.py", "--backend", "shm", "--numpy", "--dtypes", "float32,float64,int32",
                  "--sizes", "0,3,300001")
     _ok(res, 2, "shm")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n,cma", [(2, "1"), (3, "1"), (3, "0")])
+def test_shm_all_gather_single_copy_from_private_memory(n, cma, no_leftover_segments):
+    """Large all_gathers over private buffers read each peer's input with
+    process_vm_readv (algorithms/cma.py), which this machine's kernel allows;
+    PARATRAIN_CMA=0 keeps the two-copy path. Both against numpy, odd sizes."""
+    if cma == "1" and not cma_permitted():
+        pytest.skip("this kernel does not let a process read a sibling's memory (process_vm_readv)")
+    res = launch(n, "collectives.py", "--backend", "shm", "--dtypes", "float32,float64,uint8",
+                 "--sizes", "0,7,65537,300001", "--expect-single-copy", "yes" if cma == "1" else "no",
+                 env={"PARATRAIN_CMA": cma})
+    _ok(res, n, "shm")
 
 
 @pytest.mark.timeout(180)

@@ -154,6 +154,8 @@ def main():
     ap.add_argument("--algorithms", default="")
     ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to all_reduce")
     ap.add_argument("--subgroup", action="store_true", help="also run on a sub-group of the odd ranks")
+    ap.add_argument("--expect-single-copy", choices=("yes", "no"), default=None,
+                    help="check whether large all_gathers read peers' memory directly (algorithms/cma.py)")
     a = ap.parse_args()
     g = pt.init(backend=a.backend)
     algos = [x or None for x in a.algorithms.split(",")]
@@ -166,6 +168,10 @@ def main():
             assert sub.world_size == len(members), sub
             n += run(sub, ["float32", "int64"], [0, 5, 1001], [None], False)
         g.barrier()
+    if a.expect_single_copy is not None:
+        used = getattr(g, "_cma_ok", None)
+        if used != (a.expect_single_copy == "yes"):
+            raise AssertionError(f"single-copy all_gather: expected {a.expect_single_copy}, the group decided {used}")
     print(f"rank {g.rank}: {n} collective checks passed on {g.backend}", flush=True)
     pt.destroy()
 

@@ -31,7 +31,7 @@ from datetime import timedelta
 import numpy as np
 
 from .. import ops
-from ..algorithms import direct, naive, resident
+from ..algorithms import cma, direct, naive, resident
 from ..errors import CommTimeout, FrameError, MismatchError, PeerError
 from ..group import ProcessGroup, check_descriptors, describe
 from ..wire import HEADER_SIZE, decode_header, encode_header
@@ -354,10 +354,12 @@ class ShmGroup(ProcessGroup):
 
     def _all_gather_into(self, out, buf, code):
         loc = self._resident()
-        if loc is None:
-            direct.all_gather(self, out, buf, code)
-        else:
+        if loc is not None:
             resident.all_gather(self, *loc, out, buf)
+        elif buf.nbytes >= cma.MIN_BYTES and self.world_size > 1 and cma.usable(self):
+            cma.all_gather(self, out, buf)   # one copy from each peer's private memory
+        else:
+            direct.all_gather(self, out, buf, code)
 
     def _reduce_scatter(self, out, inp, code, op):
         loc = self._resident()
