@@ -38,12 +38,12 @@ from paratrain.train.tasks import build_task
 BATCH = 48
 
 
-def train(task, steps, pushes, delay, lr_scale, seed=0):
+def train(task, steps, pushes, delay, lr_scale, beta1=0.9, seed=0):
     """Adam on ``pushes`` sub-batches per step, each applied with lr * lr_scale and
     computed on the weights ``delay`` updates old. Returns the final eval loss."""
     model = copy.deepcopy(task.model)
     stale = copy.deepcopy(task.model)
-    opt = torch.optim.Adam(model.parameters(), lr=task.defaults["lr"] * lr_scale)
+    opt = torch.optim.Adam(model.parameters(), lr=task.defaults["lr"] * lr_scale, betas=(beta1, 0.999))
     gen = torch.Generator().manual_seed(seed)
     history = collections.deque(maxlen=delay + 1)   # the weights after each of the last updates
     for _ in range(steps * pushes):
@@ -65,19 +65,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="steps of 48 samples (table 3's --gpt-steps)")
     p.add_argument("--delays", default="0,1,3", help="clocks of staleness for one update per clock")
+    p.add_argument("--beta1", type=float, default=0.9, help="Adam's beta1 for the on-arrival runs (the task's: 0.9)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     task = build_task("gpt", seed=0)
     runs = [(f"one update per clock, {d} clock{'s' if d != 1 else ''} stale", 1, d, 1.0)
             for d in map(int, args.delays.split(","))]
+    runs.append(("each push on arrival, 3 workers (lr / 3), fresh weights", 3, 0, 1.0 / 3))
     runs.append(("each push on arrival, 3 workers (lr / 3, 2 pushes stale)", 3, 2, 1.0 / 3))
     console = Console()
     results = []
     for name, pushes, delay, lr_scale in runs:
         t0 = time.perf_counter()
-        loss = train(task, args.steps, pushes, delay, lr_scale)
+        loss = train(task, args.steps, pushes, delay, lr_scale, args.beta1 if pushes > 1 else 0.9)
         results.append({"run": name, "pushes_per_step": pushes, "delay_updates": delay, "lr_scale": lr_scale,
+                        "beta1": args.beta1 if pushes > 1 else 0.9,
                         "eval_loss": loss, "seconds": time.perf_counter() - t0})
         console.print(f"[bench] {name}: eval loss {loss:.3f} ({results[-1]['seconds']:.0f} s)")
     base = results[0]["eval_loss"]
