@@ -212,26 +212,28 @@ def test_adagrad_rows_match_torch_sparse():
 
 
 def test_sgd_rows_match_dense_sgd():
-    """Plain SGD: a row step is a dense step with zeros elsewhere -- bit for bit
-    against our dense step; against torch up to one rounding of lr * g and one
-    of the sum, since torch's vectorised CPU kernel computes p + (-lr) * g as a
-    fused multiply-add where numpy rounds the product first. So torch takes each
-    step from our weights (plain SGD has no state), lest these roundings add up."""
+    """Plain SGD: a row step is a dense step with zeros elsewhere. Our dense step runs
+    torch's kernel (p.add_(g, alpha=-lr)), so it equals torch.optim.SGD bit for bit;
+    the row step runs numpy, which rounds lr * g before the sum where torch's
+    vectorised kernel fuses the multiply-add, so it agrees up to those two
+    roundings. Each step starts from the row step's weights (plain SGD has no
+    state), lest the roundings add up."""
     p0, plan = _row_problem(6)
     got = _run_rows(SGD(lr=0.1), p0, plan)
-    dense, flat = SGD(lr=0.1), p0.reshape(-1).copy()
+    dense = SGD(lr=0.1)
     p = torch.nn.Parameter(torch.tensor(p0))
     ref = torch.optim.SGD([p], lr=0.1, foreach=False)
     before = p0
     for t, ((rows, g), a) in enumerate(zip(plan, got)):
+        flat = before.reshape(-1).copy()
         dense.step(flat, _dense(rows, g).numpy().reshape(-1))
-        np.testing.assert_array_equal(a, flat.reshape(R, D), err_msg=f"step {t + 1}")
         with torch.no_grad():
             p.copy_(torch.tensor(before))
         p.grad = _dense(rows, g)
         ref.step()
+        np.testing.assert_array_equal(flat.reshape(R, D), p.detach().numpy(), err_msg=f"step {t + 1}")
         rounding = np.spacing(np.abs(np.float32(0.1) * p.grad.numpy())) + np.spacing(np.abs(a))
-        assert (np.abs(a - p.detach().numpy()) <= rounding).all(), f"step {t + 1}"
+        assert (np.abs(a - flat.reshape(R, D)) <= rounding).all(), f"step {t + 1}"
         untouched = np.setdiff1d(np.arange(R), rows)
         np.testing.assert_array_equal(a[untouched], before[untouched])
         before = a
@@ -439,3 +441,24 @@ def test_clocks_arguments():
         with pytest.raises(ValueError, match="unknown worker"):
             c.advance(bad)
     assert c.advance(np.int64(1)) == 1
+
+
+@pytest.mark.parametrize("name,hyper", [("sgd", dict(lr=0.1)), ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True)),
+                                        ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+                                        ("adagrad", dict(lr=0.1, weight_decay=0.01)), ("adam", dict(lr=0.01)),
+                                        ("adam", dict(lr=0.01, weight_decay=0.1))])
+def test_grad_scale_is_the_step_on_the_scaled_gradient(name, hyper):
+    """BSP applies a round's sum with grad_scale = 1/W folded into the arithmetic
+    (shard.py); it must be the step on the average itself, here checked against
+    torch.optim taking the averaged gradient, over a few steps so state carries."""
+    rng = np.random.default_rng(3)
+    p0 = rng.standard_normal(1000).astype(np.float32)
+    sums = [rng.standard_normal(1000).astype(np.float32) * 3 for _ in range(4)]
+    ours, flat = make_optimizer(name, **hyper), p0.copy()
+    p = torch.nn.Parameter(torch.tensor(p0))
+    ref = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[name]([p], **hyper)
+    for t, g in enumerate(sums):
+        ours.step(flat, g, grad_scale=1 / 3)
+        p.grad = torch.tensor(g) / 3
+        ref.step()
+        np.testing.assert_allclose(flat, p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {t + 1}")

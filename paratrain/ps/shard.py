@@ -24,10 +24,10 @@ class Shard:
         self.pushed.add(worker)
 
     def apply_round(self):
-        """BSP: apply the average of the round's gradients as one update (in place: a
-        shard-sized temporary per update costs more than the arithmetic)."""
-        np.divide(self.sum, len(self.pushed), out=self.sum)
-        self.opt.step(self.value, self.sum)
+        """BSP: apply the average of the round's gradients as one update, the 1/W folded
+        into the optimizer's arithmetic (no pass of its own), in place: a shard-sized
+        temporary per update costs more than the arithmetic."""
+        self.opt.step(self.value, self.sum, grad_scale=1.0 / len(self.pushed))
         self.clear_round()
         self.applied += 1
 
