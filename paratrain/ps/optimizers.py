@@ -100,16 +100,6 @@ def _row_args(param2d, rows, grad_rows):
     return rows, grad_rows
 
 
-def _lerp_(a, b, weight):
-    """a <- a + weight * (b - a) in place, evaluated as ATen's lerp does: from the
-    nearer end, so that weight = 1 returns b exactly (aten/src/ATen/native/Lerp.h)."""
-    w = F32(weight)
-    if abs(w) < 0.5:
-        a += w * (b - a)
-    else:
-        a[...] = b - (b - a) * (F32(1) - w)
-
-
 class _ShardOptimizer:
     """What the three optimizers share: hyper-parameters and a step count that
     ``state_dict`` saves, and per-element state arrays allocated on the first
