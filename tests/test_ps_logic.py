@@ -462,3 +462,26 @@ def test_grad_scale_is_the_step_on_the_scaled_gradient(name, hyper):
         p.grad = torch.tensor(g) / 3
         ref.step()
         np.testing.assert_allclose(flat, p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {t + 1}")
+
+
+def test_waiting_requests_keep_their_first_deadline_and_expire():
+    """ps/waiting.py: a retried request that must wait again keeps its first deadline,
+    so a pull retried after every push still expires on time; expired() removes only
+    the late ones; payloads are copied (ZeroMQ reuses the received frames)."""
+    import time
+    from paratrain.ps.waiting import Waiting
+    w = Waiting(timeout=0.05)
+    frame = bytearray(b"abc")
+    w.add(b"a", "h1", {}, memoryview(frame))
+    w.add(b"b", "h2", {}, b"", deadline=time.monotonic() + 60)
+    frame[0] = ord("X")
+    first = w.take()
+    assert len(w) == 0 and first[0][4] == b"abc"
+    for deadline, ident, h, meta, payload in first:   # retried, and both must wait again
+        before = len(w)
+        w.add(ident, h, meta, payload)
+        w.keep_deadline(before, deadline)
+    assert [item[0] for item in w.items] == [d for d, *_ in first]
+    time.sleep(0.06)
+    late = w.expired()
+    assert [item[1] for item in late] == [b"a"] and [item[1] for item in w.items] == [b"b"]

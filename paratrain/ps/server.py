@@ -8,10 +8,9 @@ Li et al., "Scaling Distributed Machine Learning with the Parameter Server",
 OSDI 2014): every request is handled to the end before the next, so no
 locks. A request that may not be answered yet (a pull that would read weights
 staler than the consistency model allows, a registration before worker 0's
-initial values) is *deferred*: kept with its sender's identity and answered
-when a later push or clock makes it ready, or with an error naming the
-workers it waited for when the deadline passes (a dead worker in BSP is
-reported, not waited for forever).
+initial values) is *deferred* (waiting.py): answered when a later push or
+clock makes it ready, or with an error naming the workers it waited for when
+its deadline passes (a dead worker in BSP is reported, not waited for forever).
 
 Consistency (consistency.py; Ho et al., NIPS 2013):
 - BSP: the pushes of one clock are summed per shard and applied once, as their
@@ -58,6 +57,7 @@ from .optimizers import make_optimizer
 from .memory import keep_freed_memory
 from .rows import make_table
 from .shard import Shard
+from .waiting import Waiting
 from .wire import Op
 
 POLL_MS = 100
@@ -69,9 +69,8 @@ class Server:
                  checkpoint_clocks=0):
         import zmq
         self.index, self.timeout = index, timeout
-        self.checkpoint = server_state.checkpoint_path(checkpoint_dir, index) if checkpoint_dir else None
-        self.checkpoint_seconds, self.checkpoint_clocks = checkpoint_seconds, checkpoint_clocks
-        self.last_save, self.saved_clock = time.monotonic(), 0
+        self.checkpoints = server_state.Checkpoints(checkpoint_dir, index, checkpoint_seconds, checkpoint_clocks)
+        self.checkpoint = self.checkpoints.path
         self.token = token
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -92,7 +91,7 @@ class Server:
         self.resync = None     # after a restart: the workers not heard from yet
         self.offsets = {}      # (key, lo) -> the shard's place in the shared regions
         self.regions = None    # shared.ServerRegions: the same-host fast path
-        self.deferred = []     # [deadline, ident, header, meta, payload]
+        self.deferred = Waiting(timeout)   # requests the consistency model holds back
         self.stopping = False
         self.bye = set()
 
@@ -109,7 +108,7 @@ class Server:
                 frames = self.sock.recv_multipart(copy=False)
                 self.handle(frames[0].bytes, [f.buffer for f in frames[1:]])
             self._expire()
-            self._maybe_checkpoint()
+            self.checkpoints.maybe_save(self)
         if self.clocks is not None and self.checkpoint:
             self.save()
         self.sock.close()
@@ -370,53 +369,34 @@ class Server:
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def save(self):
-        if self.checkpoint and self.clocks is not None:
-            server_state.save(self, self.checkpoint)
-            self.last_save, self.saved_clock = time.monotonic(), self.clocks.min_clock()
-
-    def _maybe_checkpoint(self):
-        if not self.checkpoint or self.clocks is None:
-            return
-        if (self.checkpoint_clocks and self.clocks.min_clock() >= self.saved_clock + self.checkpoint_clocks) or \
-                (self.checkpoint_seconds and time.monotonic() - self.last_save >= self.checkpoint_seconds):
-            self.save()
+        self.checkpoints.save(self)
 
     def restore(self):
-        """Load this server's checkpoint, if there is one; returns its meta or None."""
-        if not self.checkpoint or not os.path.exists(self.checkpoint):
-            return None
-        meta = server_state.load(self, self.checkpoint)
-        self.resync = set()
-        self.saved_clock = self.clocks.min_clock()
+        """Load this server's checkpoint, if there is one; returns its meta or None.
+        The workers are then resynchronised as they are heard from (_catch_up)."""
+        meta = self.checkpoints.restore(self)
+        if meta is not None:
+            self.resync = set()
         return meta
 
     # ---- deferred requests --------------------------------------------------------------
 
-    def _defer(self, ident, h, meta, payload):
-        self.deferred.append([time.monotonic() + self.timeout, ident, h, meta, bytes(payload)])
+    def _defer(self, ident, h, meta, payload, deadline=None):
+        self.deferred.add(ident, h, meta, payload, deadline)
 
     def _retry(self):
-        waiting, self.deferred = self.deferred, []
-        for deadline, ident, h, meta, payload in waiting:
+        """Try every waiting request again (after a push, a clock, a worker leaving)."""
+        for deadline, ident, h, meta, payload in self.deferred.take():
+            before = len(self.deferred)
             try:
-                self.handle_deferred(ident, h, meta, payload, deadline)
+                {Op.REGISTER: self._register, Op.PULL: self._pull, Op.PULL_ROWS: self._pull_rows,
+                 Op.PUSH: self._pull}[h.op](ident, h, meta, payload)   # (a PUSH waits only as a step's pull)
             except (ValueError, KeyError) as e:
                 self._error(ident, h, str(e))
-
-    def handle_deferred(self, ident, h, meta, payload, deadline):
-        before = len(self.deferred)
-        {Op.REGISTER: self._register, Op.PULL: self._pull, Op.PULL_ROWS: self._pull_rows,
-         Op.PUSH: self._pull}[h.op](ident, h, meta, payload)   # (a PUSH waits only as a step's pull)
-        if len(self.deferred) > before:
-            self.deferred[-1][0] = deadline  # still waiting: keep its original deadline
+            self.deferred.keep_deadline(before, deadline)
 
     def _expire(self):
-        now = time.monotonic()
-        late = [d for d in self.deferred if d[0] <= now]
-        if not late:
-            return
-        self.deferred = [d for d in self.deferred if d[0] > now]
-        for _, ident, h, meta, payload in late:
+        for _, ident, h, meta, payload in self.deferred.expired():
             if self.clocks is None:
                 self._error(ident, h, f"worker 0 never registered within {self.timeout:g}s")
             else:

@@ -3,6 +3,7 @@ one file, written atomically, read back without unpickling anything.
 
     save(server, path)        # periodically, and when the server stops cleanly
     load(server, path)        # a restarted server, before it serves again
+    Checkpoints(directory, index, seconds, clocks)   # where and when one server saves
 
 The file is an ``.npz`` (numpy's zip of raw arrays), loaded with
 ``allow_pickle=False``; the scalars (mode, clocks, hyper-parameters, which
@@ -19,6 +20,7 @@ do).
 import io
 import json
 import os
+import time
 import zipfile
 
 import numpy as np
@@ -28,6 +30,37 @@ VERSION = 1
 
 def checkpoint_path(directory, index):
     return os.path.join(directory, f"server-{index}.npz")
+
+
+class Checkpoints:
+    """Where and when one server saves: in ``directory`` (None: never), every
+    ``seconds`` or every ``clocks`` clocks of the slowest worker (0: not by that
+    rule), checked from the server's loop between requests."""
+
+    def __init__(self, directory, index, seconds=30.0, clocks=0):
+        self.path = checkpoint_path(directory, index) if directory else None
+        self.seconds, self.clocks = seconds, clocks
+        self.last_save, self.saved_clock = time.monotonic(), 0
+
+    def save(self, server):
+        if self.path and server.clocks is not None:
+            save(server, self.path)
+            self.last_save, self.saved_clock = time.monotonic(), server.clocks.min_clock()
+
+    def maybe_save(self, server):
+        if not self.path or server.clocks is None:
+            return
+        if (self.clocks and server.clocks.min_clock() >= self.saved_clock + self.clocks) or \
+                (self.seconds and time.monotonic() - self.last_save >= self.seconds):
+            self.save(server)
+
+    def restore(self, server):
+        """Load the checkpoint into ``server`` if there is one; returns its meta or None."""
+        if not self.path or not os.path.exists(self.path):
+            return None
+        meta = load(server, self.path)
+        self.saved_clock = server.clocks.min_clock()
+        return meta
 
 
 def save(server, path):
