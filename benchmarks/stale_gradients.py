@@ -13,7 +13,9 @@ can apply stale gradients:
   are up to s clocks old). d = 0 is BSP, synchronous data parallelism.
 - *each push on arrival* (ASP, and SSP as Ho et al.'s SSPTable applies it):
   every step is 3 pushes of 16 samples, each an Adam step with lr / 3,
-  computed on the weights before the previous 2 pushes (round-robin workers).
+  computed on the weights before the previous 2 pushes (round-robin workers);
+  and the same with weight prediction (``--predict-weights``, ps/shard.py):
+  the gradient computed on those weights moved twice along their last update.
 
 It explains the design of ps/consistency.py: applying each push on arrival
 keeps each gradient's staleness a fraction of a step, and costs far less loss
@@ -38,19 +40,22 @@ from paratrain.train.tasks import build_task
 BATCH = 48
 
 
-def train(task, steps, pushes, delay, lr_scale, beta1=0.9, seed=0):
+def train(task, steps, pushes, delay, lr_scale, beta1=0.9, predict=0.0, seed=0):
     """Adam on ``pushes`` sub-batches per step, each applied with lr * lr_scale and
-    computed on the weights ``delay`` updates old. Returns the final eval loss."""
+    computed on the weights ``delay`` updates old, moved ``predict`` times along the
+    update that made them (ps/shard.py's weight prediction). Returns the eval loss."""
     model = copy.deepcopy(task.model)
     stale = copy.deepcopy(task.model)
     opt = torch.optim.Adam(model.parameters(), lr=task.defaults["lr"] * lr_scale, betas=(beta1, 0.999))
     gen = torch.Generator().manual_seed(seed)
-    history = collections.deque(maxlen=delay + 1)   # the weights after each of the last updates
+    history = collections.deque(maxlen=delay + 2)   # the weights after each of the last updates
     for _ in range(steps * pushes):
         history.append([p.detach().clone() for p in model.parameters()])
+        read = history[max(0, len(history) - 1 - delay)]
+        before = history[max(0, len(history) - 2 - delay)]
         with torch.no_grad():
-            for q, w in zip(stale.parameters(), history[0]):
-                q.copy_(w)
+            for q, w, b in zip(stale.parameters(), read, before):
+                torch.add(w, w - b, alpha=predict, out=q)
         ids = torch.randint(len(task.train_set), (BATCH // pushes,), generator=gen).tolist()
         batch = [torch.stack(x) for x in zip(*[task.train_set[i] for i in ids])]
         stale.zero_grad()
@@ -74,12 +79,14 @@ def main(argv=None):
             for d in map(int, args.delays.split(","))]
     runs.append(("each push on arrival, 3 workers (lr / 3), fresh weights", 3, 0, 1.0 / 3))
     runs.append(("each push on arrival, 3 workers (lr / 3, 2 pushes stale)", 3, 2, 1.0 / 3))
+    runs.append(("same, with weight prediction (tau = 2)", 3, 2, 1.0 / 3, 2.0))
     console = Console()
     results = []
-    for name, pushes, delay, lr_scale in runs:
+    for name, pushes, delay, lr_scale, *predict in runs:
         t0 = time.perf_counter()
-        loss = train(task, args.steps, pushes, delay, lr_scale, args.beta1 if pushes > 1 else 0.9)
+        loss = train(task, args.steps, pushes, delay, lr_scale, args.beta1 if pushes > 1 else 0.9, *predict)
         results.append({"run": name, "pushes_per_step": pushes, "delay_updates": delay, "lr_scale": lr_scale,
+                        "predict_tau": predict[0] if predict else 0.0,
                         "beta1": args.beta1 if pushes > 1 else 0.9,
                         "eval_loss": loss, "seconds": time.perf_counter() - t0})
         console.print(f"[bench] {name}: eval loss {loss:.3f} ({results[-1]['seconds']:.0f} s)")

@@ -485,3 +485,28 @@ def test_waiting_requests_keep_their_first_deadline_and_expire():
     time.sleep(0.06)
     late = w.expired()
     assert [item[1] for item in late] == [b"a"] and [item[1] for item in w.items] == [b"b"]
+
+
+def test_weight_prediction_serves_value_plus_tau_times_last_update():
+    """shard.py, ASP/SSP with predict: a read gets value + tau * delta, delta the last
+    update, tau a running mean of the pushes by others between this worker's read and
+    its push (from W - 1); an exact read gets the value; the value itself is only ever
+    changed by pushes. Checked against numpy with plain SGD (update = -lr/W * g)."""
+    from paratrain.ps.shard import Shard
+    W, lr = 3, 0.3
+    v0 = np.arange(4, dtype=np.float32)
+    shard = Shard(0, 0, 4, v0.copy(), SGD(lr=lr))
+    shard.enable_prediction(W)
+    out = np.empty(4, np.float32)
+    np.testing.assert_array_equal(shard.read_into(0, out), v0)          # no update yet: delta = 0
+    g1, g2 = np.full(4, 1.0, np.float32), np.arange(4, dtype=np.float32)
+    shard.apply_now(1, g1, 1 / W)        # worker 1 read nothing since update 0: 0 others -> tau 0.5 * (2 + 0)
+    shard.apply_now(2, g2, 1 / W)        # worker 2: 1 other push since its (implicit) read at 0 -> 0.5 * (2 + 1)
+    value = v0 - lr / W * g1 - lr / W * g2
+    np.testing.assert_allclose(shard.value, value, rtol=1e-6)
+    assert shard.tau == [2.0, 1.0, 1.5]
+    np.testing.assert_allclose(shard.read_into(0, out), value + 2.0 * (-lr / W * g2), rtol=1e-6)
+    np.testing.assert_allclose(shard.read_into(2, out, exact=True), value, rtol=1e-6)
+    shard.apply_now(1, g2, 1 / W)        # worker 0 read at 2 updates; worker 1 pushes: 2 others since its read at 0
+    assert shard.tau[1] == 0.5 * (1.0 + 2)
+    np.testing.assert_allclose(shard.value, value - lr / W * g2, rtol=1e-6)

@@ -20,7 +20,8 @@ metrics.jsonl, so what is measured is what users get:
    loss (a 20-step moving average of rank 0's) first reaches a fixed target.
    Theory (the issue's): with jitter BSP's step is 2.31 compute units, a
    worker's mean 1.6, so enough slack approaches 1.44x BSP; with the straggler
-   ASP approaches 2.33x BSP and SSP stays near BSP.
+   ASP approaches 2.33x BSP and SSP stays near BSP. ASP and SSP(3) run once
+   more with ``--predict-weights`` (weight prediction, ps/shard.py).
 
 Writes benchmarks/results/parameter_server.json and parameter_server.png
 (loss against time for table 3).
@@ -37,7 +38,8 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MODES = [("bsp", []), ("asp", []), ("ssp s=1", ["--staleness", "1"]), ("ssp s=3", ["--staleness", "3"]),
-         ("ssp s=8", ["--staleness", "8"])]
+         ("ssp s=8", ["--staleness", "8"]), ("asp +predict", ["--predict-weights"]),
+         ("ssp s=3 +predict", ["--staleness", "3", "--predict-weights"])]
 SLOWDOWNS = [("jitter 0.3:3", ["--jitter", "0.3:3"]), ("straggler 1:3", ["--straggler", "1:3"])]
 
 

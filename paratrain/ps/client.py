@@ -100,7 +100,7 @@ class Client:
         self.outstanding[(server, int(op), key, lo)] = entry
         entry[1] = self._try_send(server, frames)
 
-    def _send_shared(self, server, op, step=False):
+    def _send_shared(self, server, op, step=False, exact=False):
         """A push or pull of every piece this worker has on ``server``, through the
         server's shared segment (shared.py): one header, no payload. ``step``: a push
         that also clocks and pulls the next clock's weights (step())."""
@@ -112,7 +112,7 @@ class Client:
                     self.bytes_sent += (pc.hi - pc.lo) * 4   # moved through shared memory, but moved
             h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, token=self.token,
                             flags=shared.FLAG_SHM | (shared.FLAG_STEP if step else 0))
-            return wire.encode(h, {"shm": r.name})
+            return wire.encode(h, {"shm": r.name, **({"exact": True} if exact else {})})
         self._track(server, op, -1, 0, build(), build)
         return (server, int(op), -1, 0)
 
@@ -200,11 +200,13 @@ class Client:
             self._send(server, op, key, lo, hi, meta, payload)
         return self._collect({(r[0], int(r[1]), r[2], r[3]) for r in requests}, what, timeout)
 
-    def register(self, model, optimizer="sgd", consistency="bsp", staleness=None, **hyper):
+    def register(self, model, optimizer="sgd", consistency="bsp", staleness=None, predict=False, **hyper):
         """Place the model's parameters on the servers and start them from worker 0's values.
         Every worker calls it with the same model. optimizer: sgd, adagrad or adam, with its
         hyper-parameters (lr=..., momentum=...); the state lives on the servers. The model's
-        ``pt.ps.Embedding`` tables are registered too; their rows live only on the servers."""
+        ``pt.ps.Embedding`` tables are registered too; their rows live only on the servers.
+        predict (ASP/SSP): pulls return the weights each worker's push will most likely
+        meet, extrapolated along the last update (ps/shard.py); pull(exact=True) does not."""
         from .embedding import Embedding
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {', '.join(CONSISTENCY)}, not {consistency!r}")
@@ -228,7 +230,8 @@ class Client:
                 print(f"embedding table {key}: {t.num_embeddings} x {t.embedding_dim}, row r on server "
                       f"r % {len(self.socks)}, rows created when first touched", flush=True)
         meta = {"workers": self.workers, "mode": consistency, "staleness": staleness, "optimizer": optimizer,
-                "hyper": hyper, "servers": len(self.socks), "tables": [t.spec() for t in self.tables]}
+                "hyper": hyper, "servers": len(self.socks), "tables": [t.spec() for t in self.tables],
+                "predict": bool(predict)}
         requests = []
         for s, mine in enumerate(self.placement):
             payload = None
@@ -253,17 +256,18 @@ class Client:
         if self.placement is None:
             raise RuntimeError("register(model, ...) first: the servers do not know this model yet")
 
-    def pull(self, model=None):
+    def pull(self, model=None, exact=False):
         """Copy the servers' current weights into the model (waits as the consistency model says).
-        Embedding rows are not pulled here but by each forward, for its batch's rows."""
+        Embedding rows are not pulled here but by each forward, for its batch's rows.
+        exact: the weights as they are, even when registered with predict=True."""
         self._check_registered()
         expected = set()
         for s, mine in enumerate(self.placement):
             if self.regions[s] is not None and mine:
-                expected.add(self._send_shared(s, Op.PULL))
+                expected.add(self._send_shared(s, Op.PULL, exact=exact))
                 continue
             for pc in mine:
-                self._send(s, Op.PULL, pc.key, pc.lo, pc.hi)
+                self._send(s, Op.PULL, pc.key, pc.lo, pc.hi, {"exact": True} if exact else None)
                 expected.add((s, int(Op.PULL), pc.key, pc.lo))
         self._copy_in(self._collect(expected, "pull"))
 

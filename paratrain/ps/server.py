@@ -85,6 +85,7 @@ class Server:
         self.table_specs = {}
         self.clocks = None
         self.mode = self.optimizer = self.staleness = None
+        self.predict = False
         self.hyper = {}
         self.workers = 0
         self.servers = 1
@@ -175,6 +176,7 @@ class Server:
         self.workers, self.mode, self.clocks = workers, mode, clocks
         self.staleness, self.optimizer, self.hyper = staleness, meta["optimizer"], meta.get("hyper", {})
         self.servers = int(meta.get("servers", 1))
+        self.predict = bool(meta.get("predict")) and mode != "bsp"   # weight prediction (shard.py)
         for key, spec in enumerate(meta.get("tables", [])):
             spec = {k: spec[k] for k in ("num", "dim", "seed", "std")}
             self.tables[key] = make_table(key, spec, self.index, self.servers, self.optimizer, self.hyper)
@@ -186,6 +188,8 @@ class Server:
                 raise ValueError(f"registration carries {values.size} values, fewer than its pieces need")
             opt = make_optimizer(meta["optimizer"], **meta.get("hyper", {}))
             self.shards[(key, lo)] = Shard(key, lo, hi, values[at:at + n].copy(), opt)
+            if self.predict:
+                self.shards[(key, lo)].enable_prediction(workers)
             self.offsets[(key, lo)] = at
             at += n
         if at and os.environ.get("PARATRAIN_PS_SHM", "1") != "0":
@@ -200,7 +204,8 @@ class Server:
         print(f"{len(pieces)} shards, {values.nbytes / 1e6:.2f} MB, "
               f"{self.mode}{'' if staleness is None else ' s=' + str(staleness)}, "
               f"{len(self.tables)} embedding tables, {self.workers} workers, "
-              f"optimizer {meta['optimizer']} {meta.get('hyper', {})}", flush=True)
+              f"optimizer {meta['optimizer']} {meta.get('hyper', {})}"
+              f"{', weight prediction' if self.predict else ''}", flush=True)
 
     def _shard(self, h):
         if self.clocks is None:
@@ -279,7 +284,7 @@ class Server:
             shard.gather(h.worker, grad)
             self._apply_if_complete(shard)
         else:
-            shard.opt.step_lr_scaled(shard.value, grad, 1.0 / self.workers)
+            shard.apply_now(h.worker, grad, 1.0 / self.workers)
 
     def _push_rows(self, ident, h, meta, payload):
         table = self._table(h)
@@ -323,15 +328,16 @@ class Server:
             return
         for shard in shards:
             self._record_read(h, shard)
+        exact = bool(meta and meta.get("exact"))   # the weights as they are, never predicted (shard.py)
         if via_shm:
             if self.mode != "bsp":   # (BSP: the worker reads the values region itself)
                 for shard in shards:
-                    np.copyto(self.regions.pull(h.worker, self.offsets[(shard.key, shard.lo)], shard.hi - shard.lo),
-                              shard.value)
+                    shard.read_into(h.worker, self.regions.pull(h.worker, self.offsets[(shard.key, shard.lo)],
+                                                                shard.hi - shard.lo), exact)
             return self._reply(ident, h)
         # A snapshot: zmq sends large frames later, from the buffer itself, and the next
         # push would change it under the send (a torn read of half-updated weights).
-        self._reply(ident, h, None, shards[0].value.copy())
+        self._reply(ident, h, None, shards[0].read_into(h.worker, np.empty_like(shards[0].value), exact))
 
     def _pull_rows(self, ident, h, meta, payload):
         table = self._table(h)

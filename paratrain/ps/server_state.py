@@ -68,7 +68,8 @@ def save(server, path):
     arrays = {}
     meta = {"version": VERSION, "index": server.index, "servers": server.servers, "mode": server.mode,
             "workers": server.workers, "staleness": server.staleness, "optimizer": server.optimizer,
-            "hyper": server.hyper, "clocks": server.clocks.state(), "shards": [], "tables": []}
+            "hyper": server.hyper, "clocks": server.clocks.state(), "shards": [], "tables": [],
+            "predict": server.predict}
     for i, shard in enumerate(server.shards.values()):
         arrays[f"shard{i}.value"] = shard.value
         opt = shard.opt.state_dict()
@@ -113,6 +114,7 @@ def load(server, path):
         raise ValueError(f"{path} belongs to server {meta['index']}, not server {server.index}")
     server.initialise({"workers": meta["workers"], "mode": meta["mode"], "staleness": meta["staleness"],
                        "optimizer": meta["optimizer"], "hyper": meta["hyper"], "servers": meta["servers"],
+                       "predict": meta.get("predict", False),
                        "tables": [t["spec"] for t in sorted(meta["tables"], key=lambda t: t["key"])]},
                       [(s["key"], s["lo"], s["hi"]) for s in meta["shards"]],
                       np.concatenate([arrays[f"shard{i}.value"] for i in range(len(meta["shards"]))])

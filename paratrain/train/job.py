@@ -47,6 +47,9 @@ def check(args):
         return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp)"
     if args.strategy != "ps" and (args.consistency != "bsp" or args.staleness is not None):
         return "--consistency and --staleness are for --strategy ps"
+    if getattr(args, "predict_weights", False) and (args.strategy != "ps" or args.consistency == "bsp"
+                                 or (args.consistency == "ssp" and args.staleness == 0)):
+        return "--predict-weights is for --strategy ps with --consistency asp or ssp (staleness > 0)"
     if args.straggler and args.straggler[0] >= args.workers:
         return (f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: there is no rank {args.straggler[0]} "
                 f"among {args.workers} workers (ranks 0..{args.workers - 1})")

@@ -51,6 +51,9 @@ def build_parser():
                    help="--strategy ps: bsp (synchronous), asp (asynchronous), ssp (bounded staleness)")
     p.add_argument("--staleness", type=int, default=None, help="--consistency ssp: how many clocks ahead a worker "
                                                               "may run of the slowest (0 behaves like bsp)")
+    p.add_argument("--predict-weights", action="store_true",
+                   help="--consistency asp/ssp: workers compute on the weights their push will most likely meet, "
+                        "extrapolated along the last update (SpecTrain's weight prediction; ps/shard.py)")
     p.add_argument("--straggler", type=straggler_spec, default=None, metavar="RANK:FACTOR",
                    help="make worker RANK compute FACTOR times slower on every step (a persistently slow "
                         "machine): it sleeps (FACTOR - 1) x its measured forward+backward time")

@@ -18,12 +18,14 @@ class ParameterServerStep:
     """The parts of a training step that talk to the servers, with the same
     ``stats`` the summary reads from DataParallel."""
 
-    def __init__(self, model, optimizer, lr, consistency, staleness):
+    def __init__(self, model, optimizer, lr, consistency, staleness, predict=False):
         self.model = model
         self.stats = CommStats()
         self.ps = pt.ps.connect()
         hyper = {"lr": lr, **({"momentum": 0.9} if optimizer == "sgd" else {})}
-        self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness, **hyper)
+        self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness,
+                         predict=predict, **hyper)
+        self.predict = predict
         self.pulled = False
 
     def _timed(self, fn):
@@ -54,8 +56,8 @@ class ParameterServerStep:
         """The final weights into the model (for the last evaluation and the checkpoint),
         then leave: under SSP a worker that has stopped clocking must not hold back
         those still taking batches from the shared pool (coordination.py)."""
-        if not self.pulled:   # (the last step() brought them already)
-            self.ps.pull()
+        if not self.pulled or self.predict:   # (the last step() brought them, unless predicted ones)
+            self.ps.pull(exact=True)
         self.ps.leave()   # still connected: the final evaluation may read embedding rows
 
     def staleness_histogram(self):

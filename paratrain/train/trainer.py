@@ -83,7 +83,8 @@ def make_step(task, args, s):
     """(the strategy's step object, rank, world size)."""
     if args.strategy == "ps":
         from .ps_strategy import ParameterServerStep
-        step = ParameterServerStep(task.model, s.optimizer, s.lr, args.consistency, args.staleness)
+        step = ParameterServerStep(task.model, s.optimizer, s.lr, args.consistency, args.staleness,
+                                   getattr(args, "predict_weights", False))
         return step, step.ps.worker, step.ps.workers
     group = pt.init(backend=args.backend)
     return AllReduceStep(task.model, args, group, s.optimizer, s.lr), group.rank, group.world_size
@@ -230,7 +231,8 @@ def run(args):
     summary = {
         "model": task.name, "strategy": args.strategy,
         "backend": f"zeromq, {args.servers} servers, {args.consistency}"
-                   + (f" s={args.staleness}" if args.consistency == "ssp" else "") if args.strategy == "ps"
+                   + (f" s={args.staleness}" if args.consistency == "ssp" else "")
+                   + (", weight prediction" if getattr(args, "predict_weights", False) else "") if args.strategy == "ps"
         else strategy.group.backend,
         "algorithm": args.algorithm or "default", "workers": P, "steps": s.steps, "resumed_from": start or None,
         "batch_per_worker": s.batch_size, "final_loss": loss_value, **last_eval,
