@@ -44,18 +44,26 @@ def no_leftover_segments():
     assert set(our_segments()) - before == set(), "shared-memory segments left behind in /dev/shm"
 
 
+def child_with_buffer():
+    """A child process holding the int64 array 0, 7, 14, 21, 28: (process, its address,
+    the values). The caller ends it with ``process.communicate("")``."""
+    import numpy as np
+    code = ("import numpy as np, sys; a = np.arange(5, dtype=np.int64) * 7; "
+            "print(a.__array_interface__['data'][0], flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p, int(p.stdout.readline()), np.arange(5, dtype=np.int64) * 7
+
+
 def cma_permitted():
     """Does this kernel let a process read a sibling's memory (process_vm_readv)?
     Containers with a strict seccomp profile or Yama ptrace_scope >= 1 do not."""
     import numpy as np
     from paratrain.comm.algorithms import cma
-    code = ("import numpy as np, sys; a = np.arange(3, dtype=np.int64); "
-            "print(a.__array_interface__['data'][0], flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p, addr, want = child_with_buffer()
     try:
-        got = np.zeros(3, dtype=np.int64)
-        cma.read(p.pid, got, int(p.stdout.readline()))
-        return got.tolist() == [0, 1, 2]
+        got = np.zeros(5, dtype=np.int64)
+        cma.read(p.pid, got, addr)
+        return got.tolist() == want.tolist()
     except OSError:
         return False
     finally:

@@ -104,22 +104,13 @@ def test_world_of_one_in_process(monkeypatch):
         pt.destroy()
 
 
-def _child_with_buffer():
-    """A child process holding a known int64 array; returns (process, address, values)."""
-    import subprocess
-    import sys
-    code = ("import numpy as np, sys; a = np.arange(5, dtype=np.int64) * 7; "
-            "print(a.__array_interface__['data'][0], flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return p, int(p.stdout.readline()), np.arange(5, dtype=np.int64) * 7
-
-
 def test_cma_reads_another_process_and_names_a_dead_one():
     """algorithms/cma.py: process_vm_readv copies a live peer's memory; once the peer has
     exited, the read raises PeerError naming its rank, not garbage or a hang."""
     from paratrain.comm.algorithms import cma
     from paratrain.comm.errors import PeerError
-    p, addr, want = _child_with_buffer()
+    from conftest import child_with_buffer
+    p, addr, want = child_with_buffer()
     try:
         got = np.zeros(5, dtype=np.int64)
         try:
