@@ -16,15 +16,16 @@ arXiv 1809.02839, 2018, sec. 4), here with the last update as the direction.
 Replayed in one process on the gpt task (benchmarks/stale_gradients.py):
 pushes two updates stale cost +11.0% eval loss against BSP, +2.5% predicted.
 The shard's own value is never changed by it: a read with ``exact`` (the
-final pull of a run, a checkpoint) gets the weights as they are.
+final pull of a run) gets the weights as they are, and checkpoints save them.
 """
 import numpy as np
 import torch
 
 
 class Shard:
-    """Elements [lo, hi) of parameter ``key``: the values, their optimizer, and the
-    BSP accumulator of the clock being gathered."""
+    """Elements [lo, hi) of parameter ``key``: the values, their optimizer, the BSP
+    accumulator of the clock being gathered, and (ASP/SSP with prediction) the last
+    update and each worker's staleness."""
 
     def __init__(self, key, lo, hi, values, optimizer):
         self.key, self.lo, self.hi = key, lo, hi
