@@ -33,25 +33,15 @@ the launcher sweeps ``/dev/shm/paratrain-<job>-*`` too).
 """
 import itertools
 import os
-import socket
 
 import numpy as np
 
+from ..comm.env import host_id
 from ..comm.shm import segment
 
 FLAG_SHM = 1   # request header flags: the payload is in the shared segment
 FLAG_STEP = 2  # a PUSH that also clocks and then pulls (the worker's whole step: Client.step)
 _serial = itertools.count()   # several servers in one process (tests) get distinct names
-
-
-def host_id():
-    """This machine: hostname and kernel boot id (two containers may share a name)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class Regions:
