@@ -287,7 +287,7 @@ class Client:
                     n = pc.hi - pc.lo
                     at = self.offsets[(pc.key, pc.lo)]
                     self._flat(pc.key)[pc.lo:pc.hi] = r.values(at, n) if self.mode == "bsp" else r.pull(self.worker, at, n)
-                    self.bytes_received += (pc.hi - pc.lo) * 4
+                    self.bytes_received += n * 4
 
     def step(self, model=None):
         """``push(); clock(); pull()`` as one request per server where every server shares

@@ -70,7 +70,6 @@ class Server:
         import zmq
         self.index, self.timeout = index, timeout
         self.checkpoints = server_state.Checkpoints(checkpoint_dir, index, checkpoint_seconds, checkpoint_clocks)
-        self.checkpoint = self.checkpoints.path
         self.token = token
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -110,8 +109,7 @@ class Server:
                 self.handle(frames[0].bytes, [f.buffer for f in frames[1:]])
             self._expire()
             self.checkpoints.maybe_save(self)
-        if self.clocks is not None and self.checkpoint:
-            self.save()
+        self.save()   # (nothing to save without a checkpoint directory or a registered model)
         self.sock.close()
         self.ctx.term()
 
@@ -387,8 +385,8 @@ class Server:
 
     # ---- deferred requests --------------------------------------------------------------
 
-    def _defer(self, ident, h, meta, payload, deadline=None):
-        self.deferred.add(ident, h, meta, payload, deadline)
+    def _defer(self, ident, h, meta, payload):
+        self.deferred.add(ident, h, meta, payload)
 
     def _retry(self):
         """Try every waiting request again (after a push, a clock, a worker leaving)."""
@@ -424,9 +422,9 @@ def main():
     restored = server.restore()
     restart = int(os.environ.get("PARATRAIN_PS_RESTART", 0))
     if restored:
-        print(f"restart {restart}: restored {server.checkpoint} (clocks {restored['clocks']['clocks']}); "
+        print(f"restart {restart}: restored {server.checkpoints.path} (clocks {restored['clocks']['clocks']}); "
               "updates after it are lost", flush=True)
-    print(f"listening on {bind}" + (f", checkpoints in {server.checkpoint}" if server.checkpoint else ""),
+    print(f"listening on {bind}" + (f", checkpoints in {server.checkpoints.path}" if server.checkpoints.path else ""),
           flush=True)
     server.serve()
     return 0
