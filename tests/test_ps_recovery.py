@@ -43,7 +43,10 @@ def _start_server(addr, ckpt_dir, restart=0):
 
 
 @pytest.mark.timeout(90)
-def test_killed_server_restarts_from_checkpoint_and_the_run_finishes(tmp_path):
+@pytest.mark.parametrize("calls", ["pull-push-clock", "step"])
+def test_killed_server_restarts_from_checkpoint_and_the_run_finishes(tmp_path, calls):
+    """With separate calls over ZeroMQ, and with step() rung on the server's doorbell
+    (doorbell.py): the dead server's bell has no reader, so that step goes by ZeroMQ."""
     steps, kill_after = 14, 8
     addr = f"tcp://127.0.0.1:{free_port()}"
     server = _start_server(addr, str(tmp_path))
@@ -59,11 +62,18 @@ def test_killed_server_restarts_from_checkpoint_and_the_run_finishes(tmp_path):
                 meta, _ = server_state.read(server_state.checkpoint_path(str(tmp_path), 0))
                 saved_at = meta["shards"][0]["applied"]
                 server = _start_server(addr, str(tmp_path), restart=1)
+            if calls == "step":
+                if step == 0:
+                    ps.pull(model)
+                _grad_step(model, batches[step])
+                ps.step()   # push, clock, and the next step's weights
+                continue
             ps.pull(model)
             _grad_step(model, batches[step])
             ps.push(model)
             ps.clock()
         ps.pull(model)
+        assert calls != "step" or ps.bells[0] is not None   # the new server's bells, once it was found
         final = [p.detach().clone() for p in model.parameters()]
         assert ps.reconnects >= 1
     finally:
@@ -79,12 +89,15 @@ def test_killed_server_restarts_from_checkpoint_and_the_run_finishes(tmp_path):
         if step == saved_at:
             snapshot = ([p.detach().clone() for p in ref.parameters()],
                         {k: v for k, v in __import__("copy").deepcopy(opt.state_dict()).items()})
+        if step == kill_after and calls == "step":   # that step's gradient was computed before the kill
+            _grad_step(ref, batches[step])
         if step == kill_after:
             with torch.no_grad():
                 for p, s in zip(ref.parameters(), snapshot[0]):
                     p.copy_(s)
             opt.load_state_dict(snapshot[1])
-        _grad_step(ref, batches[step])
+        if step != kill_after or calls != "step":
+            _grad_step(ref, batches[step])
         opt.step()
     for got, want in zip(final, ref.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

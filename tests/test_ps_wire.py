@@ -363,3 +363,34 @@ def test_frames_travel_through_a_real_socket_copy_false():
         a.close(linger=0)
         b.close(linger=0)
         ctx.term()
+
+
+def test_doorbell_carries_steps_both_ways_and_drops_junk():
+    """ps/doorbell.py: a rung record reaches the server as numbers, the answer comes back;
+    junk on the bell is dropped without breaking the next record; a bell nobody reads
+    any more (the server died) makes ring() fail, so the worker can fall back to ZeroMQ."""
+    import os
+    from paratrain.comm.shm import segment
+    from paratrain.ps import doorbell
+    server = doorbell.ServerBells(f"test-bells-{os.getpid()}", workers=2)
+    worker = doorbell.WorkerBells(f"test-bells-{os.getpid()}", 1, 2)
+    try:
+        worker.ring(3, 7, 42)
+        assert server.rung() == [(1, 3, 7, 42)]
+        server.answer(1, 42)
+        server.answer(1, 43)
+        assert worker.answered() == [42, 43] and worker.answered() == []
+        os.write(worker.ring_fd, b"\xff" * doorbell.RECORD.size)   # wrong magic
+        assert server.rung() == []
+        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 5, 3, 0, 1))   # no worker 5
+        assert server.rung() == []
+        os.write(worker.ring_fd, b"\x11\xb3")   # half a record waits for the rest
+        assert server.rung() == []
+        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 0, 3, 1, 2)[2:])
+        assert server.rung() == [(0, 3, 1, 2)]
+    finally:
+        server.close()
+    assert not [n for n in segment.leftover_segments() if "test-bells" in n]
+    with pytest.raises(BrokenPipeError):
+        worker.ring(3, 8, 43)
+    worker.close()

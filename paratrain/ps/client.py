@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..comm.errors import CommTimeout
-from . import shared, sharding, wire
+from . import doorbell, shared, sharding, wire
 from .consistency import effective_mode
 from .wire import Op
 
@@ -79,6 +79,8 @@ class Client:
         self.tables = []        # the model's pt.ps.Embedding modules, in registration order
         self.regions = [None] * len(addrs)   # shared.Regions per server on this host (the fast path), or None
         self.offsets = {}       # (key, lo) -> the piece's place in its server's regions
+        self.bells = [None] * len(addrs)     # doorbell.WorkerBells per server with bells, or None
+        self.rung = {}          # answer FIFO's fd -> (server, sequence number of the step rung there)
         self._closed = self._left = False
         atexit.register(self.close)
 
@@ -100,10 +102,12 @@ class Client:
         self.outstanding[(server, int(op), key, lo)] = entry
         entry[1] = self._try_send(server, frames)
 
-    def _send_shared(self, server, op, step=False, exact=False):
+    def _send_shared(self, server, op, step=False, exact=False, ring=False):
         """A push or pull of every piece this worker has on ``server``, through the
         server's shared segment (shared.py): one header, no payload. ``step``: a push
-        that also clocks and pulls the next clock's weights (step())."""
+        that also clocks and pulls the next clock's weights (step()); ``ring``: send
+        that step on the server's doorbell (doorbell.py) if it has one, not ZeroMQ
+        (which still carries it again if the server restarts meanwhile)."""
         def build():
             r = self.regions[server]
             if op == Op.PUSH:   # the gradients into this worker's push region first
@@ -113,8 +117,35 @@ class Client:
             h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, token=self.token,
                             flags=shared.FLAG_SHM | (shared.FLAG_STEP if step else 0))
             return wire.encode(h, {"shm": r.name, **({"exact": True} if exact else {})})
-        self._track(server, op, -1, 0, build(), build)
+        bells = self.bells[server] if step and ring else None
+        if bells is None:
+            self._track(server, op, -1, 0, build(), build)
+            return (server, int(op), -1, 0)
+        frames = build()
+        seq = self.clock_value   # (a step per clock: the clock numbers the steps)
+        try:
+            bells.ring(shared.FLAG_SHM | shared.FLAG_STEP, self.clock_value, seq)
+        except OSError:   # nobody reads the bell: the server died; ZeroMQ finds the new one
+            self._map_shared(server, None)
+            self._track(server, op, -1, 0, frames, build)
+            return (server, int(op), -1, 0)
+        self.outstanding[(server, int(op), -1, 0)] = [frames, True, build]
+        self.rung[bells.fileno()] = (server, seq)
         return (server, int(op), -1, 0)
+
+    def _map_shared(self, server, info):
+        """Use the shared segment (and doorbells) ``info`` describes for ``server``,
+        or none (None, or another host's): this server is then reached by TCP alone."""
+        import zmq
+        old = self.bells[server]
+        if old is not None:
+            self.poller.unregister(old.fileno())
+            self.rung.pop(old.fileno(), None)
+            old.close()
+        self.regions[server] = shared.attach(info, self.workers)
+        self.bells[server] = doorbell.open_worker(info, self.worker, self.workers) if self.regions[server] else None
+        if self.bells[server] is not None:
+            self.poller.register(self.bells[server].fileno(), zmq.POLLIN)
 
     def _grad(self, pc):
         p = self.params[pc.key]
@@ -165,6 +196,9 @@ class Client:
                                   f"{timeout:g}s (are they running? raise PARATRAIN_TIMEOUT if slow)", missing)
             unsent = any(not e[1] for e in self.outstanding.values())
             for sock, _ in self.poller.poll(min(left, RESEND_POLL if unsent else 1.0) * 1000):
+                if isinstance(sock, int):
+                    self._answered(sock, got)
+                    continue
                 if sock in self.monitors:
                     self._lost_connection(self.monitors.index(sock))
                     continue
@@ -180,7 +214,7 @@ class Client:
                 entry = self.outstanding[request]
                 if h.op == Op.ERROR and entry[2] and meta.get("shm"):
                     # a restarted server, with a new segment: map it and send the request again
-                    self.regions[server] = shared.attach(meta["shm"], self.workers)
+                    self._map_shared(server, meta["shm"])
                     if self.regions[server] is not None:
                         entry[0], entry[1] = entry[2](), False
                         continue
@@ -190,6 +224,18 @@ class Client:
                 got[request] = (h, meta, payload)
             self._resend()
         return got
+
+    def _answered(self, fd, got):
+        """A server answered on this worker's doorbell FIFO: the step rung there is done
+        (its weights are in the shared segment), unless the answer is an older one's."""
+        bells = next(b for b in self.bells if b is not None and b.fileno() == fd)
+        answered = bells.answered()   # (always read: a FIFO left readable would wake every poll)
+        server, seq = self.rung.get(fd, (None, None))
+        request = (server, int(Op.PUSH), -1, 0)
+        if seq in answered and request in self.outstanding:
+            del self.outstanding[request]
+            del self.rung[fd]
+            got[request] = (None, {}, None)
 
     # ---- the API ------------------------------------------------------------------------------
 
@@ -246,7 +292,7 @@ class Client:
                 at += pc.hi - pc.lo
         got = self._request(requests, "register")
         for (s, *_), (_, reply, _) in got.items():
-            self.regions[s] = shared.attach(reply.get("shm"), self.workers)
+            self._map_shared(s, reply.get("shm"))
 
     def _flat(self, key, grad=False):
         t = self.params[key].grad if grad else self.params[key].detach()
@@ -299,8 +345,9 @@ class Client:
             self.clock()
             return self.pull()
         expected = self._push_table_rows()   # rows first: one connection delivers in order, so before the clock
+        ring = not expected   # (rung steps could overtake rows still on their way through ZeroMQ)
         for s in range(len(self.socks)):
-            expected.add(self._send_shared(s, Op.PUSH, step=True))
+            expected.add(self._send_shared(s, Op.PUSH, step=True, ring=ring))
         got = self._collect(expected, "step")
         self.clock_value += 1
         self._copy_in(got)
@@ -401,6 +448,9 @@ class Client:
             return self.leave(timeout)
         finally:
             self._closed = True
+            for b in self.bells:
+                if b is not None:
+                    b.close()
             for s in self.socks:
                 s.disable_monitor()
                 s.close(linger=0)

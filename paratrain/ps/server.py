@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from ..comm.errors import FrameError
-from . import server_state, shared, wire
+from . import doorbell, server_state, shared, wire
 from .consistency import Clocks, effective_mode
 from .optimizers import make_optimizer
 from .memory import keep_freed_memory
@@ -91,6 +91,11 @@ class Server:
         self.resync = None     # after a restart: the workers not heard from yet
         self.offsets = {}      # (key, lo) -> the shard's place in the shared regions
         self.regions = None    # shared.ServerRegions: the same-host fast path
+        self.bells = None      # doorbell.ServerBells: same-host steps without ZeroMQ
+        self.idents = {}       # worker -> its ZeroMQ identity (errors to a doorbell step go there)
+        self.doorbell_steps = 0   # steps rung on the doorbell (all workers)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
         self.deferred = Waiting(timeout)   # requests the consistency model holds back
         self.stopping = False
         self.bye = set()
@@ -101,15 +106,18 @@ class Server:
         import zmq
         if threading.current_thread() is threading.main_thread():  # (tests run a server in a thread)
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         while not self.stopping:
-            if poller.poll(POLL_MS):
-                frames = self.sock.recv_multipart(copy=False)
-                self.handle(frames[0].bytes, [f.buffer for f in frames[1:]])
+            for sock, _ in self.poller.poll(POLL_MS):
+                if sock is self.sock:
+                    frames = self.sock.recv_multipart(copy=False)
+                    self.handle(frames[0].bytes, [f.buffer for f in frames[1:]])
+                else:
+                    self._rung()
             self._expire()
             self.checkpoints.maybe_save(self)
         self.save()   # (nothing to save without a checkpoint directory or a registered model)
+        if self.bells:
+            self.bells.close()
         self.sock.close()
         self.ctx.term()
 
@@ -118,6 +126,23 @@ class Server:
             h, meta, payload = wire.decode(frames, max_payload=MAX_PAYLOAD, token=self.token)
         except FrameError as e:
             return self._error(ident, None, f"malformed message: {e}")
+        if 0 <= h.worker < 1 << 16:
+            self.idents[h.worker] = ident
+        self._dispatch(ident, h, meta, payload)
+
+    def _rung(self):
+        """Steps rung on the doorbell (doorbell.py): each is the same request as a
+        step sent through ZeroMQ with the shared segment, answered on the worker's FIFO."""
+        step = shared.FLAG_SHM | shared.FLAG_STEP
+        for worker, flags, clock, seq in self.bells.rung():
+            if flags != step:
+                print(f"doorbell: worker {worker} rang with flags {flags}, not a step; dropped", flush=True)
+                continue
+            h = wire.Header(op=Op.PUSH, worker=worker, clock=clock, flags=flags)
+            self.doorbell_steps += 1
+            self._dispatch(doorbell.Rung(worker, seq), h, {"shm": self.regions.name}, b"")
+
+    def _dispatch(self, ident, h, meta, payload):
         try:
             handler = {Op.REGISTER: self._register, Op.PUSH: self._push, Op.PULL: self._pull,
                        Op.PUSH_ROWS: self._push_rows, Op.PULL_ROWS: self._pull_rows,
@@ -135,6 +160,8 @@ class Server:
             self._error(ident, h, f"internal error while handling {h.op.name}: {type(e).__name__}: {e}")
 
     def _reply(self, ident, h, meta=None, payload=None, key=None, lo=None, hi=None):
+        if isinstance(ident, doorbell.Rung):   # (a step's answer: no meta, no payload)
+            return self.bells.answer(ident.worker, ident.seq)
         head = wire.Header(op=Op.REPLY, worker=h.worker, key=h.key if key is None else key, clock=h.clock,
                            lo=h.lo if lo is None else lo, hi=h.hi if hi is None else hi,
                            dtype_code=3 if payload is not None else 0, flags=int(h.op), payload_nbytes=0,
@@ -142,6 +169,10 @@ class Server:
         self.sock.send_multipart([ident, *wire.encode(head, meta, payload)], copy=False)
 
     def _error(self, ident, h, message, **extra):
+        if isinstance(ident, doorbell.Rung):   # errors travel over ZeroMQ, to the worker's identity
+            ident = self.idents.get(ident.worker)
+            if ident is None:
+                return print(f"cannot tell worker {h.worker}: {message}", flush=True)
         head = wire.Header(op=Op.ERROR, worker=h.worker if h else -1, key=h.key if h else -1,
                            clock=h.clock if h else 0, lo=h.lo if h else 0, hi=h.hi if h else 0, dtype_code=0,
                            flags=int(h.op) if h else 0, payload_nbytes=0, token=wire.token_digest(None))
@@ -162,7 +193,7 @@ class Server:
                              "(or this server was restarted with another job's checkpoint): "
                              "every worker must register the same model")
         self._reply(ident, h, {"mode": self.mode, "workers": self.workers,
-                               **({"shm": self.regions.describe()} if self.regions else {})})
+                               **({"shm": self._describe_shm()} if self.regions else {})})
         self._retry()
 
     def initialise(self, meta, pieces, values, quiet=False):
@@ -192,6 +223,10 @@ class Server:
             at += n
         if at and os.environ.get("PARATRAIN_PS_SHM", "1") != "0":
             self.regions = shared.ServerRegions(self.index, self.workers, at)
+            if os.environ.get("PARATRAIN_PS_BELLS", "1") != "0":
+                import zmq
+                self.bells = doorbell.ServerBells(self.regions.name, self.workers)
+                self.poller.register(self.bells.fileno(), zmq.POLLIN)
             if self.mode == "bsp":   # the shards live in the segment: pulls copy nothing here (shared.py)
                 for (key, lo), shard in self.shards.items():
                     view = self.regions.values(self.offsets[(key, lo)], shard.hi - shard.lo)
@@ -244,10 +279,14 @@ class Server:
         restarted, with a new segment), the error reply names the new one."""
         if self.regions is None or meta.get("shm") != self.regions.name or not 0 <= h.worker < self.workers:
             self._error(ident, h, "this server has no shared segment of that name (it was restarted)",
-                        **({"shm": self.regions.describe()} if self.regions else {}))
+                        **({"shm": self._describe_shm()} if self.regions else {}))
             return False
-        self.regions.used_by(h.worker)
+        if self.regions.used_by(h.worker) and self.bells:
+            self.bells.unlink()   # every worker has opened them too (at registration, before any use)
         return True
+
+    def _describe_shm(self):
+        return {**self.regions.describe(), "bells": self.bells is not None}
 
     def _push(self, ident, h, meta, payload):
         """A gradient for one shard over TCP, or, through the shared segment, for every
@@ -368,7 +407,7 @@ class Server:
             "log": [list(e) for e in c.log], "applied": {f"{s.key}:{s.lo}": s.applied for s in self.shards.values()},
             "tables": {str(k): {"rows": t.used, "rows_pushed": t.rows_pushed, "applied": t.applied}
                        for k, t in self.tables.items()},
-            "restored": self.resync is not None})
+            "restored": self.resync is not None, "doorbell_steps": self.doorbell_steps})
 
     # ---- checkpoints ---------------------------------------------------------------------------
 

@@ -78,10 +78,12 @@ class ServerRegions(Regions):
         self.users = set()
 
     def used_by(self, worker):
+        """Returns True once every worker has used the segment (its name is then gone)."""
         self.users.add(worker)
         if len(self.users) == self.workers and self.path:
             segment.unlink(self.path)   # every worker has it mapped: nothing can leak any more
             self.path = None
+        return self.path is None
 
     def describe(self):
         return {"name": self.name, "host": host_id(), "total": self.total}

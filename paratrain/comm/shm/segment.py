@@ -30,7 +30,7 @@ atexit.register(_cleanup)
 
 def create(name, size):
     """Create and map a new segment of ``size`` bytes (zero-filled)."""
-    path = os.path.join(SHM_DIR, PREFIX + name)
+    path = path_of(name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except FileExistsError:
@@ -44,9 +44,26 @@ def create(name, size):
         os.close(fd)
 
 
+def path_of(name):
+    return os.path.join(SHM_DIR, PREFIX + name)
+
+
+def create_fifo(name):
+    """A named pipe beside the segments (ps/doorbell.py), owner-only, removed at exit
+    like them if nobody unlinks it first. Returns its path."""
+    path = path_of(name)
+    try:
+        os.mkfifo(path, 0o600)
+    except FileExistsError:
+        raise FileExistsError(f"{path} already exists: another job with the same id is running, "
+                              f"or remove the stale file") from None
+    _pending_unlink.add(path)
+    return path
+
+
 def attach(name, size):
     """Map a segment another rank created; checks its size first."""
-    path = os.path.join(SHM_DIR, PREFIX + name)
+    path = path_of(name)
     fd = os.open(path, os.O_RDWR)
     try:
         actual = os.fstat(fd).st_size
