@@ -15,7 +15,11 @@ can apply stale gradients:
   every step is 3 pushes of 16 samples, each an Adam step with lr / 3,
   computed on the weights before the previous 2 pushes (round-robin workers);
   and the same with weight prediction (``--predict-weights``, ps/shard.py):
-  the gradient computed on those weights moved twice along their last update.
+  the gradient computed on those weights moved twice along their last update,
+  then also damped by its gap as the servers do (ps/shard.py, Barkai et al.,
+  ICLR 2020): each element divided by max(1, |weights - served| / its mean
+  update size). ``--seed`` picks another order of batches (runs differ by a
+  few percent: compare rows of one seed).
 
 It explains the design of ps/consistency.py: applying each push on arrival
 keeps each gradient's staleness a fraction of a step, and costs far less loss
@@ -35,21 +39,24 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from paratrain.ps.shard import GAP_WARMUP, STEP_SIZE_DECAY
 from paratrain.train.tasks import build_task
 
 BATCH = 48
 
 
-def train(task, steps, pushes, delay, lr_scale, beta1=0.9, predict=0.0, seed=0):
+def train(task, steps, pushes, delay, lr_scale, beta1=0.9, predict=0.0, gap=False, seed=0):
     """Adam on ``pushes`` sub-batches per step, each applied with lr * lr_scale and
     computed on the weights ``delay`` updates old, moved ``predict`` times along the
-    update that made them (ps/shard.py's weight prediction). Returns the eval loss."""
+    update that made them (ps/shard.py's weight prediction), with ``gap`` damped as
+    the servers do after shard.GAP_WARMUP pushes. Returns the eval loss."""
     model = copy.deepcopy(task.model)
     stale = copy.deepcopy(task.model)
     opt = torch.optim.Adam(model.parameters(), lr=task.defaults["lr"] * lr_scale, betas=(beta1, 0.999))
     gen = torch.Generator().manual_seed(seed)
     history = collections.deque(maxlen=delay + 2)   # the weights after each of the last updates
-    for _ in range(steps * pushes):
+    step_size = [torch.zeros_like(p) for p in model.parameters()]   # running mean of |update|
+    for i in range(steps * pushes):
         history.append([p.detach().clone() for p in model.parameters()])
         read = history[max(0, len(history) - 1 - delay)]
         before = history[max(0, len(history) - 2 - delay)]
@@ -60,9 +67,16 @@ def train(task, steps, pushes, delay, lr_scale, beta1=0.9, predict=0.0, seed=0):
         batch = [torch.stack(x) for x in zip(*[task.train_set[i] for i in ids])]
         stale.zero_grad()
         task.loss(stale, batch).backward()
-        for p, q in zip(model.parameters(), stale.parameters()):
-            p.grad = q.grad
+        before_step = []
+        with torch.no_grad():
+            for p, q, size in zip(model.parameters(), stale.parameters(), step_size):
+                p.grad = q.grad if not gap or i < GAP_WARMUP else \
+                    q.grad / ((p - q).abs() / (size + 1e-12)).clamp(min=1.0)
+                before_step.append(p.detach().clone())
         opt.step()
+        with torch.no_grad():
+            for p, b, size in zip(model.parameters(), before_step, step_size):
+                size.mul_(STEP_SIZE_DECAY).add_((p - b).abs(), alpha=1 - STEP_SIZE_DECAY)
     return task.evaluate(model)["eval_loss"]
 
 
@@ -71,6 +85,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=200, help="steps of 48 samples (table 3's --gpt-steps)")
     p.add_argument("--delays", default="0,1,3", help="clocks of staleness for one update per clock")
     p.add_argument("--beta1", type=float, default=0.9, help="Adam's beta1 for the on-arrival runs (the task's: 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="the order of the batches (the same in every row)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -80,13 +95,15 @@ def main(argv=None):
     runs.append(("each push on arrival, 3 workers (lr / 3), fresh weights", 3, 0, 1.0 / 3))
     runs.append(("each push on arrival, 3 workers (lr / 3, 2 pushes stale)", 3, 2, 1.0 / 3))
     runs.append(("same, with weight prediction (tau = 2)", 3, 2, 1.0 / 3, 2.0))
+    runs.append(("same, predicted and gap-damped (as the servers)", 3, 2, 1.0 / 3, 2.0, True))
     console = Console()
     results = []
     for name, pushes, delay, lr_scale, *predict in runs:
         t0 = time.perf_counter()
-        loss = train(task, args.steps, pushes, delay, lr_scale, args.beta1 if pushes > 1 else 0.9, *predict)
+        loss = train(task, args.steps, pushes, delay, lr_scale, args.beta1 if pushes > 1 else 0.9, *predict,
+                     seed=args.seed)
         results.append({"run": name, "pushes_per_step": pushes, "delay_updates": delay, "lr_scale": lr_scale,
-                        "predict_tau": predict[0] if predict else 0.0,
+                        "predict_tau": predict[0] if predict else 0.0, "gap_damped": predict[1:] == [True],
                         "beta1": args.beta1 if pushes > 1 else 0.9,
                         "eval_loss": loss, "seconds": time.perf_counter() - t0})
         console.print(f"[bench] {name}: eval loss {loss:.3f} ({results[-1]['seconds']:.0f} s)")
@@ -100,7 +117,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "stale_gradients.json")
     with open(path, "w") as f:
-        json.dump({"steps": args.steps, "batch": BATCH, "results": results}, f, indent=1)
+        json.dump({"steps": args.steps, "batch": BATCH, "seed": args.seed, "results": results}, f, indent=1)
     console.print(f"wrote {path}")
     return 0
 

@@ -510,3 +510,36 @@ def test_weight_prediction_serves_value_plus_tau_times_last_update():
     shard.apply_now(1, g2, 1 / W)        # worker 0 read at 2 updates; worker 1 pushes: 2 others since its read at 0
     assert shard.tau[1] == 0.5 * (1.0 + 2)
     np.testing.assert_allclose(shard.value, value - lr / W * g2, rtol=1e-6)
+
+
+def test_prediction_damps_each_gradient_element_by_its_gap():
+    """shard.py: with prediction, after GAP_WARMUP pushes a worker's gradient is divided
+    elementwise by max(1, |value - served| / step), served what that worker was given and
+    step the running mean of |update|; checked against numpy with plain SGD."""
+    from paratrain.ps.shard import GAP_WARMUP, STEP_SIZE_DECAY, Shard
+    W, lr = 2, 0.1
+    value = np.array([1.0, -2.0, 0.5, 3.0])
+    shard = Shard(0, 0, 4, value.astype(np.float32), SGD(lr=lr))
+    shard.enable_prediction(W)
+    step, delta, tau0 = np.zeros(4), np.zeros(4), float(W - 1)
+    warm = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    for _ in range(GAP_WARMUP):          # worker 1 never reads: nothing of its is damped
+        shard.apply_now(1, warm, 1 / W)
+        delta = -lr / W * warm
+        value = value + delta
+        step = STEP_SIZE_DECAY * step + (1 - STEP_SIZE_DECAY) * np.abs(delta)
+    out = np.empty(4, np.float32)
+    shard.read_into(0, out)              # worker 0 is served value + tau * delta (tau = W - 1 = 1)
+    served = value + tau0 * delta
+    np.testing.assert_allclose(out, served, rtol=1e-5)
+    turn = np.array([4.0, 0.0, 1.0, 2.0], np.float32)   # worker 1 turns: the prediction misses unevenly
+    for _ in range(2):
+        shard.apply_now(1, turn, 1 / W)
+        delta = -lr / W * turn
+        value = value + delta
+        step = STEP_SIZE_DECAY * step + (1 - STEP_SIZE_DECAY) * np.abs(delta)
+    g0 = np.array([1.0, 1.0, 1.0, 1.0], np.float32)
+    gap = np.maximum(1.0, np.abs(value - served) / step)
+    assert (gap > 1).any() and (gap == 1).any()         # some elements damped, some not
+    shard.apply_now(0, g0, 1 / W)
+    np.testing.assert_allclose(shard.value, value - lr / W * g0 / gap, rtol=1e-5)
