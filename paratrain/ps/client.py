@@ -14,93 +14,38 @@ memory (wire.py: a fixed header, a msgpack dict, the bytes; nothing pickled).
 The placement of parameters on servers (sharding.py) is computed by every
 worker alike from the model, and printed by worker 0. Embedding tables
 (embedding.py) are not placed: row r of a table lives on server r % S.
-
-A server that dies is restarted by the launcher from its checkpoint, on the
-same address. ZeroMQ reconnects by itself; what it cannot know is which
-requests the dead server took with it. So every request stays *outstanding*
-until its reply arrives, the sockets are watched (a ZeroMQ socket monitor)
-for disconnections, and on one every outstanding request to that server is
-sent again once the connection is back (ZMQ_IMMEDIATE: a message is only
-queued on a live connection, never left in a dead one's queue to be
-delivered twice). Heartbeats (ZMQ_HEARTBEAT_*) notice a server whose host
-vanished without closing the connection.
+Requests, replies and reconnections: requests.py.
 """
 import atexit
 import os
-import time
 
 import numpy as np
 import torch
 
 from ..comm.errors import CommTimeout
-from . import doorbell, shared, sharding, wire
+from . import shared, sharding, wire
 from .consistency import effective_mode
+from .requests import PSError, Requests
 from .wire import Op
 
 CONSISTENCY = ("bsp", "asp", "ssp")
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the servers' goodbyes
-HEARTBEAT_MS = 1000   # ZMTP heartbeats: a silent connection is declared dead after HEARTBEAT_TIMEOUT_MS
-HEARTBEAT_TIMEOUT_MS = 5000
-RESEND_POLL = 0.05    # seconds between attempts to send requests the connection was not ready for
 
 
-class PSError(RuntimeError):
-    """A server refused a request; the message says which and why."""
-
-
-class Client:
+class Client(Requests):
     def __init__(self, addrs, worker, workers, token=None, timeout=300.0):
-        import zmq
         self.worker, self.workers, self.timeout = worker, workers, timeout
         self.token = wire.token_digest(token) if isinstance(token, str) else (token or wire.token_digest(None))
-        self.ctx = zmq.Context()
-        self.socks, self.monitors = [], []
-        self.poller = zmq.Poller()
-        for a in addrs:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 1000)
-            s.setsockopt(zmq.IMMEDIATE, 1)
-            s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            s.connect(a)
-            self.socks.append(s)
-            self.monitors.append(mon)
-            self.poller.register(s, zmq.POLLIN)
-            self.poller.register(mon, zmq.POLLIN)
-        self.addrs = list(addrs)
-        self.outstanding = {}   # (server, op, key, lo) -> [frames, sent?]
-        self.reconnects = 0
-        self.bytes_sent = self.bytes_received = 0   # tensor payload bytes, both ways (row ids included)
-        self.wait_seconds = 0.0                     # time spent waiting for replies
+        self._connect(addrs)
         self.clock_value = 0
         self.params = None
         self.placement = None
         self.tables = []        # the model's pt.ps.Embedding modules, in registration order
-        self.regions = [None] * len(addrs)   # shared.Regions per server on this host (the fast path), or None
         self.offsets = {}       # (key, lo) -> the piece's place in its server's regions
-        self.bells = [None] * len(addrs)     # doorbell.WorkerBells per server with bells, or None
-        self.rung = {}          # answer FIFO's fd -> (server, sequence number of the step rung there)
         self._closed = self._left = False
         atexit.register(self.close)
 
-    # ---- messaging ----------------------------------------------------------------------
-
-    def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None, reply=True):
-        """Send a request; one that expects a ``reply`` stays outstanding until it comes."""
-        h = wire.Header(op=op, worker=self.worker, key=key, clock=self.clock_value, lo=lo, hi=hi,
-                        dtype_code=3 if payload is not None else 0, flags=0, payload_nbytes=0, token=self.token)
-        frames = wire.encode(h, meta, payload)
-        self.bytes_sent += memoryview(frames[2]).nbytes + len(meta.get("rows", b"") if meta else b"")
-        if not reply:   # a clock: if the connection is down it is lost, and the next request's clock says it
-            self._try_send(server, frames)
-            return
-        self._track(server, op, key, lo, frames)
-
-    def _track(self, server, op, key, lo, frames, rebuild=None):
-        entry = [frames, False, rebuild]
-        self.outstanding[(server, int(op), key, lo)] = entry
-        entry[1] = self._try_send(server, frames)
+    # ---- the same-host path -------------------------------------------------------------
 
     def _send_shared(self, server, op, step=False, exact=False, ring=False):
         """A push or pull of every piece this worker has on ``server``, through the
@@ -133,118 +78,13 @@ class Client:
         self.rung[bells.fileno()] = (server, seq)
         return (server, int(op), -1, 0)
 
-    def _map_shared(self, server, info):
-        """Use the shared segment (and doorbells) ``info`` describes for ``server``,
-        or none (None, or another host's): this server is then reached by TCP alone."""
-        import zmq
-        old = self.bells[server]
-        if old is not None:
-            self.poller.unregister(old.fileno())
-            self.rung.pop(old.fileno(), None)
-            old.close()
-        self.regions[server] = shared.attach(info, self.workers)
-        self.bells[server] = doorbell.open_worker(info, self.worker, self.workers) if self.regions[server] else None
-        if self.bells[server] is not None:
-            self.poller.register(self.bells[server].fileno(), zmq.POLLIN)
-
     def _grad(self, pc):
         p = self.params[pc.key]
         if p.grad is None:
             return np.zeros(pc.hi - pc.lo, np.float32)
         return self._flat(pc.key, grad=True)[pc.lo:pc.hi]
 
-    def _try_send(self, server, frames):
-        import zmq
-        try:
-            self.socks[server].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:   # no live connection to this server (yet, or any more)
-            return False
-
-    def _resend(self):
-        for (server, *_), entry in self.outstanding.items():
-            if not entry[1]:
-                entry[1] = self._try_send(server, entry[0])
-
-    def _lost_connection(self, server):
-        """A server's connection dropped: what it had not answered must be sent again."""
-        from zmq.utils.monitor import recv_monitor_message
-        recv_monitor_message(self.monitors[server])
-        self.reconnects += 1
-        for key, entry in self.outstanding.items():
-            if key[0] == server:
-                entry[1] = False
-
-    def _collect(self, expected, what, timeout=None):
-        """Wait for the replies to ``expected`` requests, a set of (server, op, key, lo);
-        returns {(server, op, key, lo): (header, meta, payload)}."""
-        got = {}
-        started = time.perf_counter()
-        try:
-            return self._wait_for(expected, what, got, timeout)
-        finally:
-            self.wait_seconds += time.perf_counter() - started
-
-    def _wait_for(self, expected, what, got, timeout):
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while len(got) < len(expected):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted({k[0] for k in expected if k not in got})
-                raise CommTimeout(f"worker {self.worker}: no answer to {what} from servers {missing} within "
-                                  f"{timeout:g}s (are they running? raise PARATRAIN_TIMEOUT if slow)", missing)
-            unsent = any(not e[1] for e in self.outstanding.values())
-            for sock, _ in self.poller.poll(min(left, RESEND_POLL if unsent else 1.0) * 1000):
-                if isinstance(sock, int):
-                    self._answered(sock, got)
-                    continue
-                if sock in self.monitors:
-                    self._lost_connection(self.monitors.index(sock))
-                    continue
-                server = self.socks.index(sock)
-                frames = sock.recv_multipart(copy=False)
-                h, meta, payload = wire.decode([f.buffer for f in frames], max_payload=1 << 40)
-                self.bytes_received += payload.nbytes
-                request = (server, h.flags, h.key, h.lo)
-                if request not in self.outstanding:
-                    if h.op == Op.ERROR and h.flags == 0:   # the server could not even read the request
-                        raise PSError(meta.get("error", "unknown error"))
-                    continue   # the answer to a request already answered (sent twice around a reconnection)
-                entry = self.outstanding[request]
-                if h.op == Op.ERROR and entry[2] and meta.get("shm"):
-                    # a restarted server, with a new segment: map it and send the request again
-                    self._map_shared(server, meta["shm"])
-                    if self.regions[server] is not None:
-                        entry[0], entry[1] = entry[2](), False
-                        continue
-                del self.outstanding[request]
-                if h.op == Op.ERROR:
-                    raise PSError(meta.get("error", "unknown error"))
-                got[request] = (h, meta, payload)
-            self._resend()
-        return got
-
-    def _answered(self, fd, got):
-        """A server answered on this worker's doorbell FIFO: the step rung there is done
-        (its weights are in the shared segment), unless the answer is an older one's."""
-        bells = next(b for b in self.bells if b is not None and b.fileno() == fd)
-        answered = bells.answered()   # (always read: a FIFO left readable would wake every poll)
-        server, seq = self.rung.get(fd, (None, None))
-        request = (server, int(Op.PUSH), -1, 0)
-        if seq in answered and request in self.outstanding:
-            del self.outstanding[request]
-            del self.rung[fd]
-            got[request] = (None, {}, None)
-
     # ---- the API ------------------------------------------------------------------------------
-
-    def _request(self, requests, what, timeout=None):
-        """Send ``requests`` [(server, op, key, lo, hi, meta, payload)] all at once, then
-        wait for every reply: {(server, op, key, lo): (header, meta, payload)}."""
-        for server, op, key, lo, hi, meta, payload in requests:
-            self._send(server, op, key, lo, hi, meta, payload)
-        return self._collect({(r[0], int(r[1]), r[2], r[3]) for r in requests}, what, timeout)
 
     def register(self, model, optimizer="sgd", consistency="bsp", staleness=None, predict=False, **hyper):
         """Place the model's parameters on the servers and start them from worker 0's values.
