@@ -70,9 +70,8 @@ class Client(Requests):
         seq = self.clock_value   # (a step per clock: the clock numbers the steps)
         try:
             bells.ring(shared.FLAG_SHM | shared.FLAG_STEP, self.clock_value, seq)
-        except OSError:   # nobody reads the bell: the server died; ZeroMQ finds the new one
-            self._map_shared(server, None)
-            self._track(server, op, -1, 0, frames, build)
+        except OSError:   # nobody reads the bell (EPIPE: the server died) or it is full: by ZeroMQ,
+            self._track(server, op, -1, 0, frames, build)   # whose error reply names a new server's segment
             return (server, int(op), -1, 0)
         self.outstanding[(server, int(op), -1, 0)] = [frames, True, build]
         self.rung[bells.fileno()] = (server, seq)
