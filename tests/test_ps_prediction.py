@@ -1,7 +1,7 @@
 """Weight prediction on the parameter server (ps/shard.py), through the Client API:
 a server in a thread of this process, two workers as Clients, over the shared
-segment and over TCP, checked against numpy with plain SGD (an ASP push is the
-update -lr/W * g)."""
+segment (whose pulls and pushes are rung on its doorbell) and over TCP, checked
+against numpy with plain SGD (an ASP push is the update -lr/W * g)."""
 import threading
 
 import numpy as np
@@ -11,6 +11,7 @@ import torch
 from paratrain.launch.local import free_port
 from paratrain.ps.client import Client
 from paratrain.ps.server import Server
+from paratrain.ps.wire import Op
 
 
 @pytest.mark.timeout(60)
@@ -40,9 +41,14 @@ def test_predicted_pulls_extrapolate_the_last_update_and_exact_pulls_do_not(shm,
         np.testing.assert_allclose(models[0]["w"].detach().numpy(), value + 0.5 * delta, rtol=1e-6, atol=1e-6)
         clients[1].pull(models[1])
         np.testing.assert_allclose(models[1]["w"].detach().numpy(), value + 1.0 * delta, rtol=1e-6, atol=1e-6)
-        clients[0].pull(models[0], exact=True)
+        rung = srv.doorbell_requests
+        if shm == "1":   # a record of a request that may not be rung is dropped; the server serves on
+            clients[0].bells[0].ring(int(Op.STATS), 0, 0, 99)
+        clients[0].pull(models[0], exact=True)   # (the exact flag, rung on the doorbell with shm)
         np.testing.assert_allclose(models[0]["w"].detach().numpy(), value, rtol=1e-6, atol=1e-6)
         assert srv.predict and (clients[0].regions[0] is not None) == (shm == "1")
+        assert srv.doorbell_requests == (rung + 1 if shm == "1" else 0)   # pulls and pushes were rung
+        assert shm == "0" or rung == 2 * W + 2
     finally:
         for c in clients:
             c.close()

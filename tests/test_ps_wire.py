@@ -375,22 +375,22 @@ def test_doorbell_carries_steps_both_ways_and_drops_junk():
     server = doorbell.ServerBells(f"test-bells-{os.getpid()}", workers=2)
     worker = doorbell.WorkerBells(f"test-bells-{os.getpid()}", 1, 2)
     try:
-        worker.ring(3, 7, 42)
-        assert server.rung() == [(1, 3, 7, 42)]
+        worker.ring(2, 3, 7, 42)
+        assert server.rung() == [(1, 2, 3, 7, 42)]
         server.answer(1, 42)
         server.answer(1, 43)
         assert worker.answered() == [42, 43] and worker.answered() == []
         os.write(worker.ring_fd, b"\xff" * doorbell.RECORD.size)   # wrong magic
         assert server.rung() == []
-        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 5, 3, 0, 1))   # no worker 5
+        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 5, 2, 3, 0, 1))   # no worker 5
         assert server.rung() == []
         os.write(worker.ring_fd, b"\x11\xb3")   # half a record waits for the rest
         assert server.rung() == []
-        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 0, 3, 1, 2)[2:])
-        assert server.rung() == [(0, 3, 1, 2)]
+        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 0, 1, 1, 1, 2)[2:])
+        assert server.rung() == [(0, 1, 1, 1, 2)]
     finally:
         server.close()
     assert not [n for n in segment.leftover_segments() if "test-bells" in n]
     with pytest.raises(BrokenPipeError):
-        worker.ring(3, 8, 43)
+        worker.ring(2, 3, 8, 43)
     worker.close()

@@ -51,8 +51,8 @@ class Client(Requests):
         """A push or pull of every piece this worker has on ``server``, through the
         server's shared segment (shared.py): one header, no payload. ``step``: a push
         that also clocks and pulls the next clock's weights (step()); ``ring``: send
-        that step on the server's doorbell (doorbell.py) if it has one, not ZeroMQ
-        (which still carries it again if the server restarts meanwhile)."""
+        it on the server's doorbell (doorbell.py) if it has one, not ZeroMQ (which
+        still carries it again if the server restarts meanwhile)."""
         def build():
             r = self.regions[server]
             if op == Op.PUSH:   # the gradients into this worker's push region first
@@ -62,19 +62,20 @@ class Client(Requests):
             h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, token=self.token,
                             flags=shared.FLAG_SHM | (shared.FLAG_STEP if step else 0))
             return wire.encode(h, {"shm": r.name, **({"exact": True} if exact else {})})
-        bells = self.bells[server] if step and ring else None
+        bells = self.bells[server] if ring else None
         if bells is None:
             self._track(server, op, -1, 0, build(), build)
             return (server, int(op), -1, 0)
         frames = build()
-        seq = self.clock_value   # (a step per clock: the clock numbers the steps)
+        self.rings += 1
+        flags = shared.FLAG_SHM | (shared.FLAG_STEP if step else 0) | (shared.FLAG_EXACT if exact else 0)
         try:
-            bells.ring(shared.FLAG_SHM | shared.FLAG_STEP, self.clock_value, seq)
+            bells.ring(int(op), flags, self.clock_value, self.rings)
         except OSError:   # nobody reads the bell (EPIPE: the server died) or it is full: by ZeroMQ,
             self._track(server, op, -1, 0, frames, build)   # whose error reply names a new server's segment
             return (server, int(op), -1, 0)
         self.outstanding[(server, int(op), -1, 0)] = [frames, True, build]
-        self.rung[bells.fileno()] = (server, seq)
+        self.rung[bells.fileno()] = (server, int(op), self.rings)
         return (server, int(op), -1, 0)
 
     def _grad(self, pc):
@@ -150,7 +151,7 @@ class Client(Requests):
         expected = set()
         for s, mine in enumerate(self.placement):
             if self.regions[s] is not None and mine:
-                expected.add(self._send_shared(s, Op.PULL, exact=exact))
+                expected.add(self._send_shared(s, Op.PULL, exact=exact, ring=True))
                 continue
             for pc in mine:
                 self._send(s, Op.PULL, pc.key, pc.lo, pc.hi, {"exact": True} if exact else None)
@@ -199,7 +200,7 @@ class Client(Requests):
         expected = set()
         for s, mine in enumerate(self.placement):
             if self.regions[s] is not None and mine:
-                expected.add(self._send_shared(s, Op.PUSH))
+                expected.add(self._send_shared(s, Op.PUSH, ring=True))
                 continue
             for pc in mine:
                 self._send(s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(self._grad(pc)))

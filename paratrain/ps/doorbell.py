@@ -9,20 +9,21 @@ a 64-byte message between two Python processes takes 132 us that way on our
 itself wakes the reader. With 2 workers and 2 servers on 2 cores, that is
 most of the difference between one and two servers.
 
-So for ``Client.step`` on a shared segment (push, clock and pull in one
-request, the hot path of dense training) the request and its answer are
+So the requests a worker makes through a shared segment (``Client.step``:
+push, clock and pull in one request, the hot path of dense training; and the
+plain ``push`` and ``pull`` of every piece on a server) and their answers are
 *rung* on FIFOs:
 
 - the server makes one FIFO it reads (its *bell*) and one per worker it writes
   (the worker's *answer* FIFO), all in /dev/shm next to its segment, mode 0600;
-- a worker rings with one 24-byte record (magic, worker, flags, clock,
+- a worker rings with one 24-byte record (magic, worker, op, flags, clock,
   sequence number): pipes write up to PIPE_BUF bytes atomically, so records of
   several workers never interleave; the server answers with the 8-byte
   sequence number. Both ends poll the FIFOs beside their ZeroMQ sockets.
 
 Everything else still goes through ZeroMQ: registration, errors (the server
-sends them to the worker's ZeroMQ identity, as it would any error), every
-other request, and a step after a server restart (the old server's bell has
+sends them to the worker's ZeroMQ identity, as it would any error), clocks,
+embedding rows, every other request, and a request after a server restart (the old server's bell has
 no reader any more: the ring fails with EPIPE and the worker sends the step
 over ZeroMQ, whose reply names the new segment and its bells). A record that
 is malformed (wrong magic, a worker out of range) is dropped with a warning;
@@ -35,7 +36,7 @@ import struct
 
 from ..comm.shm import segment
 
-RECORD = struct.Struct("<HHiqQ")   # magic, worker, flags, clock, sequence number
+RECORD = struct.Struct("<HHBBxxqQ")   # magic, worker, op, flags, clock, sequence number
 ANSWER = struct.Struct("<Q")       # the sequence number of the step answered
 MAGIC = 0xB311
 Rung = collections.namedtuple("Rung", "worker seq")   # the server's "identity" of a rung step: answer here
@@ -63,7 +64,7 @@ class ServerBells:
         return self.fds[0]
 
     def rung(self):
-        """The records waiting on the bell: [(worker, flags, clock, seq)]; junk is dropped."""
+        """The records waiting on the bell: [(worker, op, flags, clock, seq)]; junk is dropped."""
         data = self.partial
         try:
             while True:
@@ -77,13 +78,13 @@ class ServerBells:
         self.partial = data[whole:]
         out = []
         for at in range(0, whole, RECORD.size):
-            magic, worker, flags, clock, seq = RECORD.unpack_from(data, at)
+            magic, worker, op, flags, clock, seq = RECORD.unpack_from(data, at)
             if magic != MAGIC or worker >= self.workers:
                 print(f"doorbell: dropped a malformed record (magic {magic:#x}, worker {worker}) and "
                       f"{len(data) - at - RECORD.size} bytes after it", flush=True)
                 self.partial = b""
                 break
-            out.append((worker, flags, clock, seq))
+            out.append((worker, op, flags, clock, seq))
         return out
 
     def answer(self, worker, seq):
@@ -118,9 +119,9 @@ class WorkerBells:
     def fileno(self):
         return self.answer_fd
 
-    def ring(self, flags, clock, seq):
+    def ring(self, op, flags, clock, seq):
         """Raises OSError (EPIPE: the server is gone) when nobody reads the bell."""
-        os.write(self.ring_fd, RECORD.pack(MAGIC, self.worker, flags, clock, seq))
+        os.write(self.ring_fd, RECORD.pack(MAGIC, self.worker, op, flags, clock, seq))
 
     def answered(self):
         """The sequence numbers answered since the last call."""

@@ -263,4 +263,4 @@ class Handlers:
             "log": [list(e) for e in c.log], "applied": {f"{s.key}:{s.lo}": s.applied for s in self.shards.values()},
             "tables": {str(k): {"rows": t.used, "rows_pushed": t.rows_pushed, "applied": t.applied}
                        for k, t in self.tables.items()},
-            "restored": self.resync is not None, "doorbell_steps": self.doorbell_steps})
+            "restored": self.resync is not None, "doorbell_requests": self.doorbell_requests})

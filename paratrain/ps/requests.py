@@ -58,7 +58,8 @@ class Requests:
         self.wait_seconds = 0.0                     # time spent waiting for replies
         self.regions = [None] * len(addrs)   # shared.Regions per server on this host (the fast path), or None
         self.bells = [None] * len(addrs)     # doorbell.WorkerBells per server with bells, or None
-        self.rung = {}          # answer FIFO's fd -> (server, sequence number of the step rung there)
+        self.rung = {}          # answer FIFO's fd -> (server, op, sequence number) of the request rung there
+        self.rings = 0          # requests rung so far (their sequence numbers)
 
     def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None, reply=True):
         """Send a request; one that expects a ``reply`` stays outstanding until it comes."""
@@ -163,12 +164,12 @@ class Requests:
         return got
 
     def _answered(self, fd, got):
-        """A server answered on this worker's doorbell FIFO: the step rung there is done
-        (its weights are in the shared segment), unless the answer is an older one's."""
+        """A server answered on this worker's doorbell FIFO: the request rung there is
+        done (a pull's weights are in the shared segment), unless the answer is an older one's."""
         bells = next(b for b in self.bells if b is not None and b.fileno() == fd)
         answered = bells.answered()   # (always read: a FIFO left readable would wake every poll)
-        server, seq = self.rung.get(fd, (None, None))
-        request = (server, int(Op.PUSH), -1, 0)
+        server, op, seq = self.rung.get(fd, (None, None, None))
+        request = (server, op, -1, 0)
         if seq in answered and request in self.outstanding:
             del self.outstanding[request]
             del self.rung[fd]

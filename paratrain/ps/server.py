@@ -40,6 +40,8 @@ from .waiting import Waiting
 from .wire import Op
 
 POLL_MS = 100
+RINGABLE = {(int(Op.PUSH), shared.FLAG_SHM | shared.FLAG_STEP), (int(Op.PUSH), shared.FLAG_SHM),
+            (int(Op.PULL), shared.FLAG_SHM), (int(Op.PULL), shared.FLAG_SHM | shared.FLAG_EXACT)}
 MAX_PAYLOAD = 1 << 33
 
 
@@ -72,7 +74,7 @@ class Server(Handlers):
         self.regions = None    # shared.ServerRegions: the same-host fast path
         self.bells = None      # doorbell.ServerBells: same-host steps without ZeroMQ
         self.idents = {}       # worker -> its ZeroMQ identity (errors to a doorbell step go there)
-        self.doorbell_steps = 0   # steps rung on the doorbell (all workers)
+        self.doorbell_requests = 0   # requests rung on the doorbell (all workers)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.deferred = Waiting(timeout)   # requests the consistency model holds back
@@ -109,16 +111,18 @@ class Server(Handlers):
         self._dispatch(ident, h, meta, payload)
 
     def _rung(self):
-        """Steps rung on the doorbell (doorbell.py): each is the same request as a
-        step sent through ZeroMQ with the shared segment, answered on the worker's FIFO."""
-        step = shared.FLAG_SHM | shared.FLAG_STEP
-        for worker, flags, clock, seq in self.bells.rung():
-            if flags != step:
-                print(f"doorbell: worker {worker} rang with flags {flags}, not a step; dropped", flush=True)
+        """Requests rung on the doorbell (doorbell.py): each is the same request as one
+        sent through ZeroMQ with the shared segment, answered on the worker's FIFO."""
+        for worker, op, flags, clock, seq in self.bells.rung():
+            meta = {"shm": self.regions.name}
+            if (op, flags) not in RINGABLE:
+                print(f"doorbell: worker {worker} rang op {op} with flags {flags}; dropped", flush=True)
                 continue
-            h = wire.Header(op=Op.PUSH, worker=worker, clock=clock, flags=flags)
-            self.doorbell_steps += 1
-            self._dispatch(doorbell.Rung(worker, seq), h, {"shm": self.regions.name}, b"")
+            if flags & shared.FLAG_EXACT:
+                flags, meta["exact"] = flags & ~shared.FLAG_EXACT, True
+            self.doorbell_requests += 1
+            h = wire.Header(op=Op(op), worker=worker, clock=clock, flags=flags)
+            self._dispatch(doorbell.Rung(worker, seq), h, meta, b"")
 
     def _dispatch(self, ident, h, meta, payload):
         try:

@@ -41,6 +41,7 @@ from ..comm.shm import segment
 
 FLAG_SHM = 1   # request header flags: the payload is in the shared segment
 FLAG_STEP = 2  # a PUSH that also clocks and then pulls (the worker's whole step: Client.step)
+FLAG_EXACT = 4  # (doorbell records only) a pull of the weights as they are, never predicted
 _serial = itertools.count()   # several servers in one process (tests) get distinct names
 
 

@@ -159,7 +159,7 @@ def main():
     else:
         globals()[args.mode](ps, me, workers)
     print(f"transport {'shm' if all(r is not None for r in ps.regions) else 'tcp'}")
-    print(f"doorbell steps {sum(ps.stats(s)['doorbell_steps'] for s in range(len(ps.socks)))}")
+    print(f"doorbell requests {sum(ps.stats(s)['doorbell_requests'] for s in range(len(ps.socks)))}")
     ps.close()
     print(f"ps {args.mode} passed")
 
