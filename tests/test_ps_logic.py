@@ -543,3 +543,16 @@ def test_prediction_damps_each_gradient_element_by_its_gap():
     assert (gap > 1).any() and (gap == 1).any()         # some elements damped, some not
     shard.apply_now(0, g0, 1 / W)
     np.testing.assert_allclose(shard.value, value - lr / W * g0 / gap, rtol=1e-5)
+
+
+def test_a_request_that_overtakes_its_clock_logs_the_clocks_it_stands_for():
+    """consistency.observe: a request carrying clock 3 from a worker the server has at
+    clock 1 (its clock messages still on their way, or lost with a restarted server)
+    moves it to 3 and logs 2 and 3; the late clock messages then change nothing."""
+    from paratrain.ps.consistency import Clocks
+    c = Clocks(2, "asp", None)
+    c.advance(0)
+    c.observe(0, 3)
+    assert c.clock_of(0) == 3 and list(c.log) == [(0, 1), (0, 2), (0, 3)]
+    c.observe(0, 2)
+    assert c.clock_of(0) == 3 and len(c.log) == 3

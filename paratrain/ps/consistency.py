@@ -112,12 +112,15 @@ class Clocks:
 
     def observe(self, worker, clock):
         """A request from ``worker`` carried ``clock``: its clock is at least that.
-        In normal operation the server has already counted every clock() before the
-        request (one connection delivers in order), so this changes nothing; after a
-        server restarts from a checkpoint it brings the restored clocks up to date
-        (clock messages sent since the checkpoint were lost with the old server)."""
+        Usually the server has already counted every clock() before the request, so
+        this changes nothing. When a clock message comes after a request it preceded
+        (one sent through ZeroMQ, the other rung on the doorbell), or after a server
+        restarted from a checkpoint (the clock messages since it were lost with the
+        old server), it brings the clock up to date and logs the advances it stands
+        for, so the clock log misses none."""
         w = self._check(worker)
         if clock > self.clocks[w]:
+            self.log.extend((w, c) for c in range(self.clocks[w] + 1, int(clock) + 1))
             self.clocks[w] = int(clock)
 
     def state(self):

@@ -21,9 +21,11 @@ plain ``push`` and ``pull`` of every piece on a server) and their answers are
   several workers never interleave; the server answers with the 8-byte
   sequence number. Both ends poll the FIFOs beside their ZeroMQ sockets.
 
-Everything else still goes through ZeroMQ: registration, errors (the server
-sends them to the worker's ZeroMQ identity, as it would any error), clocks,
-embedding rows, every other request, and a request after a server restart (the old server's bell has
+A worker's clocks are rung there too (never answered), so a clock sent
+through ZeroMQ cannot be overtaken by the rung pull after it. Everything else
+still goes through ZeroMQ: registration, errors (the server sends them to the
+worker's ZeroMQ identity, as it would any error), embedding rows, every other
+request, and a request after a server restart (the old server's bell has
 no reader any more: the ring fails with EPIPE and the worker sends the step
 over ZeroMQ, whose reply names the new segment and its bells). A record that
 is malformed (wrong magic, a worker out of range) is dropped with a warning;
@@ -112,9 +114,12 @@ class WorkerBells:
     def __init__(self, base, worker, workers):
         bell, answers = names(base, workers)
         self.worker = worker
-        self.ring_fd = self.answer_fd = None
         self.ring_fd = os.open(segment.path_of(bell), os.O_WRONLY | os.O_NONBLOCK)   # ENXIO without a reader
-        self.answer_fd = os.open(segment.path_of(answers[worker]), os.O_RDWR | os.O_NONBLOCK)
+        try:
+            self.answer_fd = os.open(segment.path_of(answers[worker]), os.O_RDWR | os.O_NONBLOCK)
+        except OSError:
+            os.close(self.ring_fd)
+            raise
 
     def fileno(self):
         return self.answer_fd

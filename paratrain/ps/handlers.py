@@ -11,9 +11,9 @@ Consistency (consistency.py; Ho et al., NIPS 2013):
   which are invariant to its scale, and make each clock W full steps); a pull
   at clock c waits only while c is more than s clocks ahead of the slowest
   worker (ASP: never). SSP with s = 0 is BSP (consistency.effective_mode).
-  Messages from one worker to one server arrive in order and a worker pushes
-  before it clocks, so once the server has seen a worker's clock k, that
-  worker's pushes of clocks < k are applied.
+  A worker's push is answered before it clocks (or is the step that clocks),
+  so once the server has seen a worker at clock k, through a clock or any
+  request carrying k, that worker's pushes of clocks < k are applied.
 
 Sparse embedding tables (rows.py) follow the same rules per table: BSP
 gathers every worker's rows of a clock and applies their average once.

@@ -157,6 +157,9 @@ class Requests:
                         entry[0], entry[1] = entry[2](), False
                         continue
                 del self.outstanding[request]
+                bells = self.bells[server]
+                if bells is not None and self.rung.get(bells.fileno(), (None,) * 3)[:2] == (server, h.flags):
+                    del self.rung[bells.fileno()]   # (a rung request resent and answered by ZeroMQ)
                 if h.op == Op.ERROR:
                     raise PSError(meta.get("error", "unknown error"))
                 got[request] = (h, meta, payload)
@@ -166,7 +169,9 @@ class Requests:
     def _answered(self, fd, got):
         """A server answered on this worker's doorbell FIFO: the request rung there is
         done (a pull's weights are in the shared segment), unless the answer is an older one's."""
-        bells = next(b for b in self.bells if b is not None and b.fileno() == fd)
+        bells = next((b for b in self.bells if b is not None and b.fileno() == fd), None)
+        if bells is None:   # (closed in this very poll: the server was restarted and remapped)
+            return
         answered = bells.answered()   # (always read: a FIFO left readable would wake every poll)
         server, op, seq = self.rung.get(fd, (None, None, None))
         request = (server, op, -1, 0)

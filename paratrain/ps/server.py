@@ -41,7 +41,8 @@ from .wire import Op
 
 POLL_MS = 100
 RINGABLE = {(int(Op.PUSH), shared.FLAG_SHM | shared.FLAG_STEP), (int(Op.PUSH), shared.FLAG_SHM),
-            (int(Op.PULL), shared.FLAG_SHM), (int(Op.PULL), shared.FLAG_SHM | shared.FLAG_EXACT)}
+            (int(Op.PULL), shared.FLAG_SHM), (int(Op.PULL), shared.FLAG_SHM | shared.FLAG_EXACT),
+            (int(Op.CLOCK), 0)}   # (a clock is never answered, rung or not)
 MAX_PAYLOAD = 1 << 33
 
 
