@@ -62,7 +62,7 @@ class Client(Requests):
             h = wire.Header(op=op, worker=self.worker, key=-1, clock=self.clock_value, token=self.token,
                             flags=shared.FLAG_SHM | (shared.FLAG_STEP if step else 0))
             return wire.encode(h, {"shm": r.name, **({"exact": True} if exact else {})})
-        bells = self.bells[server] if ring else None
+        bells = self.bells[server] if ring and not self.via_zmq[server] else None
         if bells is None:
             self._track(server, op, -1, 0, build(), build)
             return (server, int(op), -1, 0)
@@ -266,7 +266,7 @@ class Client(Requests):
         return self.clock_value
 
     def _ring_clock(self, server):
-        if self.bells[server] is None:
+        if self.bells[server] is None or self.via_zmq[server]:
             return False
         try:
             self.bells[server].ring(int(Op.CLOCK), 0, self.clock_value, 0)

@@ -60,6 +60,7 @@ class Requests:
         self.bells = [None] * len(addrs)     # doorbell.WorkerBells per server with bells, or None
         self.rung = {}          # answer FIFO's fd -> (server, op, sequence number) of the request rung there
         self.rings = 0          # requests rung so far (their sequence numbers)
+        self.via_zmq = [False] * len(addrs)   # per server: ring nothing until a ZeroMQ reply (a reconnection)
 
     def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None, reply=True):
         """Send a request; one that expects a ``reply`` stays outstanding until it comes."""
@@ -109,6 +110,7 @@ class Requests:
         from zmq.utils.monitor import recv_monitor_message
         recv_monitor_message(self.monitors[server])
         self.reconnects += 1
+        self.via_zmq[server] = True   # the server knows the new connection only once it has heard on it
         for key, entry in self.outstanding.items():
             if key[0] == server:
                 entry[1] = False
@@ -141,6 +143,7 @@ class Requests:
                     self._lost_connection(self.monitors.index(sock))
                     continue
                 server = self.socks.index(sock)
+                self.via_zmq[server] = False   # (errors for rung requests reach this connection now)
                 frames = sock.recv_multipart(copy=False)
                 h, meta, payload = wire.decode([f.buffer for f in frames], max_payload=1 << 40)
                 self.bytes_received += payload.nbytes
