@@ -11,8 +11,9 @@ staler than the consistency model allows, a registration before worker 0's
 initial values) is *deferred* (waiting.py): answered when a later push or
 clock makes it ready, or with an error naming the workers it waited for when
 its deadline passes (a dead worker in BSP is reported, not waited for forever).
-Same-host steps may come rung on the server's doorbell (doorbell.py) instead
-of the socket; they are handled alike and answered on the worker's FIFO.
+Same-host requests (steps, dense pushes and pulls, clocks) may come rung on
+the server's doorbell (doorbell.py) instead of the socket; they are handled
+alike and answered on the worker's FIFO.
 
 What each request does, and the consistency models: handlers.py.
 
@@ -73,8 +74,8 @@ class Server(Handlers):
         self.resync = None     # after a restart: the workers not heard from yet
         self.offsets = {}      # (key, lo) -> the shard's place in the shared regions
         self.regions = None    # shared.ServerRegions: the same-host fast path
-        self.bells = None      # doorbell.ServerBells: same-host steps without ZeroMQ
-        self.idents = {}       # worker -> its ZeroMQ identity (errors to a doorbell step go there)
+        self.bells = None      # doorbell.ServerBells: same-host requests without ZeroMQ
+        self.idents = {}       # worker -> its ZeroMQ identity (errors to rung requests go there)
         self.doorbell_requests = 0   # requests rung on the doorbell (all workers)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -143,7 +144,7 @@ class Server(Handlers):
             self._error(ident, h, f"internal error while handling {h.op.name}: {type(e).__name__}: {e}")
 
     def _reply(self, ident, h, meta=None, payload=None, key=None, lo=None, hi=None):
-        if isinstance(ident, doorbell.Rung):   # (a step's answer: no meta, no payload)
+        if isinstance(ident, doorbell.Rung):   # (a rung request's answer: no meta, no payload)
             return self.bells.answer(ident.worker, ident.seq)
         head = wire.Header(op=Op.REPLY, worker=h.worker, key=h.key if key is None else key, clock=h.clock,
                            lo=h.lo if lo is None else lo, hi=h.hi if hi is None else hi,
