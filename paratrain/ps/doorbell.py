@@ -44,6 +44,21 @@ MAGIC = 0xB311
 Rung = collections.namedtuple("Rung", "worker seq")   # the server's "identity" of a rung step: answer here
 
 
+def _drain(fd):
+    """Everything waiting in the non-blocking FIFO ``fd``, read to the end (a FIFO left
+    readable would wake every poll)."""
+    data = b""
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data
+
+
 def names(base, workers):
     """The bell's name and each worker's answer FIFO's name, from the segment's name."""
     return base + "-bell", [f"{base}-w{w}" for w in range(workers)]
@@ -67,15 +82,7 @@ class ServerBells:
 
     def rung(self):
         """The records waiting on the bell: [(worker, op, flags, clock, seq)]; junk is dropped."""
-        data = self.partial
-        try:
-            while True:
-                chunk = os.read(self.fds[0], 1 << 16)
-                if not chunk:
-                    break
-                data += chunk
-        except BlockingIOError:
-            pass
+        data = self.partial + _drain(self.fds[0])
         whole = len(data) - len(data) % RECORD.size
         self.partial = data[whole:]
         out = []
@@ -130,15 +137,7 @@ class WorkerBells:
 
     def answered(self):
         """The sequence numbers answered since the last call."""
-        data = b""
-        try:
-            while True:
-                chunk = os.read(self.answer_fd, 1 << 12)
-                if not chunk:
-                    break
-                data += chunk
-        except BlockingIOError:
-            pass
+        data = _drain(self.answer_fd)
         return [ANSWER.unpack_from(data, at)[0] for at in range(0, len(data) - len(data) % ANSWER.size,
                                                                 ANSWER.size)]
 

@@ -35,6 +35,8 @@ without.
 import numpy as np
 import torch
 
+from .optimizers import _tensor
+
 GAP_WARMUP = 10       # pushes before the gap is trusted (the mean update size starts at zero)
 STEP_SIZE_DECAY = 0.9  # the running mean of |update| per element: step = 0.9 step + 0.1 |delta|
 
@@ -101,18 +103,17 @@ class Shard:
         """grad / max(1, |value - served| / step), elementwise (a new array)."""
         gap = torch.from_numpy(self.value).sub(torch.from_numpy(served)).abs_()
         gap.div_(torch.from_numpy(self.step_size).add(1e-12)).clamp_(min=1.0)
-        return torch.from_numpy(grad).div(gap).numpy()
+        return _tensor(grad).div(gap).numpy()   # (a gradient received over TCP is read-only)
 
     def read_into(self, worker, out, exact=False):
         """The weights ``worker`` should compute on, into ``out``: the value itself, or
         with prediction (and not ``exact``) value + tau * delta."""
+        if self.delta is not None:   # the worker's pull region, or the snapshot sent: neither
+            self.served[worker] = out   # changes until its next read, which comes after its push
         if self.delta is None or exact:
             np.copyto(out, self.value)
-            if self.delta is not None:
-                self.served[worker] = out
             return out
-        self.served[worker] = out   # (the worker's pull region, or the snapshot sent: neither changes
-        self.read_at[worker] = self.updates   # until its next read, which comes after its push)
+        self.read_at[worker] = self.updates
         torch.add(torch.from_numpy(self.value), torch.from_numpy(self.delta), alpha=self.tau[worker],
                   out=torch.from_numpy(out))
         return out
