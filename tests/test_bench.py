@@ -34,6 +34,7 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
                 r = got[(coll, engine, size)]
                 assert r["verified"], r
                 assert r["iters"] == len(r["samples_us"]) > 0
+                assert r["calls"] == 10   # small sizes: back-to-back calls per timed turn
                 assert r["median_us"] > 0 and r["algbw_GBps"] > 0 and r["busbw_GBps"] > 0
     assert {(r["collective"], r["bytes"]) for r in data["ratios"]} == {(c, s) for c in COLLECTIVES
                                                                           for s in (4096, 65536)}

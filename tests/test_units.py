@@ -41,6 +41,24 @@ def test_env_errors(env, words):
         read_env(env)
 
 
+@pytest.mark.parametrize("text, expected", [("65536", 65536), ("256K", 256 << 10), ("1M", 1 << 20),
+                                           ("2mb", 2 << 20), (" 1G ", 1 << 30)])
+def test_shm_sizes_from_the_environment(monkeypatch, text, expected):
+    from paratrain.comm.shm.group import _env_bytes
+    monkeypatch.setenv("PARATRAIN_SHM_SLOT_BYTES", text)
+    assert _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 7) == expected
+    monkeypatch.delenv("PARATRAIN_SHM_SLOT_BYTES")
+    assert _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 7) == 7
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-5", "1.5M", "K", ""])
+def test_a_bad_shm_size_names_the_variable(monkeypatch, text):
+    from paratrain.comm.shm.group import _env_bytes
+    monkeypatch.setenv("PARATRAIN_SHM_CHUNK_BYTES", text)
+    with pytest.raises(ValueError, match="PARATRAIN_SHM_CHUNK_BYTES=.* is not a size"):
+        _env_bytes("PARATRAIN_SHM_CHUNK_BYTES", 7)
+
+
 def test_op_names():
     assert ops.normalize_op("SUM") == "sum"
     assert ops.normalize_op(torch.distributed.ReduceOp.MAX) == "max"

@@ -62,6 +62,15 @@ def default_iters(nbytes):
     return max(20, min(300, (2 << 30) // max(1, nbytes)))
 
 
+CALLS_BELOW = 256 * 1024   # sizes up to this make several back-to-back calls per timed turn
+
+
+def default_calls(nbytes):
+    """Back-to-back calls per timed turn: 10 for small messages, whose latency a CPU
+    waking from sleep would otherwise dominate (worker.py), 1 from 256 KiB up."""
+    return 10 if nbytes <= CALLS_BELOW else 1
+
+
 def parser():
     p = argparse.ArgumentParser(
         prog="paratrain bench collectives",
@@ -75,6 +84,9 @@ def parser():
                    help=f"whole-buffer sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=None,
                    help="rounds per size (default: by size, 300 up to 1 MiB, 128 at 16 MiB, 32 at 64 MiB)")
+    p.add_argument("--calls", type=int, default=None,
+                   help="back-to-back calls per engine in each timed turn, the time divided by them "
+                        f"(default: 10 up to {CALLS_BELOW // 1024} KiB, 1 above)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per engine and size, the first "
                    "checked against numpy (default 2)")
     p.add_argument("--algorithms", default="", type=lambda s: parse_list(s, ALGORITHMS, "algorithm") if s else [],
@@ -100,7 +112,7 @@ def estimate_seconds(sizes, iters, warmup, collectives, n_engines, nproc):
     """A pessimistic guess of a run's length (0.1 GB/s, 2 ms per call, slower when
     ranks outnumber cores), only to set a deadline that a healthy run never meets."""
     oversub = max(1.0, nproc / (os.cpu_count() or 1))
-    per_size = sum((it + warmup) * (2e-3 + 2 * b / 1e8) for b, it in zip(sizes, iters))
+    per_size = sum((it * default_calls(b) + warmup) * (2e-3 + 2 * b / 1e8) for b, it in zip(sizes, iters))
     return 30 + len(collectives) * n_engines * per_size * oversub
 
 
@@ -145,6 +157,7 @@ def bench(args):
     sizes = args.sizes or [parse_size(s) for s in (QUICK_SIZES if args.quick else DEFAULT_SIZES).split(",")]
     sizes = sorted({elements(s, args.nproc) * 4 for s in sizes})
     iters = [args.iters or (5 if args.quick else default_iters(s)) for s in sizes]
+    calls = [args.calls or default_calls(s) for s in sizes]
     warmup = args.warmup or 2
     notes = []
     engines = ["paratrain"] + ([] if args.no_gloo else ["gloo"])
@@ -155,7 +168,7 @@ def bench(args):
                      "(1 = yield while waiting instead of busy-polling; set it in the environment to change)")
     elif not args.no_mpi:
         notes.append("Open MPI left out: no mpirun next to this Python or on PATH, or mpi4py is not installed.")
-    cfg = dict(collectives=args.collectives, sizes=sizes, iters=iters, warmup=warmup, engines=engines,
+    cfg = dict(collectives=args.collectives, sizes=sizes, iters=iters, calls=calls, warmup=warmup, engines=engines,
                algorithms=args.algorithms, hierarchical=False, hosts=2, op_timeout=OP_TIMEOUT,
                buffers=args.buffers)
     n_eng = len(engines) + len(args.algorithms)
@@ -194,7 +207,7 @@ def bench(args):
                 environment=dict(_environment(args, main_res["info"], "mpirun" if use_mpi else "subprocesses"),
                                  loadavg_before=list(load_before), loadavg_after=list(load_after),
                                  mpi_yield_when_idle=os.environ.get(launcher.MPI_YIELD, "1") if use_mpi else None),
-                config=dict(nproc=args.nproc, collectives=args.collectives, sizes=sizes, iters=iters,
+                config=dict(nproc=args.nproc, collectives=args.collectives, sizes=sizes, iters=iters, calls=calls,
                             warmup=warmup, engines=engines, algorithms=args.algorithms,
                             hierarchical=args.hierarchical, dtype="float32", buffers=args.buffers),
                 conventions=report.HEADER, notes=notes)

@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 HEADER = ("bytes = the whole buffer: all_reduce/broadcast buffer, all_gather output and reduce_scatter input "
-          "(world_size x per rank), as nccl-tests. time = median over rounds of the slowest rank's time; "
+          "(world_size x per rank), as nccl-tests. time = median over rounds of the slowest rank's time "
+          "per call (up to 256 KiB a round times 10 back-to-back calls, as nccl-tests loops; above, one); "
           "busbw = bytes/time x 2(P-1)/P (all_reduce), (P-1)/P (all_gather, reduce_scatter), 1 (broadcast). "
           "GB/s = 1e9 B/s. Engines interleaved round by round in one run")
 REFERENCE = "paratrain"
@@ -55,6 +56,7 @@ def summarize(rows, P):
         algbw = r["bytes"] / t / 1e9 if t > 0 else float("nan")
         out.append(dict(
             collective=r["collective"], engine=r["engine"], bytes=r["bytes"], count=r["count"], iters=r["iters"],
+            calls=r.get("calls", 1),
             verified=r["verified"], note=r["note"], run=r.get("run", "main"),
             median_us=t * 1e6, min_us=min(s) * 1e6, max_us=max(s) * 1e6,
             algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(r["collective"], P),

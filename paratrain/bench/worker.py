@@ -9,11 +9,21 @@ Method (nccl-tests' conventions, adapted to engines that differ in speed by 10x)
   in turn. The turn order rotates by one each round, so no engine always runs
   first after the gather (or always right after a given rival) and drift on a
   busy machine hits all engines alike.
-- A timed call is: restore the input, the engine's own barrier, then
-  perf_counter around the call alone. The barrier lines the ranks up; the
-  round's time is the *slowest* rank's (a collective is done when the last
-  rank is done), gathered after the size is finished, and the reported figure
-  is the median over rounds (computed in report.py).
+- A timed turn is: restore the input, the engine's own barrier, then
+  perf_counter around ``calls`` back-to-back calls, divided by ``calls``. The
+  barrier lines the ranks up; the round's time is the *slowest* rank's (a
+  collective is done when the last rank is done), gathered after the size is
+  finished, and the reported figure is the median over rounds (computed in
+  report.py).
+- Small sizes make several calls per turn (collectives.default_calls), as
+  nccl-tests and the OSU benchmarks time a loop of calls: on these VMs a CPU
+  that has just slept runs slower for a while (a numpy loop measured 1.8x
+  slower right after a 2 ms sleep, 4.3x after 20 ms), and with one call per
+  turn every engine's small-message time measured the wake-up of the engine
+  before it (Gloo blocks in the kernel) more than its own latency: paratrain's
+  4 KiB all-reduce took 19 us with Gloo out of the process and 70-87 us with
+  it, Open MPI's 6 us and 40 us. A loop shows each engine's own latency,
+  whether it keeps the CPU awake or not; the turns stay interleaved.
 
 Rank 0 writes every round's max-over-ranks time to the result JSON; the
 parent turns them into medians, bandwidths, ratios, a table and a plot.
@@ -30,12 +40,13 @@ from .cases import Case
 from .engines import Gloo, Mpi, Paratrain, gather_to_all
 
 
-def _timed(engine, case):
+def _timed(engine, case, calls):
     case.reset()
     engine.barrier()
     t0 = time.perf_counter()
-    case.call(engine)
-    return time.perf_counter() - t0
+    for _ in range(calls):
+        case.call(engine)
+    return (time.perf_counter() - t0) / calls
 
 
 def _engines(cfg, group, mpi):
@@ -53,7 +64,7 @@ def _engines(cfg, group, mpi):
     return base, extra
 
 
-def _measure(case, engines, iters, warmup):
+def _measure(case, engines, iters, warmup, calls):
     """(times: engines x iters seconds on this rank, ok: one check per engine)."""
     ok = []
     for e in engines:
@@ -66,7 +77,7 @@ def _measure(case, engines, iters, warmup):
     for i in range(iters):
         for k in range(E):
             j = (i + k) % E
-            times[j, i] = _timed(engines[j], case)
+            times[j, i] = _timed(engines[j], case, calls)
     return times, np.array(ok, dtype=np.float64)
 
 
@@ -96,16 +107,16 @@ def run(cfg):
     rows = []
     for coll in cfg["collectives"]:
         engines = base + (extra if coll == "all_reduce" else [])
-        for nbytes, iters in zip(cfg["sizes"], cfg["iters"]):
+        for nbytes, iters, calls in zip(cfg["sizes"], cfg["iters"], cfg["calls"]):
             case = Case(coll, nbytes, P, rank, alloc)
-            times, ok = _measure(case, engines, iters, cfg["warmup"])
+            times, ok = _measure(case, engines, iters, cfg["warmup"], calls)
             everyone = gather_to_all(group, np.concatenate([times.ravel(), ok]))
             slowest = everyone[:, :times.size].max(axis=0).reshape(times.shape)
             verified = everyone[:, times.size:].min(axis=0) > 0
             if rank == 0:
                 for j, e in enumerate(engines):
                     rows.append(dict(collective=coll, engine=e.name, bytes=case.nbytes, count=case.count,
-                                     iters=iters, verified=bool(verified[j]), note=e.notes.get(coll, ""),
+                                     iters=iters, calls=calls, verified=bool(verified[j]), note=e.notes.get(coll, ""),
                                      samples_s=slowest[j].tolist()))
                 med = ", ".join(f"{e.name} {np.median(slowest[j]) * 1e6:,.0f} us" + ("" if verified[j] else " WRONG")
                                 for j, e in enumerate(engines))

@@ -49,8 +49,20 @@ def _align(n, a=64):
     return (n + a - 1) // a * a
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
 def _env_bytes(name, default):
-    return int(os.environ.get(name, default))
+    """A size from the environment: bytes, or with a K/M/G suffix (powers of 1024)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    digits, unit = text.strip().upper().removesuffix("B") or "?", ""
+    if digits[-1:] in _UNITS:
+        digits, unit = digits[:-1], digits[-1]
+    if not digits.isdigit() or int(digits) * _UNITS[unit] <= 0:
+        raise ValueError(f"{name}={text!r} is not a size: give a positive number of bytes, e.g. 1048576 or 1M")
+    return int(digits) * _UNITS[unit]
 
 
 class Layout:
