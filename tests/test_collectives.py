@@ -51,7 +51,7 @@ def test_shm_all_gather_single_copy_from_private_memory(n, cma, no_leftover_segm
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_gloo_backend(n):
     res = launch(n, "collectives.py", "--backend", "torch", "--algorithms", ",ring,tree",
-                 "--dtypes", "bfloat16,float32,float64,int64,uint8", "--subgroup")
+                 "--dtypes", ALL_DTYPES, "--subgroup")
     _ok(res, n, "torch")
 
 

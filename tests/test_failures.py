@@ -31,9 +31,11 @@ def test_torch_mismatch_detected_in_debug_mode():
 
 
 @pytest.mark.timeout(60)
-def test_dead_peer_raises_on_survivor_naming_the_rank():
-    """Without a launcher to stop it, the survivor must notice on its own."""
-    procs = spawn(2, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"})
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_dead_peer_raises_on_survivor_naming_the_rank(backend):
+    """Without a launcher to stop it, the survivor must notice on its own. On the
+    torch backend Gloo reports a reset connection; paratrain finds the dead rank."""
+    procs = spawn(2, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120", "PARATRAIN_BACKEND": backend})
     # communicate's 45 s is far below the 120 s timeout: passing means death was noticed, not waited out
     out0 = procs[0].communicate(timeout=45)[0]
     procs[1].wait(timeout=10)
@@ -42,13 +44,14 @@ def test_dead_peer_raises_on_survivor_naming_the_rank():
 
 
 @pytest.mark.timeout(60)
-def test_silent_peer_times_out_naming_the_rank():
-    procs = spawn(2, "failures.py", "hang", env={"PARATRAIN_TIMEOUT": "3"})
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_silent_peer_times_out_naming_the_rank(backend):
+    procs = spawn(2, "failures.py", "hang", env={"PARATRAIN_TIMEOUT": "3", "PARATRAIN_BACKEND": backend})
     out0 = procs[0].communicate(timeout=45)[0]
     procs[1].kill()
     procs[1].wait()
     assert "caught CommTimeout" in out0, out0
-    assert "waiting for ranks [1]" in out0, out0
+    assert "waiting for ranks [1]" in out0 and "all_reduce" in out0, out0
 
 
 @pytest.mark.timeout(60)

@@ -7,27 +7,91 @@ algorithms in comm/algorithms/ are available over torch's send/recv too
 
 torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 in favour of ``all_gather_single`` / ``reduce_scatter_single``; we use the new
-names where they exist and fall back to the old ones.
+names where they exist (and the old ones on an older torch) whenever the
+pieces lie back to back in one buffer (always, when the caller passed one
+tensor), and torch's list forms otherwise.
+
+torch.distributed reports a dead or silent peer as a bare RuntimeError from
+the engine ("Connection reset by peer", "Timed out waiting 3000ms for recv
+operation"), naming neither the rank nor the operation. Every call here turns
+it into paratrain's PeerError / CommTimeout, as the shm backend raises them:
+which operation, and which rank died (a peer on this host found dead in /proc,
+liveness.py) or which ranks it may be.
 """
+import contextlib
+
 import numpy as np
 import torch.distributed as dist
 
 from . import ops
-from .group import ProcessGroup
+from .errors import CommError, CommTimeout, PeerError
+from .group import ProcessGroup, describe
+from .liveness import dead_local_peers
+
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "prod": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
+
+
+def _back_to_back(pieces):
+    """One flat view over ``pieces`` if each starts where the one before ends (the
+    pieces of one tensor the caller passed whole), else None."""
+    if not pieces or any(p.size == 0 for p in pieces):
+        return None
+    start = pieces[0].__array_interface__["data"][0]
+    at = start
+    for p in pieces:
+        if p.__array_interface__["data"][0] != at or p.dtype != pieces[0].dtype:
+            return None
+        at += p.nbytes
+    return np.lib.stride_tricks.as_strided(pieces[0], shape=((at - start) // pieces[0].itemsize,),
+                                           strides=(pieces[0].itemsize,))
 
 
 class TorchGroup(ProcessGroup):
     backend = "torch"
     native_algorithms = ("native",)
 
-    def __init__(self, rank, world_size, ranks, pg, timeout=None):
-        """pg: a torch.distributed group handle (None means the default group)."""
+    def __init__(self, rank, world_size, ranks, pg, timeout=None, procs=None):
+        """pg: a torch.distributed group handle (None means the default group);
+        procs: (host, pid) of every global rank, or None."""
         super().__init__(rank, world_size, ranks, timeout)
         self.pg = pg
         self.engine = dist.get_backend(pg)
+        self.procs = procs
+
+    # ---- the engine's errors, in paratrain's terms --------------------------------
+
+    @contextlib.contextmanager
+    def _engine_errors(self, what):
+        try:
+            yield
+        except CommError:
+            raise
+        except RuntimeError as e:   # DistBackendError and Gloo's plain RuntimeErrors
+            raise self._peer_error(what, e) from e
+
+    def _peer_error(self, what, e):
+        me = self.ranks[self.rank]
+        peers = [r for r in self.ranks if r != me]
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        dead = dead_local_peers(self.procs, me, peers)
+        if dead:
+            names = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in dead)
+            return PeerError(f"{names} died while rank {me} was in {what} over {self.engine} ({reason})", dead)
+        if "timed out" in reason.lower() or "timeout" in reason.lower():
+            return CommTimeout(
+                f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine} waiting for ranks "
+                f"{peers} ({reason}). Ranks must call the same collectives in the same order; raise "
+                "PARATRAIN_TIMEOUT if a rank is legitimately slow", peers)
+        return PeerError(f"rank {me}: {what} over {self.engine} failed; one of ranks {peers} closed its "
+                         f"connection or misbehaved ({reason})", peers)
+
+    def _checked(self, desc, fn, *args):
+        with self._engine_errors(describe(desc)):
+            super()._checked(desc, fn, *args)
 
     def default_algorithm(self, nbytes):
         return "native"
@@ -37,17 +101,20 @@ class TorchGroup(ProcessGroup):
 
     # point to point: torch uses global ranks
     def _send(self, buf, code, dst, tag):
-        dist.send(ops.torch_view(buf, code), self._global(dst), group=self.pg, tag=tag)
+        with self._engine_errors(f"send of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})"):
+            dist.send(ops.torch_view(buf, code), self._global(dst), group=self.pg, tag=tag)
 
     def _recv(self, buf, code, src, tag):
-        dist.recv(ops.torch_view(buf, code), self._global(src), group=self.pg, tag=tag)
+        with self._engine_errors(f"recv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})"):
+            dist.recv(ops.torch_view(buf, code), self._global(src), group=self.pg, tag=tag)
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
-        reqs = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, ops.torch_view(send_buf, code), self._global(dst), self.pg, tag),
-            dist.P2POp(dist.irecv, ops.torch_view(recv_buf, code), self._global(src), self.pg, tag)])
-        for r in reqs:
-            r.wait()
+        with self._engine_errors(f"exchange with ranks {self._global(dst)} and {self._global(src)}"):
+            reqs = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, ops.torch_view(send_buf, code), self._global(dst), self.pg, tag),
+                dist.P2POp(dist.irecv, ops.torch_view(recv_buf, code), self._global(src), self.pg, tag)])
+            for r in reqs:
+                r.wait()
 
     def _avg(self, buf, code, op):
         if op == "avg":
@@ -71,17 +138,18 @@ class TorchGroup(ProcessGroup):
             self._avg(buf, code, op)
 
     def _all_gather_into(self, out, buf, code):
-        dist.all_gather([ops.torch_view(o, code) for o in out], ops.torch_view(buf, code), group=self.pg)
+        flat = _back_to_back(out)
+        if flat is not None:
+            _ALL_GATHER_SINGLE(ops.torch_view(flat, code), ops.torch_view(buf, code), group=self.pg)
+        else:
+            dist.all_gather([ops.torch_view(o, code) for o in out], ops.torch_view(buf, code), group=self.pg)
 
     def _reduce_scatter(self, out, inp, code, op):
-        if self.engine == "gloo":
-            # Gloo has no reduce_scatter: all-reduce a copy of the stacked input and keep our piece.
-            stacked = np.concatenate(inp)
-            dist.all_reduce(ops.torch_view(stacked, code), _TORCH_OPS[op], group=self.pg)
-            n = out.size
-            out[...] = stacked[self.rank * n:(self.rank + 1) * n]
-        else:
-            dist.reduce_scatter(ops.torch_view(out, code), [ops.torch_view(i, code) for i in inp], _TORCH_OPS[op], group=self.pg)
+        flat = _back_to_back(inp)
+        if flat is None:   # the list form, which Gloo lacks: one buffer for the single form
+            flat = np.concatenate(inp)
+        _REDUCE_SCATTER_SINGLE(ops.torch_view(out, code), ops.torch_view(flat, code), _TORCH_OPS[op],
+                               group=self.pg)
         self._avg(out, code, op)
 
     def _gather(self, out, buf, code, dst):

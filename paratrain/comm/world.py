@@ -27,6 +27,7 @@ class _State:
     store = None
     env = None
     hosts = None  # host index of every global rank
+    procs = None  # (host, pid) of every global rank, for telling a dead peer (liveness.py)
     backend = None
     group_count = 0
     torch_initialized = False
@@ -72,6 +73,7 @@ def init(backend=None, timeout=None, threads=None):
         store.set("job_id", os.environ.get("PARATRAIN_JOB_ID") or f"{os.getpid():x}")
     os.environ.setdefault("PARATRAIN_JOB_ID", store.get("job_id").decode())
     _S.hosts = _host_layout(store, e.rank, e.world_size, timeout)
+    _S.procs = _processes(store, e.rank, e.world_size, timeout)
     if backend is None:
         backend = "shm" if len(set(_S.hosts)) == 1 else "hierarchical"
     if backend == "shm" and len(set(_S.hosts)) > 1:
@@ -80,6 +82,19 @@ def init(backend=None, timeout=None, threads=None):
     _S.backend = backend
     _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
     return _S.world
+
+
+def _processes(store, rank, world_size, timeout):
+    """(real host, pid) of every rank: a rank whose peer's connection broke checks
+    whether that peer died (liveness.py), and says so by rank."""
+    store.set(f"proc/{rank}", f"{envmod.host_id()} {os.getpid()}")
+    keys = [f"proc/{r}" for r in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    out = []
+    for k in keys:
+        host, _, pid = store.get(k).decode().rpartition(" ")
+        out.append((host, int(pid) if pid.isdigit() else 0))
+    return out
 
 
 def _host_layout(store, rank, world_size, timeout):
@@ -121,7 +136,7 @@ def _make_group(ranks, global_rank, backend, timeout, world=False):
         from .torch_backend import TorchGroup
         _init_torch(backend, timeout)
         pg = None if world else dist.new_group(ranks, timeout=timedelta(seconds=timeout))
-        return TorchGroup(ranks.index(global_rank), len(ranks), ranks, pg, timeout) if member else None
+        return TorchGroup(ranks.index(global_rank), len(ranks), ranks, pg, timeout, _S.procs) if member else None
     if backend == "shm":
         from .shm.group import ShmGroup
         return ShmGroup(_S.store, key, ranks.index(global_rank), ranks, timeout) if member else None

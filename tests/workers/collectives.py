@@ -73,7 +73,10 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
                 g.reduce_scatter(out, pieces[me].clone(), op=op)
                 want = ref_reduce([p[me * n:(me + 1) * n] for p in pieces], op, dt)
                 check(out, want, f"reduce_scatter {dname} n={n} op={op}")
-                count += 2
+                out = torch.empty(n, dtype=dt)   # the list form: pieces in separate tensors
+                g.reduce_scatter(out, [pieces[me][q * n:(q + 1) * n].clone() for q in range(P)], op=op)
+                check(out, want, f"reduce_scatter(list) {dname} n={n} op={op}")
+                count += 3
             src = (n + 1) % P
             t = ins[me].clone()
             g.broadcast(t, src=src)

@@ -34,6 +34,7 @@ from .. import ops
 from ..algorithms import cma, direct, naive, resident
 from ..errors import CommTimeout, FrameError, MismatchError, PeerError
 from ..group import ProcessGroup, check_descriptors, describe
+from ..liveness import alive as _alive
 from ..wire import HEADER_SIZE, decode_header, encode_header
 from . import segment
 from .semaphore import SEM_STRIDE, Semaphore
@@ -87,19 +88,6 @@ class Layout:
         self.frames = off
         off += P * P * 2 * self.frame_bytes
         self.size = off
-
-
-def _alive(pid):
-    """True unless the process is gone or a zombie (a dead child its parent has not reaped).
-    Pid 0: the rank has not published its pid yet (it is still finishing set-up)."""
-    if pid <= 0:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 class ShmGroup(ProcessGroup):
