@@ -57,8 +57,10 @@ def test_ssp_never_serves_a_read_more_than_s_clocks_ahead():
 
 
 @pytest.mark.timeout(150)
-def test_asp_makes_progress_while_a_worker_is_paused():
-    res = launch(2, "ps_train.py", "asp", launcher_args=["--servers", "1"])
+@pytest.mark.parametrize("flags", [[], ["--ssp-inf"]], ids=["asp", "ssp-infinity"])
+def test_asp_makes_progress_while_a_worker_is_paused(flags):
+    """ASP, and SSP with an unbounded staleness, which is ASP (the issue: s = infinity like ASP)."""
+    res = launch(2, "ps_train.py", "asp", *flags, launcher_args=["--servers", "1"])
     _passed(res, 2, "asp")
     assert "worker 0 finished 10 steps while worker 1 was paused" in res.stdout
 

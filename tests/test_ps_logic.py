@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from paratrain.ps.consistency import Clocks
+from paratrain.ps.consistency import Clocks, effective_mode, valid_staleness
 from paratrain.ps.optimizers import SGD, Adagrad, Adam, make_optimizer
 
 torch.set_num_threads(1)
@@ -430,6 +430,22 @@ def test_aggregate_ready():
         c.aggregate_ready(0, {0, 7})
 
 
+def test_ssp_with_staleness_zero_is_bsp_and_infinity_is_asp():
+    assert effective_mode("ssp", 0) == ("bsp", None)
+    assert effective_mode("ssp", math.inf) == ("asp", None)
+    assert effective_mode("ssp", 3) == ("ssp", 3) and effective_mode("asp", None) == ("asp", None)
+    assert all(valid_staleness(s) for s in (0, 3, np.int64(2), math.inf))
+    assert not any(valid_staleness(s) for s in (None, -1, 1.5, -math.inf, True, "3"))
+
+
+def test_the_cli_takes_inf_for_an_unbounded_staleness():
+    from paratrain.train.options import build_parser as parser
+    assert parser().parse_args(["--strategy", "ps", "--consistency", "ssp", "--staleness", "inf"]).staleness == math.inf
+    assert parser().parse_args(["--staleness", "3"]).staleness == 3
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--staleness", "three"])
+
+
 def test_clocks_arguments():
     for args in [(2, "hogwild"), (2, "ssp"), (2, "ssp", -1), (2, "ssp", 1.5), (2, "ssp", math.inf),
                  (2, "bsp", 2), (2, "asp", 3), (0, "bsp"), (True, "bsp")]:
@@ -549,7 +565,7 @@ def test_a_request_that_overtakes_its_clock_logs_the_clocks_it_stands_for():
     """consistency.observe: a request carrying clock 3 from a worker the server has at
     clock 1 (its clock messages still on their way, or lost with a restarted server)
     moves it to 3 and logs 2 and 3; the late clock messages then change nothing."""
-    from paratrain.ps.consistency import Clocks
+    from paratrain.ps.consistency import Clocks, effective_mode, valid_staleness
     c = Clocks(2, "asp", None)
     c.advance(0)
     c.observe(0, 3)

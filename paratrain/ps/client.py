@@ -24,7 +24,7 @@ import torch
 
 from ..comm.errors import CommTimeout
 from . import shared, sharding, wire
-from .consistency import effective_mode
+from .consistency import effective_mode, valid_staleness
 from .requests import PSError, Requests
 from .wire import Op
 
@@ -97,8 +97,9 @@ class Client(Requests):
         from .embedding import Embedding
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {', '.join(CONSISTENCY)}, not {consistency!r}")
-        if consistency == "ssp" and (staleness is None or int(staleness) < 0):
-            raise ValueError("consistency='ssp' needs staleness >= 0 (0 behaves like BSP)")
+        if consistency == "ssp" and not valid_staleness(staleness):
+            raise ValueError(f"consistency='ssp' needs staleness: an int >= 0 (0 behaves like BSP) or math.inf "
+                             f"(behaves like ASP), not {staleness!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for n, p in named:
             if p.dtype != torch.float32:

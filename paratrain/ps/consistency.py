@@ -40,10 +40,18 @@ LOG_LIMIT = 100_000   # clock events kept for tests and reports; a long run keep
 def effective_mode(mode, staleness):
     """(mode, staleness) as the servers run it: SSP with s = 0 *is* BSP (Ho et al.,
     sec. 2: "SSP with s = 0 reduces to BSP"), so it takes BSP's aggregated update
-    and equals synchronous data parallelism, not merely BSP's clock rule."""
+    and equals synchronous data parallelism, not merely BSP's clock rule; with
+    s = infinity no worker ever waits, which is ASP."""
     if mode == "ssp" and _as_int(staleness) == 0:
         return "bsp", None
+    if mode == "ssp" and staleness == math.inf:
+        return "asp", None
     return mode, staleness
+
+
+def valid_staleness(staleness):
+    """Is ``staleness`` an SSP bound: an int >= 0, or math.inf (unbounded: ASP)?"""
+    return staleness == math.inf or (_as_int(staleness) is not None and staleness >= 0)
 
 
 def _as_int(x):

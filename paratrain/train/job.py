@@ -44,7 +44,7 @@ def check(args):
     if args.strategy == "ps" and args.resume:
         return "--resume with --strategy ps is not available yet (the optimizer state lives on the servers)"
     if args.consistency == "ssp" and (args.staleness is None or args.staleness < 0):
-        return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp)"
+        return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp, inf like asp)"
     if args.strategy != "ps" and (args.consistency != "bsp" or args.staleness is not None):
         return "--consistency and --staleness are for --strategy ps"
     if getattr(args, "predict_weights", False) and (args.strategy != "ps" or args.consistency == "bsp"

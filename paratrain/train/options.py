@@ -1,12 +1,23 @@
 """The options of ``paratrain train``, shared by the front-end (which checks them
 before starting anything) and the workers (which receive the same words)."""
 import argparse
+import math
 
 from .slowdown import jitter_spec, straggler_spec
 
 STRATEGIES = ("allreduce", "allreduce-naive", "ps")
 OPTIMIZERS = ("sgd", "adam")
 COMPRESSIONS = ("none", "fp16", "bf16")
+
+
+def staleness_bound(text):
+    """--staleness: a whole number of clocks, or inf (no bound: SSP then behaves like ASP)."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of clocks or inf, got {text!r}") from None
 
 
 def positive_int(text):
@@ -49,8 +60,9 @@ def build_parser():
     p.add_argument("--servers", type=positive_int, default=1, help="parameter servers (--strategy ps; default 1)")
     p.add_argument("--consistency", choices=("bsp", "asp", "ssp"), default="bsp",
                    help="--strategy ps: bsp (synchronous), asp (asynchronous), ssp (bounded staleness)")
-    p.add_argument("--staleness", type=int, default=None, help="--consistency ssp: how many clocks ahead a worker "
-                                                              "may run of the slowest (0 behaves like bsp)")
+    p.add_argument("--staleness", type=staleness_bound, default=None,
+                   help="--consistency ssp: how many clocks ahead a worker may run of the slowest (0 behaves like "
+                        "bsp, inf like asp)")
     p.add_argument("--predict-weights", action="store_true",
                    help="--consistency asp/ssp: workers compute on the weights their push will most likely meet, "
                         "extrapolated along the last update (SpecTrain's weight prediction; ps/shard.py)")

@@ -7,6 +7,7 @@ started by `paratrain run --servers S -n W`.
   asp     ASP with worker 1 paused at the start: worker 0 finishes all its steps before worker 1 takes one
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -131,9 +132,13 @@ def ssp(ps, me, workers, s=1):
         print(f"staleness histogram {hist}")
 
 
-def asp(ps, me, workers):
+def asp(ps, me, workers, ssp_inf=False):
+    """ssp_inf: the same as SSP with staleness infinity, which must behave like ASP."""
     model = fresh()
-    ps.register(model, optimizer="sgd", consistency="asp", lr=0.05)
+    if ssp_inf:
+        ps.register(model, optimizer="sgd", consistency="ssp", staleness=math.inf, lr=0.05)
+    else:
+        ps.register(model, optimizer="sgd", consistency="asp", lr=0.05)
     if me == 1:
         time.sleep(4.0)  # paused: in ASP nobody waits for it
     steps(ps, model, 10, me, workers)
@@ -150,12 +155,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["single", "bsp", "ssp", "asp"])
     ap.add_argument("--optimizer", default="sgd", choices=sorted(OPTS))
+    ap.add_argument("--ssp-inf", action="store_true", help="asp: register as SSP with staleness math.inf")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ps = pt.ps.connect()
     me, workers = ps.worker, ps.workers
     if args.mode in ("single", "bsp"):
         globals()[args.mode](ps, me, workers, args.optimizer)
+    elif args.mode == "asp":
+        asp(ps, me, workers, args.ssp_inf)
     else:
         globals()[args.mode](ps, me, workers)
     print(f"transport {'shm' if all(r is not None for r in ps.regions) else 'tcp'}")
