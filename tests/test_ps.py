@@ -103,3 +103,36 @@ def test_server_answers_bad_messages_with_errors_and_keeps_serving():
         t.join(5)
         sock.close()
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_bsp_reports_the_missing_worker_instead_of_hanging(shm, monkeypatch):
+    """Worker 1 registers and then never pushes (stuck, or gone without a word):
+    worker 0's next pull waits for clock 0's round, and after the server's
+    timeout it gets an error naming worker 1 and its clock, not a hang."""
+    import torch
+    from paratrain.ps.client import Client, PSError
+    monkeypatch.setenv("PARATRAIN_PS_SHM", shm)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    srv = Server(0, addr, timeout=2)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    models = [torch.nn.Linear(3, 2) for _ in range(2)]
+    clients = [Client([addr], w, 2, timeout=20) for w in range(2)]
+    try:
+        for c, m in zip(clients, models):
+            c.register(m, optimizer="sgd", consistency="bsp", lr=0.1)
+        ps, model = clients[0], models[0]
+        ps.pull(model)
+        model(torch.ones(1, 3)).sum().backward()
+        ps.push(model)
+        ps.clock()
+        with pytest.raises(PSError, match=r"waited 2s at clock 1 for workers \[1\] \(at clocks \[0\]\).*"
+                                            r"in BSP a missing worker holds everyone back"):
+            ps.pull(model)
+    finally:
+        for c in clients:
+            c.close()
+        srv.stopping = True
+        t.join(5)
