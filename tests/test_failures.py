@@ -10,6 +10,7 @@ from conftest import launch, spawn
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("scenario,words", [
     ("mismatch_shape", ["float32 x 1000", "float32 x 2000", "ranks [1] disagree"]),
+    ("mismatch_dtype", ["float32 x 1000", "float64 x 1000", "ranks [1] disagree"]),
     ("mismatch_op", ["op=sum", "op=max"]),
     ("mismatch_coll", ["all_reduce(", "all_gather("]),
 ])

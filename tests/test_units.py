@@ -122,6 +122,32 @@ def test_world_of_one_in_process(monkeypatch):
         pt.destroy()
 
 
+@pytest.mark.parametrize("algo", ["ring", "tree", "naive"])
+def test_paratrain_algo_picks_the_algorithm_and_a_call_overrides_it(monkeypatch, algo):
+    """PARATRAIN_ALGO, like NCCL_ALGO: every all_reduce of groups made after it is set."""
+    import paratrain as pt
+    from paratrain.comm.algorithms import naive, ring, tree
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PARATRAIN_ALGO", algo)
+    g = pt.init(backend="shm")
+    try:
+        assert g._algorithm(None, 1 << 20) is {"ring": ring, "tree": tree, "naive": naive}[algo]
+        assert g._algorithm("direct", 1 << 20) is None   # a call's own choice wins
+        x = torch.arange(10.0)
+        g.all_reduce(x)
+        assert torch.equal(x, torch.arange(10.0))
+    finally:
+        pt.destroy()
+    monkeypatch.setenv("PARATRAIN_ALGO", "butterfly")
+    g = pt.init(backend="shm")
+    try:
+        with pytest.raises(ValueError, match="unknown algorithm 'butterfly'"):
+            g.all_reduce(torch.ones(3))
+    finally:
+        pt.destroy()
+
+
 def test_cma_reads_another_process_and_names_a_dead_one():
     """algorithms/cma.py: process_vm_readv copies a live peer's memory; once the peer has
     exited, the read raises PeerError naming its rank, not garbage or a hang."""

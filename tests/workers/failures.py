@@ -1,6 +1,7 @@
 """Worker: scenarios where ranks misbehave. Prints what each rank caught.
 
     mismatch_shape  rank 1 all-reduces a longer tensor
+    mismatch_dtype  rank 1 all-reduces float64 while the others float32
     mismatch_op     rank 1 uses op=max while the others sum
     mismatch_coll   rank 1 calls all_gather while the others all_reduce
     die             rank 1 kills itself (SIGKILL) just before an all_reduce
@@ -26,6 +27,8 @@ def main():
     try:
         if scenario == "mismatch_shape":
             g.all_reduce(np.ones(2000 if me == 1 else 1000, dtype=np.float32))
+        elif scenario == "mismatch_dtype":
+            g.all_reduce(np.ones(1000, dtype=np.float64 if me == 1 else np.float32))
         elif scenario == "mismatch_op":
             g.all_reduce(x, op="max" if me == 1 else "sum")
         elif scenario == "mismatch_coll":
