@@ -119,6 +119,34 @@ def test_multinode_arithmetic(tmp_path, capfd):
     assert out == {"[rank 2] 2 0 4 1 29500", "[rank 3] 3 1 4 1 29500"}
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["shm", "hierarchical"])
+def test_two_launchers_as_two_nodes_meet_and_all_reduce(tmp_path, backend):
+    """`paratrain run --nnodes 2 --node-rank K` twice, as on two machines (here one):
+    the four ranks meet at the master and all-reduce; the hierarchical backend
+    takes the two launchers for two hosts (PARATRAIN_PRETEND_HOSTS)."""
+    s = script(tmp_path, """
+        import torch
+        import paratrain as pt
+        g = pt.init()
+        x = torch.full((1001,), float(g.rank + 1))
+        g.all_reduce(x)
+        assert torch.equal(x, torch.full((1001,), 10.0)), x[:4]
+        print("sum", int(x[0]), "on", g.backend)
+    """)
+    port = str(free_port())
+    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_BACKEND=backend,
+               **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}))
+    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(k),
+                               "--master-addr", "127.0.0.1", "--master-port", port, "-n", "2", s],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in (0, 1)]
+    outs = [p.communicate(timeout=75)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert sorted(l for o in outs for l in o.splitlines() if "sum" in l) == \
+        [f"[rank {r}] sum 10 on {backend}" for r in range(4)]
+
+
 @pytest.mark.timeout(30)
 def test_script_args_pass_through_unchanged(tmp_path, capfd):
     s = script(tmp_path, """
