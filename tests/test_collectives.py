@@ -62,6 +62,7 @@ def test_hierarchical_pretend_hosts(n, no_leftover_segments):
     res = launch(n, "collectives.py", "--algorithms", ",ring", "--dtypes", "bfloat16,float32,int64",
                  "--sizes", "0,7,1000,100003", "--subgroup", env=env)
     _ok(res, n, "hierarchical")
+    assert res.stdout.count("host leaders talk over torch") == 2, res.stdout[-4000:]   # Gloo, the default
 
 
 @pytest.mark.timeout(180)

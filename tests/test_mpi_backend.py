@@ -47,6 +47,26 @@ def test_mpi_backend(nprocs, debug):
     assert p.stdout.count("checks passed") == nprocs, p.stdout
 
 
+@pytest.mark.timeout(120)
+def test_hierarchical_with_mpi_between_host_leaders():
+    """PARATRAIN_CROSS_BACKEND=mpi: shm inside each of 2 pretend hosts, MPI between
+    their leaders, under mpirun; every collective against numpy (tests/workers/collectives.py)."""
+    from paratrain.launch.local import free_port
+    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
+               PARATRAIN_PRETEND_HOSTS="2", PARATRAIN_CROSS_BACKEND="mpi", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMPI_MCA_mpi_yield_when_idle="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_BACKEND", "PARATRAIN_ALGO"):
+        env.pop(k, None)
+    worker = Path(__file__).parent / "workers" / "collectives.py"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, "-m", "mpi4py", str(worker),
+           "--algorithms", ",ring", "--dtypes", "float32,float64,int64,uint8", "--sizes", "0,7,1000,100003",
+           "--subgroup"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
+    assert p.stdout.count("collective checks passed on hierarchical") == 4, p.stdout
+    assert p.stdout.count("host leaders talk over mpi") == 2, p.stdout   # ranks 0 and 2 lead the two hosts
+
+
 # ---- the worker -----------------------------------------------------------------------
 
 

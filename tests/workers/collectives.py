@@ -175,6 +175,9 @@ def main():
         used = getattr(g, "_cma_ok", None)
         if used != (a.expect_single_copy == "yes"):
             raise AssertionError(f"single-copy all_gather: expected {a.expect_single_copy}, the group decided {used}")
+    leaders = getattr(g, "leaders", None)   # hierarchical: the engine between host leaders
+    if leaders is not None:
+        print(f"rank {g.rank}: host leaders talk over {leaders.backend}", flush=True)
     print(f"rank {g.rank}: {n} collective checks passed on {g.backend}", flush=True)
     pt.destroy()
 
