@@ -9,14 +9,14 @@ import json
 
 import pytest
 
+from paratrain.bench.cases import COLLECTIVES
 from paratrain.bench.collectives import main
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @pytest.mark.timeout(180)
 def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
-    code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--out", str(tmp_path)])
+    code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--collectives", ",".join(COLLECTIVES),
+                 "--out", str(tmp_path)])
     assert code == 0
 
     data = json.loads((tmp_path / "collectives.json").read_text())

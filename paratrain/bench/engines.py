@@ -1,6 +1,7 @@
 """The engines under test, each behind the same five calls on numpy buffers.
 
     barrier()  all_reduce(buf)  all_gather(out, inp)  reduce_scatter(out, inp)  broadcast(buf, src)
+    reduce(buf, dst)  gather(out, inp, dst)  scatter(out, inp, src)  all_to_all(out, inp)
 
 Sums of float32, results in place, ``out`` being one flat buffer of
 world_size pieces (torch's ``*_single`` layout). Every engine is called the
@@ -39,6 +40,18 @@ class Paratrain:
 
     def broadcast(self, buf, src):
         self.g.broadcast(buf, src)
+
+    def reduce(self, buf, dst):
+        self.g.reduce(buf, dst=dst)
+
+    def gather(self, out, inp, dst):
+        self.g.gather(inp, out if self.g.rank == dst else None, dst=dst)
+
+    def scatter(self, out, inp, src):
+        self.g.scatter(out, inp if self.g.rank == src else None, src=src)
+
+    def all_to_all(self, out, inp):
+        self.g.all_to_all(out, inp)
 
 
 class Gloo:
@@ -86,6 +99,20 @@ class Gloo:
     def broadcast(self, buf, src):
         self.dist.broadcast(torch.from_numpy(buf), src)
 
+    def reduce(self, buf, dst):
+        self.dist.reduce(torch.from_numpy(buf), dst)
+
+    def gather(self, out, inp, dst):
+        pieces = list(torch.from_numpy(out).chunk(self.dist.get_world_size())) if self.rank == dst else None
+        self.dist.gather(torch.from_numpy(inp), pieces, dst=dst)
+
+    def scatter(self, out, inp, src):
+        pieces = list(torch.from_numpy(inp).chunk(self.dist.get_world_size())) if self.rank == src else None
+        self.dist.scatter(torch.from_numpy(out), pieces, src=src)
+
+    def all_to_all(self, out, inp):
+        self.dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(inp))
+
     def close(self):
         self.dist.destroy_process_group()
 
@@ -121,6 +148,21 @@ class Mpi:
 
     def broadcast(self, buf, src):
         self.comm.Bcast(buf, root=src)
+
+    def reduce(self, buf, dst):
+        if self.comm.rank == dst:
+            self.comm.Reduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=dst)
+        else:
+            self.comm.Reduce(buf, None, op=self.MPI.SUM, root=dst)
+
+    def gather(self, out, inp, dst):
+        self.comm.Gather(inp, out if self.comm.rank == dst else None, root=dst)
+
+    def scatter(self, out, inp, src):
+        self.comm.Scatter(inp if self.comm.rank == src else None, out, root=src)
+
+    def all_to_all(self, out, inp):
+        self.comm.Alltoall(inp, out)
 
 
 def gather_to_all(group, values):

@@ -35,8 +35,10 @@ def label(engine):
 
 
 def bus_factor(collective, P):
-    return {"all_reduce": 2 * (P - 1) / P, "all_gather": (P - 1) / P,
-            "reduce_scatter": (P - 1) / P, "broadcast": 1.0}[collective]
+    """nccl-tests' factors (doc/PERFORMANCE.md): busbw = algbw x this."""
+    return {"all_reduce": 2 * (P - 1) / P, "all_gather": (P - 1) / P, "reduce_scatter": (P - 1) / P,
+            "broadcast": 1.0, "reduce": 1.0, "gather": (P - 1) / P, "scatter": (P - 1) / P,
+            "all_to_all": (P - 1) / P}[collective]
 
 
 def size_label(n):
