@@ -20,7 +20,7 @@ def _ok(res, n, backend):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_shm_all_collectives(n, no_leftover_segments):
     algos = ",ring,tree,naive" if n in (2, 3) else ""
-    dtypes = ALL_DTYPES if n <= 3 else "float16,bfloat16,float32,int64,uint8"
+    dtypes = ALL_DTYPES
     res = launch(n, "collectives.py", "--backend", "shm", "--algorithms", algos, "--dtypes", dtypes,
                  "--subgroup", env=SMALL_SLOTS)
     _ok(res, n, "shm")
@@ -59,7 +59,7 @@ def test_torch_gloo_backend(n):
 @pytest.mark.parametrize("n", [4, 5])
 def test_hierarchical_pretend_hosts(n, no_leftover_segments):
     env = dict(SMALL_SLOTS, PARATRAIN_PRETEND_HOSTS="2")
-    res = launch(n, "collectives.py", "--algorithms", ",ring", "--dtypes", "bfloat16,float32,int64",
+    res = launch(n, "collectives.py", "--algorithms", ",ring", "--dtypes", ALL_DTYPES,
                  "--sizes", "0,7,1000,100003", "--subgroup", env=env)
     _ok(res, n, "hierarchical")
     assert res.stdout.count("host leaders talk over torch") == 2, res.stdout[-4000:]   # Gloo, the default
