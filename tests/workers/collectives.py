@@ -145,6 +145,29 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
         w.wait()
         check(t, ref_reduce([make(r, 1000, torch.float64, salt=i) for r in range(P)], "sum", torch.float64),
               f"async all_reduce {i}")
+    # every other collective with async_op=True, all in flight at once, then waited
+    n, dt = 1001, torch.float32
+    ins = [make(r, n, dt, salt=7) for r in range(P)]
+    big = [make(r, n * P, dt, salt=8) for r in range(P)]
+    b, red, ag, rs = ins[me].clone(), ins[me].clone(), torch.empty(P * n), torch.empty(n)
+    gl = [torch.empty(n) for _ in range(P)] if me == 0 else None
+    sc, a2a = torch.empty(n), torch.empty(P * n)
+    works = [g.broadcast(b, src=P - 1, async_op=True), g.reduce(red, dst=0, async_op=True),
+             g.all_gather(ag, ins[me], async_op=True), g.reduce_scatter(rs, big[me].clone(), async_op=True),
+             g.gather(ins[me], gl, dst=0, async_op=True),
+             g.scatter(sc, list(big[0].chunk(P)) if me == 0 else None, src=0, async_op=True),
+             g.all_to_all(a2a, big[me].clone(), async_op=True), g.barrier(async_op=True)]
+    for w in works:
+        w.wait()
+    check(b, ins[P - 1], "async broadcast")
+    check(red, ref_reduce(ins, "sum", dt) if me == 0 else ins[me], "async reduce")
+    check(ag, torch.cat(ins), "async all_gather")
+    check(rs, ref_reduce([x[me * n:(me + 1) * n] for x in big], "sum", dt), "async reduce_scatter")
+    if me == 0:
+        check(torch.cat(gl), torch.cat(ins), "async gather")
+    check(sc, big[0][me * n:(me + 1) * n], "async scatter")
+    check(a2a, torch.cat([x[me * n:(me + 1) * n] for x in big]), "async all_to_all")
+    count += 8
     g.barrier()
     return count
 
