@@ -112,8 +112,9 @@ def as_buffer(tensor, what="tensor"):
         if code is None:
             raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {supported_dtypes()}")
         if not tensor.is_cpu:
-            raise ValueError(f"{what} is on {tensor.device}; the shm and mpi backends take CPU tensors "
-                             "(use backend='nccl' for GPU tensors)")
+            raise ValueError(f"{what} is on {tensor.device}; paratrain's collectives take CPU tensors on every "
+                             "backend (GPU tensors are not supported yet: copy to the CPU with .cpu(), or call "
+                             "torch.distributed with NCCL directly)")
         if not tensor.is_contiguous():
             raise ValueError(f"{what} is not contiguous; call .contiguous() first")
         t = tensor.detach() if tensor.requires_grad else tensor
