@@ -48,6 +48,20 @@ def test_shm_all_gather_single_copy_from_private_memory(n, cma, no_leftover_segm
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("n,cma", [(2, "1"), (3, "1"), (2, "0")])
+def test_shm_large_all_reduce_fetches_reduced_slices_from_private_memory(n, cma, no_leftover_segments):
+    """From cma.MIN_ALL_REDUCE_BYTES (32 MiB) an all-reduce of private tensors fetches
+    the reduced slices from their owners' buffers with process_vm_readv; with
+    PARATRAIN_CMA=0 it stays on the direct path. 33 MiB of float32, odd length."""
+    if cma == "1" and not cma_permitted():
+        pytest.skip("this kernel does not let a process read a sibling's memory (process_vm_readv)")
+    res = launch(n, "collectives.py", "--backend", "shm", "--dtypes", "float32", "--sizes", "0",
+                 "--big-all-reduce", str((33 << 20) // 4 + 3), "--expect-single-copy", "yes" if cma == "1" else "no",
+                 env={"PARATRAIN_CMA": cma})
+    _ok(res, n, "shm")
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_gloo_backend(n):
     res = launch(n, "collectives.py", "--backend", "torch", "--algorithms", ",ring,tree",

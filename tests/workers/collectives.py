@@ -172,6 +172,23 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
     return count
 
 
+def big_all_reduce(g, dtypes, n):
+    """Large all-reduces of private tensors against numpy; with 2 ranks bit for bit
+    (a + b == b + a, whichever rank reduced a slice)."""
+    P, me = g.world_size, g.rank
+    for dname in dtypes:
+        dt = DTYPES[dname]
+        ins = [make(r, n, dt, salt=9) for r in range(P)]
+        for op in ("sum", "max", "avg"):
+            t = ins[me].clone()
+            g.all_reduce(t, op=op)
+            want = ref_reduce(ins, op, dt)
+            check(t, want, f"big all_reduce {dname} n={n} op={op}")
+            if P == 2 and op == "sum" and not torch.equal(t, ins[0] + ins[1]):
+                raise AssertionError(f"big all_reduce {dname}: not bit-identical to a + b")
+    return 3 * len(dtypes)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default=None)
@@ -181,12 +198,17 @@ def main():
     ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to all_reduce")
     ap.add_argument("--subgroup", action="store_true", help="also run on a sub-group of the odd ranks")
     ap.add_argument("--expect-single-copy", choices=("yes", "no"), default=None,
-                    help="check whether large all_gathers read peers' memory directly (algorithms/cma.py)")
+                    help="check whether large all_gathers and all_reduces read peers' memory directly "
+                         "(algorithms/cma.py)")
+    ap.add_argument("--big-all-reduce", type=int, default=0,
+                    help="also all-reduce this many elements of each dtype (large enough for cma.all_reduce)")
     a = ap.parse_args()
     g = pt.init(backend=a.backend)
     algos = [x or None for x in a.algorithms.split(",")]
     sizes = [int(s) for s in a.sizes.split(",")]
     n = run(g, a.dtypes.split(","), sizes, algos, a.numpy)
+    if a.big_all_reduce:
+        n += big_all_reduce(g, a.dtypes.split(","), a.big_all_reduce)
     if a.subgroup and g.world_size >= 3:
         members = list(range(1, g.world_size, 2)) + [0]
         sub = pt.new_group(members)

@@ -335,7 +335,10 @@ class ShmGroup(ProcessGroup):
     def _all_reduce_with(self, algo, buf, code, op):
         if algo is None:
             loc = self._resident()
-            if loc is None or direct.takes_small_path(self, buf):
+            if loc is None and buf.nbytes >= cma.MIN_ALL_REDUCE_BYTES and self.world_size > 1 \
+                    and cma.usable(self):
+                cma.all_reduce(self, buf, code, op)   # the reduced slices fetched from their owners' buffers
+            elif loc is None or direct.takes_small_path(self, buf):
                 direct.all_reduce(self, buf, code, op)
             else:
                 resident.all_reduce(self, *loc, buf, code, op)
