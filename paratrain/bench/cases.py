@@ -75,8 +75,10 @@ class Case:
 
     def call(self, engine):
         c = self.collective
-        if c in ("all_reduce", "reduce"):
-            engine.all_reduce(self.buf) if c == "all_reduce" else engine.reduce(self.buf, ROOT)
+        if c == "all_reduce":
+            engine.all_reduce(self.buf)
+        elif c == "reduce":
+            engine.reduce(self.buf, ROOT)
         elif c == "broadcast":
             engine.broadcast(self.buf, ROOT)
         elif c == "gather":

@@ -23,12 +23,12 @@ import datetime
 import json
 import os
 import platform
-import re
 import socket
 import sys
 import tempfile
 from pathlib import Path
 
+from ..comm.env import size_bytes
 from . import launcher, report
 from .cases import COLLECTIVES, elements
 
@@ -40,11 +40,11 @@ OP_TIMEOUT = 120  # seconds any single collective may take inside a worker befor
 
 
 def parse_size(text):
-    """"4K" -> 4096, "1M", "16MiB", "64mb", "1G", "4096": binary units, as nccl-tests' -b/-e."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes with an optional K/M/G suffix, e.g. 4K, 1M")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    """A --sizes entry (comm.env.size_bytes: "4K", "1M", "16MiB", ...)."""
+    try:
+        return size_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_list(text, allowed, what):

@@ -40,8 +40,8 @@ import numpy as np
 
 from .. import ops
 from ..errors import PeerError
-from . import scratch, split_bounds
-from .direct import _reduce_parts, _rounds
+from . import scratch
+from .direct import _reduce_parts, _rounds, copy_in
 
 MIN_BYTES = 256 * 1024    # per input; below it the slot copies cost less than the system calls
 _PROBE = 0x636D615F70726F62  # "cma_prob"
@@ -166,7 +166,7 @@ def all_reduce(G, buf, code, op):
     stay in cache and the system calls cost more than the copy they save: hence
     MIN_ALL_REDUCE_BYTES.
     """
-    P, me, dt = G.world_size, G.rank, buf.dtype
+    P, me = G.world_size, G.rank
     addresses = [s.view(np.int64) for s in G._next_slots()]
     addresses[me][0] = address(buf)
     rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
@@ -185,14 +185,7 @@ def all_reduce(G, buf, code, op):
                 read(pid, x[b[q]:b[q + 1]], base + (lo + b[q]) * buf.itemsize, rank)
             state[k - 2] = None
         if k < R:
-            lo, hi = rounds[k]
-            x = buf[lo:hi]
-            slots = [sl.view(dt) for sl in G._next_slots()]
-            b = split_bounds(hi - lo, P)
-            for q in range(P):
-                if q != me:
-                    ops.copy(slots[me][b[q]:b[q + 1]], x[b[q]:b[q + 1]])
-            state.append((x, slots, b))
+            state.append(copy_in(G, buf, *rounds[k]))
         G._sync()
 
 

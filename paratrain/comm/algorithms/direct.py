@@ -69,7 +69,7 @@ def all_reduce(G, buf, code, op, dst=None):
     """dst=None: every rank gets the result (all_reduce); dst=r: only rank r (reduce)."""
     if takes_small_path(G, buf):
         return _all_reduce_small(G, buf, code, op, dst)
-    P, me, dt = G.world_size, G.rank, buf.dtype
+    P, me = G.world_size, G.rank
     keep = dst is None or dst == me
     rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
     R = len(rounds)
@@ -84,21 +84,27 @@ def all_reduce(G, buf, code, op, dst=None):
                 ops.copy(x[s0:s1], acc)
         if k >= 2 and keep:  # copy out round k-2: reduced before barrier k-1
             _copy_out(state[k - 2], me, P)
-        if k < R:  # copy in round k
-            lo, hi = rounds[k]
-            x = buf[lo:hi]
-            slots = [sl.view(dt) for sl in G._next_slots()]
-            b = split_bounds(hi - lo, P)
-            mine = slots[me]
-            for q in range(P):
-                if q != me:
-                    ops.copy(mine[b[q]:b[q + 1]], x[b[q]:b[q + 1]])
-            state.append((x, slots, b))
+        if k < R:
+            state.append(copy_in(G, buf, *rounds[k]))
         G._sync()
         if k >= 2:
             state[k - 2] = None
     if keep:
         _copy_out(state[R - 1], me, P)
+
+
+def copy_in(G, buf, lo, hi):
+    """Round [lo, hi) of buf: copy the slices the other ranks reduce into this rank's
+    slot (its own slice stays in private memory). Returns the round's state:
+    (the round's part of buf, every rank's slot for it, the slices' bounds)."""
+    P, me = G.world_size, G.rank
+    x = buf[lo:hi]
+    slots = [sl.view(buf.dtype) for sl in G._next_slots()]
+    b = split_bounds(hi - lo, P)
+    for q in range(P):
+        if q != me:
+            ops.copy(slots[me][b[q]:b[q + 1]], x[b[q]:b[q + 1]])
+    return x, slots, b
 
 
 def _copy_out(round_state, me, P):

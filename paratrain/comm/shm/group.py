@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import ops
 from ..algorithms import cma, direct, naive, resident
+from ..env import size_bytes
 from ..errors import CommTimeout, FrameError, MismatchError, PeerError
 from ..group import ProcessGroup, check_descriptors, describe
 from ..liveness import alive as _alive
@@ -50,20 +51,18 @@ def _align(n, a=64):
     return (n + a - 1) // a * a
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def _env_bytes(name, default):
-    """A size from the environment: bytes, or with a K/M/G suffix (powers of 1024)."""
+    """A size from the environment: bytes, or with a K/M/G suffix (env.size_bytes)."""
     text = os.environ.get(name)
     if text is None:
         return default
-    digits, unit = text.strip().upper().removesuffix("B") or "?", ""
-    if digits[-1:] in _UNITS:
-        digits, unit = digits[:-1], digits[-1]
-    if not digits.isdigit() or int(digits) * _UNITS[unit] <= 0:
+    try:
+        n = size_bytes(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
         raise ValueError(f"{name}={text!r} is not a size: give a positive number of bytes, e.g. 1048576 or 1M")
-    return int(digits) * _UNITS[unit]
+    return n
 
 
 class Layout:
