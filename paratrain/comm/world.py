@@ -72,8 +72,8 @@ def init(backend=None, timeout=None, threads=None):
     if e.rank == 0:
         store.set("job_id", os.environ.get("PARATRAIN_JOB_ID") or f"{os.getpid():x}")
     os.environ.setdefault("PARATRAIN_JOB_ID", store.get("job_id").decode())
-    _S.hosts = _host_layout(store, e.rank, e.world_size, timeout)
     _S.procs = _processes(store, e.rank, e.world_size, timeout)
+    _S.hosts = _host_layout([host for host, _ in _S.procs])
     if backend is None:
         backend = "shm" if len(set(_S.hosts)) == 1 else "hierarchical"
     if backend == "shm" and len(set(_S.hosts)) > 1:
@@ -85,7 +85,8 @@ def init(backend=None, timeout=None, threads=None):
 
 
 def _processes(store, rank, world_size, timeout):
-    """(real host, pid) of every rank: a rank whose peer's connection broke checks
+    """(real host, pid) of every rank, in one exchange through the store: the host
+    layout (_host_layout), and how a rank whose peer's connection broke checks
     whether that peer died (liveness.py), and says so by rank."""
     store.set(f"proc/{rank}", f"{envmod.host_id()} {os.getpid()}")
     keys = [f"proc/{r}" for r in range(world_size)]
@@ -97,16 +98,14 @@ def _processes(store, rank, world_size, timeout):
     return out
 
 
-def _host_layout(store, rank, world_size, timeout):
+def _host_layout(names):
+    """Host index of every rank, from the ranks' host names, or k pretend hosts."""
+    world_size = len(names)
     k = envmod.pretend_hosts()
     if k:
         if not 1 <= k <= world_size:
             raise ValueError(f"PARATRAIN_PRETEND_HOSTS={k} must be between 1 and the world size {world_size}")
         return [r * k // world_size for r in range(world_size)]
-    store.set(f"host/{rank}", envmod.host_id())
-    keys = [f"host/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout))
-    names = [store.get(k).decode() for k in keys]
     index = {}
     return [index.setdefault(n, len(index)) for n in names]
 
