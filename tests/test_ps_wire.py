@@ -367,7 +367,7 @@ def test_frames_travel_through_a_real_socket_copy_false():
 
 def test_doorbell_carries_steps_both_ways_and_drops_junk():
     """ps/doorbell.py: a rung record reaches the server as numbers, the answer comes back;
-    junk on the bell is dropped without breaking the next record; a bell nobody reads
+    junk on the bell is skipped without losing the records around it; a bell nobody reads
     any more (the server died) makes ring() fail, so the worker can fall back to ZeroMQ."""
     import os
     from paratrain.comm.shm import segment
@@ -388,6 +388,13 @@ def test_doorbell_carries_steps_both_ways_and_drops_junk():
         assert server.rung() == []
         os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 0, 1, 1, 1, 2)[2:])
         assert server.rung() == [(0, 1, 1, 1, 2)]
+        # junk of any length between records in one read: the records on both sides are kept
+        worker.ring(2, 3, 9, 44)
+        os.write(worker.ring_fd, b"\x07" * 13)
+        os.write(worker.ring_fd, doorbell.RECORD.pack(doorbell.MAGIC, 7, 2, 3, 0, 1))   # no worker 7
+        worker.ring(1, 0, 10, 45)
+        assert server.rung() == [(1, 2, 3, 9, 44), (1, 1, 0, 10, 45)]
+        assert server.partial == b""
     finally:
         server.close()
     assert not [n for n in segment.leftover_segments() if "test-bells" in n]

@@ -27,9 +27,9 @@ still goes through ZeroMQ: registration, errors (the server sends them to the
 worker's ZeroMQ identity, as it would any error), embedding rows, every other
 request, and a request after a server restart (the old server's bell has
 no reader any more: the ring fails with EPIPE and the worker sends the step
-over ZeroMQ, whose reply names the new segment and its bells). A record that
-is malformed (wrong magic, a worker out of range) is dropped with a warning;
-nothing in a record is more than numbers. Only processes of the same user can
+over ZeroMQ, whose reply names the new segment and its bells). Bytes that are not
+a record (wrong magic, a worker out of range) are skipped with a warning up to
+the next valid record; nothing in a record is more than numbers. Only processes of the same user can
 open the FIFOs, as for the segment itself.
 """
 import collections
@@ -41,6 +41,7 @@ from ..comm.shm import segment
 RECORD = struct.Struct("<HHBBxxqQ")   # magic, worker, op, flags, clock, sequence number
 ANSWER = struct.Struct("<Q")       # the sequence number of the step answered
 MAGIC = 0xB311
+MAGIC_BYTES = struct.pack("<H", MAGIC)   # how a record starts on the wire
 Rung = collections.namedtuple("Rung", "worker seq")   # the server's "identity" of a rung step: answer here
 
 
@@ -81,19 +82,29 @@ class ServerBells:
         return self.fds[0]
 
     def rung(self):
-        """The records waiting on the bell: [(worker, op, flags, clock, seq)]; junk is dropped."""
+        """The records waiting on the bell: [(worker, op, flags, clock, seq)].
+
+        Bytes that are not a record (junk some other process of this user wrote) are
+        skipped up to the next place a valid record starts, so the workers' records
+        around them still count: each of those is one atomic write, which junk cannot
+        split, only precede or follow. A record cut short by the end of the read waits
+        for the rest in ``partial``."""
         data = self.partial + _drain(self.fds[0])
-        whole = len(data) - len(data) % RECORD.size
-        self.partial = data[whole:]
-        out = []
-        for at in range(0, whole, RECORD.size):
+        out, at, skipped = [], 0, 0
+        while len(data) - at >= RECORD.size:
             magic, worker, op, flags, clock, seq = RECORD.unpack_from(data, at)
-            if magic != MAGIC or worker >= self.workers:
-                print(f"doorbell: dropped a malformed record (magic {magic:#x}, worker {worker}) and "
-                      f"{len(data) - at - RECORD.size} bytes after it", flush=True)
-                self.partial = b""
-                break
-            out.append((worker, op, flags, clock, seq))
+            if magic == MAGIC and worker < self.workers:
+                out.append((worker, op, flags, clock, seq))
+                at += RECORD.size
+                continue
+            nxt = data.find(MAGIC_BYTES, at + 1)
+            nxt = len(data) - 1 if nxt < 0 else nxt   # (the last byte may be half a magic)
+            skipped += nxt - at
+            at = nxt
+        if skipped:
+            print(f"doorbell: skipped {skipped} bytes that were not a valid record (wrong magic or a worker "
+                  f"out of range 0..{self.workers - 1}); the records around them were kept", flush=True)
+        self.partial = data[at:]
         return out
 
     def answer(self, worker, seq):
