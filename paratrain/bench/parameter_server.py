@@ -50,6 +50,13 @@ def parser():
     p.add_argument("--tables", default="1,2,3", help="which of the three tables to run (default all)")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration in tables 1-2 (median; default 2)")
     p.add_argument("--gpt-steps", type=int, default=200, help="table 3: --steps (batches per worker; default 200)")
+    p.add_argument("--gpt-repeats", type=int, default=1,
+                   help="table 3: runs of each mode, alternated (default 1). The final loss of an asynchronous "
+                        "run depends on the timing of the pushes, so one run is one draw: with more, each row "
+                        "shows the mean and the range")
+    p.add_argument("--modes", default=None,
+                   help="table 3: comma list of the modes to run, from " + ", ".join(m for m, _ in MODES) +
+                        " (default all; bsp, the reference, always runs)")
     p.add_argument("--target-loss", type=float, default=None,
                    help="table 3: the training loss to time (default: BSP's final smoothed loss + 5%%)")
     p.add_argument("--quick", action="store_true", help="few steps everywhere, and in table 3 only BSP and SSP(3) "
@@ -133,27 +140,50 @@ def table_sparse(args, runs):
     return out
 
 
+def selected_modes(args):
+    """Table 3's (mode, flags): --modes (bsp always, first), or --quick's two, or all."""
+    if args.quick:
+        names = QUICK_MODES
+    elif args.modes:
+        names = ["bsp"] + [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "bsp"]
+        unknown = [m for m in names if m not in dict(MODES)]
+        if unknown:
+            raise SystemExit(f"--modes: unknown {unknown}; choose from {', '.join(m for m, _ in MODES)}")
+    else:
+        names = [m for m, _ in MODES]
+    return [(m, dict(MODES)[m]) for m in names]
+
+
 def table_consistency(args, runs):
+    """Each slowdown: every mode, --gpt-repeats times, alternated so drift hits them alike.
+    A row's samples/s is the median of its runs, its loss the mean, with every run's kept."""
     steps = str(20 if args.quick else args.gpt_steps)
+    modes = selected_modes(args)
     out, curves = [], {}
     for slow_name, slow in SLOWDOWNS:
         results = {}
-        for mode, extra in MODES:
-            if args.quick and mode not in QUICK_MODES:
-                continue
-            flags = ["--model", "gpt", "--workers", "3", "--strategy", "ps", "--servers", "1", "--steps", steps,
-                     "--eval-every", steps, "--consistency", mode.split()[0], *extra, *slow]
-            results[mode] = train(args, runs, *flags)
-            curves[f"{slow_name} / {mode}"] = results[mode][1]
-        bsp_summary, bsp_curve = results["bsp"]
-        target = args.target_loss or smoothed(bsp_curve)[-1][1] * 1.05
-        for mode, (s, curve) in results.items():
-            out.append({"slowdown": slow_name, "mode": mode, "samples_per_s": s["samples_per_s"],
-                        "vs_bsp": s["samples_per_s"] / bsp_summary["samples_per_s"],
-                        "final_eval_loss": s.get("eval_loss"), "final_train_loss": smoothed(curve)[-1][1],
-                        "loss_vs_bsp": (s.get("eval_loss") or 0) / (bsp_summary.get("eval_loss") or 1) - 1,
-                        "target_loss": target, "time_to_target_s": time_to(curve, target),
-                        "shares": [round(w["share"], 2) for w in sorted(s.get("per_worker") or [],
+        for _ in range(max(1, args.gpt_repeats)):
+            for mode, extra in modes:
+                flags = ["--model", "gpt", "--workers", "3", "--strategy", "ps", "--servers", "1", "--steps", steps,
+                         "--eval-every", steps, "--consistency", mode.split()[0], *extra, *slow]
+                results.setdefault(mode, []).append(train(args, runs, *flags))
+                curves.setdefault(f"{slow_name} / {mode}", results[mode][0][1])
+        bsp_sps = statistics.median(s["samples_per_s"] for s, _ in results["bsp"])
+        bsp_loss = statistics.mean(s.get("eval_loss") or 0 for s, _ in results["bsp"]) or 1
+        target = args.target_loss or smoothed(results["bsp"][0][1])[-1][1] * 1.05
+        for mode, done in results.items():
+            sps = statistics.median(s["samples_per_s"] for s, _ in done)
+            losses = [s.get("eval_loss") or 0 for s, _ in done]
+            reached = [t for t in (time_to(curve, target) for _, curve in done) if t is not None]
+            out.append({"slowdown": slow_name, "mode": mode, "runs": len(done), "samples_per_s": sps,
+                        "vs_bsp": sps / bsp_sps, "final_eval_loss": statistics.mean(losses),
+                        "final_train_loss": smoothed(done[0][1])[-1][1],
+                        "loss_vs_bsp": statistics.mean(losses) / bsp_loss - 1,
+                        "loss_vs_bsp_runs": [x / bsp_loss - 1 for x in losses],
+                        "samples_per_s_runs": [s["samples_per_s"] for s, _ in done],
+                        "target_loss": target, "reached_target": len(reached),
+                        "time_to_target_s": statistics.median(reached) if reached else None,
+                        "shares": [round(w["share"], 2) for w in sorted(done[0][0].get("per_worker") or [],
                                                                          key=lambda w: w["rank"])]})
     return out, curves
 
@@ -181,14 +211,19 @@ def render(results):
                       "" if dense else ">= 5x, >= 50x")
         console.print(t)
     if "consistency" in results:
-        t = Table(title="(3) gpt, 3 workers, 1 server: BSP vs ASP vs SSP under slow workers")
+        t = Table(title="(3) gpt, 3 workers, 1 server: BSP vs ASP vs SSP under slow workers (with several runs "
+                        "per mode, xN: median samples/s, mean loss and its range over the runs)")
         for c in ("slowdown", "mode", "samples/s", "vs BSP", "eval loss", "vs BSP loss", "time to target", "shares"):
             t.add_column(c)
         for r in results["consistency"]:
             tt = r["time_to_target_s"]
-            t.add_row(r["slowdown"], r["mode"], f"{r['samples_per_s']:,.0f}", f"{r['vs_bsp']:.2f}x",
-                      f"{r['final_eval_loss']:.3f}" if r["final_eval_loss"] else "-", f"{r['loss_vs_bsp']:+.1%}",
-                      f"{tt:.1f} s (loss {r['target_loss']:.2f})" if tt is not None else "not reached",
+            n, spread = r.get("runs", 1), r.get("loss_vs_bsp_runs") or [r["loss_vs_bsp"]]
+            loss_cell = f"{r['loss_vs_bsp']:+.1%}" + (f" ({min(spread):+.1%}..{max(spread):+.1%})" if n > 1 else "")
+            reached = f", {r.get('reached_target', 1)}/{n} runs" if n > 1 else ""
+            t.add_row(r["slowdown"], r["mode"] + (f" x{n}" if n > 1 else ""), f"{r['samples_per_s']:,.0f}",
+                      f"{r['vs_bsp']:.2f}x", f"{r['final_eval_loss']:.3f}" if r["final_eval_loss"] else "-",
+                      loss_cell,
+                      f"{tt:.1f} s (loss {r['target_loss']:.2f}{reached})" if tt is not None else "not reached",
                       " / ".join(f"{x:.0%}" for x in r["shares"]))
         console.print(t)
 
