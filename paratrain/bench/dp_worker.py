@@ -99,6 +99,25 @@ def main(cfg_path):
             json.dump({e.name: per[i] for i, e in enumerate(engines)}, f)
     group.barrier()
     pt.destroy()
+    release_ddp(engines)
+
+
+def release_ddp(engines):
+    """Free DDP before its Gloo group, then the group, while the interpreter is whole.
+
+    The other orders hang or abort: a group left to the interpreter's exit may
+    abort the process ("terminate called without an active exception"), and a
+    group whose last reference is DDP's reducer is destroyed when the reducer is
+    freed, with the GIL held, joining a Gloo thread that waits for the GIL to
+    drop a Python object: a deadlock (seen with destroy_process_group() before
+    the models were freed)."""
+    import gc
+
+    import torch.distributed as dist
+    engines.clear()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
