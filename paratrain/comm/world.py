@@ -129,7 +129,7 @@ def _destroy_at_exit():
     destroyed after the C++ runtime it needs, and the process then dies with
     "terminate called without an active exception" (SIGABRT) after the job's
     work is done: 8 of 40 two-rank runs of a script that all-reduced and
-    returned without pt.destroy(), under load; 0 of 40 with it. torch asks
+    returned without pt.destroy(), under load; 0 of 50 with this hook. torch asks
     scripts to call destroy_process_group() before exiting; this does it for
     those that do not (atexit runs after the non-daemon threads, such as our
     async lanes, have been joined, and before finalization)."""

@@ -27,9 +27,10 @@ still goes through ZeroMQ: registration, errors (the server sends them to the
 worker's ZeroMQ identity, as it would any error), embedding rows, every other
 request, and a request after a server restart (the old server's bell has
 no reader any more: the ring fails with EPIPE and the worker sends the step
-over ZeroMQ, whose reply names the new segment and its bells). Bytes that are not
-a record (wrong magic, a worker out of range) are skipped with a warning up to
-the next valid record; nothing in a record is more than numbers. Only processes of the same user can
+over ZeroMQ, whose reply names the new segment and its bells). Bytes that
+are not a record (wrong magic, a worker out of range) are skipped with a
+warning up to the next valid record, so the records around them still count;
+nothing in a record is more than numbers. Only processes of the same user can
 open the FIFOs, as for the segment itself.
 """
 import collections
