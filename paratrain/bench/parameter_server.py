@@ -1,6 +1,7 @@
 """The parameter server beside all-reduce, and BSP beside ASP and SSP.
 
     paratrain bench parameter-server [--tables 1,2,3] [--quick]
+    paratrain bench parameter-server --tables 3 --modes "ssp s=3 +predict" --gpt-repeats 4
     python benchmarks/parameter_server.py            (the same)
 
 Every row is a real ``paratrain train`` run (the same command a user types),
