@@ -572,3 +572,26 @@ def test_a_request_that_overtakes_its_clock_logs_the_clocks_it_stands_for():
     assert c.clock_of(0) == 3 and list(c.log) == [(0, 1), (0, 2), (0, 3)]
     c.observe(0, 2)
     assert c.clock_of(0) == 3 and len(c.log) == 3
+
+
+def test_prediction_looks_momentum_further_ahead():
+    """shard.py: with a momentum optimizer the read is value + (tau + mu) * delta,
+    mu the momentum coefficient (Nesterov's lookahead; Adam's beta1, SGD's momentum,
+    none for Adagrad). Checked against SGD with momentum worked out in numpy."""
+    from paratrain.ps.optimizers import Adagrad, Adam
+    from paratrain.ps.shard import Shard
+    W, lr, mu = 3, 0.3, 0.5
+    v0 = np.arange(4, dtype=np.float32)
+    shard = Shard(0, 0, 4, v0.copy(), SGD(lr=lr, momentum=mu))
+    shard.enable_prediction(W)
+    g1, g2 = np.full(4, 1.0, np.float32), np.arange(4, dtype=np.float32)
+    shard.apply_now(1, g1, 1 / W)
+    shard.apply_now(2, g2, 1 / W)
+    p1 = v0 - lr / W * g1                 # torch's first step: the buffer is the gradient
+    p2 = p1 - lr / W * (mu * g1 + g2)
+    np.testing.assert_allclose(shard.value, p2, rtol=1e-6)
+    out = np.empty(4, np.float32)
+    np.testing.assert_allclose(shard.read_into(0, out), p2 + (2.0 + mu) * (p2 - p1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(shard.read_into(0, out, exact=True), p2, rtol=1e-6)
+    assert Adam(lr=1e-3, betas=(0.8, 0.99)).lookahead == 0.8 and Adagrad(lr=0.1).lookahead == 0.0
+    assert SGD(lr=0.1).lookahead == 0.0

@@ -116,6 +116,13 @@ class _ShardOptimizer:
     def _fresh(self, name, size):
         return np.zeros(size, dtype=F32)
 
+    @property
+    def lookahead(self):
+        """The momentum coefficient mu (0 without momentum): Nesterov's method takes the
+        gradient mu updates ahead of the weights, and so does the servers' weight
+        prediction (shard.py)."""
+        return 0.0
+
     def _arrays(self, size):
         """The state arrays for a shard of ``size`` elements, allocated on first use."""
         for name in self.ARRAYS:
@@ -227,6 +234,10 @@ class SGD(_ShardOptimizer):
                              f"{self.weight_decay}")
         if self.nesterov and self.momentum <= 0:
             raise ValueError("sgd: nesterov momentum requires momentum > 0")
+
+    @property
+    def lookahead(self):
+        return self.momentum
 
     def _direction(self, g, buf, first):
         m = F32(self.momentum)
@@ -345,6 +356,10 @@ class Adam(_ShardOptimizer):
             raise ValueError(f"adam needs 0 <= beta < 1, got betas {self.betas}")
         if min(self.lr, self.eps, self.weight_decay) < 0:
             raise ValueError(f"adam needs lr, eps, weight_decay >= 0, got {self.lr}, {self.eps}, {self.weight_decay}")
+
+    @property
+    def lookahead(self):
+        return self.betas[0]
 
     def step(self, param, grad, grad_scale=1.0):
         """One step on ``grad * grad_scale``, as torch.optim.Adam's single-tensor path
