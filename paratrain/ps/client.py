@@ -92,7 +92,8 @@ class Client(Requests):
         hyper-parameters (lr=..., momentum=...); the state lives on the servers. The model's
         ``pt.ps.Embedding`` tables are registered too; their rows live only on the servers.
         predict (ASP/SSP): pulls return the weights each worker's push will most likely
-        meet, extrapolated along the last update, and the servers damp each pushed gradient
+        meet, extrapolated along the last update (and a momentum step further, as
+        Nesterov's method looks ahead), and the servers damp each pushed gradient
         element by how far the prediction missed (ps/shard.py); pull(exact=True) does not."""
         from .embedding import Embedding
         if consistency not in CONSISTENCY:

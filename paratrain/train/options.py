@@ -65,7 +65,8 @@ def build_parser():
                         "bsp, inf like asp)")
     p.add_argument("--predict-weights", action="store_true",
                    help="--consistency asp/ssp: workers compute on the weights their push will most likely meet, "
-                        "extrapolated along the last update (SpecTrain's weight prediction; ps/shard.py)")
+                        "extrapolated along the last update, a momentum step further (SpecTrain's weight "
+                        "prediction with Nesterov's look-ahead; ps/shard.py)")
     p.add_argument("--straggler", type=straggler_spec, default=None, metavar="RANK:FACTOR",
                    help="make worker RANK compute FACTOR times slower on every step (a persistently slow "
                         "machine): it sleeps (FACTOR - 1) x its measured forward+backward time")
