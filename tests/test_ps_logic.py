@@ -565,7 +565,7 @@ def test_a_request_that_overtakes_its_clock_logs_the_clocks_it_stands_for():
     """consistency.observe: a request carrying clock 3 from a worker the server has at
     clock 1 (its clock messages still on their way, or lost with a restarted server)
     moves it to 3 and logs 2 and 3; the late clock messages then change nothing."""
-    from paratrain.ps.consistency import Clocks, effective_mode, valid_staleness
+    from paratrain.ps.consistency import Clocks
     c = Clocks(2, "asp", None)
     c.advance(0)
     c.observe(0, 3)
