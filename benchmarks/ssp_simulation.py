@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.utils.data import default_collate
 
 from paratrain.ps.consistency import Clocks
 from paratrain.ps.optimizers import make_optimizer
@@ -50,7 +51,7 @@ BATCH = 16
 
 
 def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy().copy()
 
 
 def _load(model, flat):
@@ -60,8 +61,7 @@ def _load(model, flat):
 def _grad(task, model, weights, ids):
     _load(model, weights)
     model.zero_grad(set_to_none=False)
-    batch = [torch.stack(x) for x in zip(*[task.train_set[i] for i in ids])]
-    task.loss(model, batch).backward()
+    task.loss(model, default_collate([task.train_set[i] for i in ids])).backward()   # (as the trainer's DataLoader)
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().copy()
 
 

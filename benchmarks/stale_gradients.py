@@ -38,6 +38,7 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.utils.data import default_collate
 
 from paratrain.ps.shard import GAP_WARMUP, STEP_SIZE_DECAY
 from paratrain.train.tasks import build_task
@@ -64,7 +65,7 @@ def train(task, steps, pushes, delay, lr_scale, beta1=0.9, predict=0.0, gap=Fals
             for q, w, b in zip(stale.parameters(), read, before):
                 torch.add(w, w - b, alpha=predict, out=q)
         ids = torch.randint(len(task.train_set), (BATCH // pushes,), generator=gen).tolist()
-        batch = [torch.stack(x) for x in zip(*[task.train_set[i] for i in ids])]
+        batch = default_collate([task.train_set[i] for i in ids])   # (as the trainer's DataLoader)
         stale.zero_grad()
         task.loss(stale, batch).backward()
         before_step = []
