@@ -10,6 +10,7 @@ The backend is chosen from where the ranks are:
   ``backend="mpi"`` force one engine for everything.
 """
 import atexit
+import importlib
 import os
 import sys
 from datetime import timedelta
@@ -142,7 +143,7 @@ def _bind_world_defaults_early():
     torch.distributed.optim's ZeroRedundancyOptimizer and FSDP's
     ShardedGradScaler take the same default; import them before pt.init() if
     you use them."""
-    import torch.distributed.nn.functional  # noqa: F401  (for its import-time defaults)
+    importlib.import_module("torch.distributed.nn.functional")  # for its import-time defaults
 
 
 def _destroy_at_exit():
