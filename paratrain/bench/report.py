@@ -20,7 +20,7 @@ from rich.table import Table
 
 HEADER = ("bytes = the whole buffer: all_reduce/broadcast buffer, all_gather output and reduce_scatter input "
           "(world_size x per rank), as nccl-tests. time = median over rounds of the slowest rank's time "
-          "per call (up to 256 KiB a round times 10 back-to-back calls, as nccl-tests loops; above, one); "
+          "per call (up to 1 MiB a round times 10 back-to-back calls, as nccl-tests loops; above, one); "
           "busbw = bytes/time x 2(P-1)/P (all_reduce), (P-1)/P (all_gather, reduce_scatter), 1 (broadcast). "
           "GB/s = 1e9 B/s. Engines interleaved round by round in one run")
 REFERENCE = "paratrain"
