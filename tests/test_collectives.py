@@ -99,7 +99,7 @@ def test_torch_backend_is_released_at_exit_without_destroy(tmp_path):
     active exception"). Released means its threads are gone, not only that
     torch.distributed says it is uninitialized: an optimizer made after pt.init()
     imports torch.distributed.nn.functional, whose defaults kept the group alive
-    (world._bind_world_defaults_early). Checked by a handler the script registered
+    (world.bind_world_defaults_early). Checked by a handler the script registered
     before pt.init, so atexit runs it after ours."""
     script = tmp_path / "exits.py"
     script.write_text(EXITS_WITHOUT_DESTROY)

@@ -60,6 +60,8 @@ def make_engines(names, sizes, group, port, timeout):
         elif name == "ddp":
             import torch.distributed as dist
             if not dist.is_initialized():
+                from ..comm.world import bind_world_defaults_early
+                bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
                 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
                                         world_size=group.world_size, timeout=timedelta(seconds=timeout))
             model = torch.nn.parallel.DistributedDataParallel(build_model(sizes))

@@ -61,7 +61,10 @@ class Gloo:
 
     def __init__(self, addr, port, rank, world_size, timeout):
         import torch.distributed as dist
+
+        from ..comm.world import bind_world_defaults_early
         self.dist, self.rank = dist, rank
+        bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         # torch 2.13 renamed the flat-buffer collectives; the old names warn on every call.

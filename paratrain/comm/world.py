@@ -116,7 +116,7 @@ def _host_layout(names):
 def _init_torch(backend, timeout):
     import torch.distributed as dist
     if not _S.torch_initialized:
-        _bind_world_defaults_early()
+        bind_world_defaults_early()
         engine = "nccl" if backend == "nccl" else "gloo"
         dist.init_process_group(engine, store=_prefix("torch"), rank=_S.env.rank,
                                 world_size=_S.env.world_size, timeout=timedelta(seconds=timeout))
@@ -124,7 +124,7 @@ def _init_torch(backend, timeout):
         atexit.register(_destroy_at_exit)
 
 
-def _bind_world_defaults_early():
+def bind_world_defaults_early():
     """Import torch modules that take ``group.WORLD`` as a default argument before
     the process group exists, so their defaults hold None rather than the group.
 
