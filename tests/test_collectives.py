@@ -42,7 +42,7 @@ def test_shm_all_gather_single_copy_from_private_memory(n, cma, no_leftover_segm
     if cma == "1" and not cma_permitted():
         pytest.skip("this kernel does not let a process read a sibling's memory (process_vm_readv)")
     res = launch(n, "collectives.py", "--backend", "shm", "--dtypes", "float32,float64,uint8",
-                 "--sizes", "0,7,65537,300001", "--expect-single-copy", "yes" if cma == "1" else "no",
+                 "--sizes", "0,7,65537,300001,1048583", "--expect-single-copy", "yes" if cma == "1" else "no",
                  env={"PARATRAIN_CMA": cma})
     _ok(res, n, "shm")
 
