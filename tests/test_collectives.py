@@ -48,6 +48,20 @@ def test_shm_all_gather_single_copy_from_private_memory(n, cma, no_leftover_segm
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [2, 4, 5])
+def test_algorithms_agree_on_long_messages_and_wide_groups(n, no_leftover_segments):
+    """ring, tree and naive against numpy and each other, beside the default: on a
+    message whose ring segments span several pipeline chunks (ring.PIPELINE_BYTES,
+    1 MiB; the segments of the default sizes fit in one), and on 4 and 5 ranks,
+    where recursive doubling takes more than one step and folds in the ranks
+    beyond the largest power of two."""
+    res = launch(n, "collectives.py", "--backend", "shm", "--algorithms", ",ring,tree,naive",
+                 "--dtypes", "float32,int64", "--sizes", "0,7,1001",
+                 "--big-all-reduce", str(n * (1 << 20) // 4 + 5 * (1 << 18) + 3))
+    _ok(res, n, "shm")
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("n,cma", [(2, "1"), (3, "1"), (2, "0")])
 def test_shm_large_all_reduce_fetches_reduced_slices_from_private_memory(n, cma, no_leftover_segments):
     """From cma.MIN_ALL_REDUCE_BYTES (32 MiB) an all-reduce of private tensors fetches
