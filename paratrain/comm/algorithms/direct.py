@@ -115,6 +115,8 @@ def _copy_out(round_state, me, P):
 
 
 def _all_reduce_small(G, buf, code, op, dst):
+    """The whole buffer copied in, one barrier, every rank reduces all P inputs:
+    alpha_barrier + n beta_memcpy + P n beta_reduce."""
     P, me = G.world_size, G.rank
     slots = [sl.view(buf.dtype)[:buf.size] for sl in G._next_slots()]
     ops.copy(slots[me], buf)
@@ -136,6 +138,9 @@ def broadcast(G, buf, code, src):
 
 
 def all_gather(G, out, buf, code):
+    """Each round every rank writes its piece into its slot, barrier, and copies the
+    P-1 others out; with m the bytes of one rank's input and R = m / slot_bytes rounds:
+    R alpha_barrier + (P + 1) m beta (own piece, copy-in, P-1 copies out)."""
     P, me = G.world_size, G.rank
     ops.copy(out[me], buf)
     for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
@@ -148,6 +153,8 @@ def all_gather(G, out, buf, code):
 
 
 def gather(G, out, buf, code, dst):
+    """all_gather with only the root copying out: R alpha_barrier + P m beta at the
+    root, m beta elsewhere (m the bytes of one rank's input)."""
     P, me = G.world_size, G.rank
     if me == dst:
         ops.copy(out[me], buf)
@@ -163,7 +170,10 @@ def gather(G, out, buf, code, dst):
 
 
 def scatter(G, buf, inp, code, src):
-    """The root's slot holds one sub-slot per destination each round."""
+    """The root's slot holds one sub-slot per destination each round, so a round
+    carries slot_bytes / P of each piece: with m the bytes of one piece and
+    R = P m / slot_bytes rounds, R alpha_barrier + P m beta at the root and
+    m beta elsewhere."""
     P, me = G.world_size, G.rank
     if me == src:
         ops.copy(buf, inp[me])
@@ -180,7 +190,9 @@ def scatter(G, buf, inp, code, src):
 
 
 def all_to_all(G, out, inp, code):
-    """Equal pieces: rank r's slot holds its piece for every q; q reads sub-slot q of everyone's slot."""
+    """Equal pieces: rank r's slot holds its piece for every q; q reads sub-slot q of
+    everyone's slot. With m the bytes of one piece and R = P m / slot_bytes rounds:
+    R alpha_barrier + (2 (P-1) + 1) m beta per rank (P-1 pieces in, P-1 out, its own)."""
     P, me = G.world_size, G.rank
     ops.copy(out[me], inp[me])
     n = inp[0].size
@@ -198,7 +210,9 @@ def all_to_all(G, out, inp, code):
 
 def reduce_scatter(G, out, inp, code, op):
     """Each rank writes the pieces others own, then reduces its own piece reading
-    all slots in rank order: (P-1)/P of the input copied in, one barrier per round."""
+    all slots in rank order: (P-1)/P of the input copied in, one barrier per round.
+    With m the bytes of one output piece and R = P m / slot_bytes rounds:
+    R alpha_barrier + (P-1) m beta_memcpy + P m beta_reduce."""
     P, me, dt = G.world_size, G.rank, out.dtype
     per = G.slot_bytes // out.itemsize // P
     for lo, hi in _rounds(out.size, per):
