@@ -27,10 +27,13 @@ def test_shm_all_collectives(n, no_leftover_segments):
 
 
 @pytest.mark.timeout(180)
-def test_shm_numpy_arrays_default_slots():
-    res = launch(2, "collectives.py", "--backend", "shm", "--numpy", "--dtypes", "float32,float64,int32",
-                 "--sizes", "0,3,300001")
-    _ok(res, 2, "shm")
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_numpy_arrays_default_slots(backend):
+    """Every collective given numpy arrays (views of the tensors the checks read),
+    every dtype numpy has, including the sizes that take the shm engine's large paths."""
+    res = launch(2, "collectives.py", "--backend", backend, "--numpy",
+                 "--dtypes", "float16,float32,float64,int32,int64,uint8", "--sizes", "0,3,300001")
+    _ok(res, 2, backend)
 
 
 @pytest.mark.timeout(180)

@@ -53,53 +53,60 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
     count = 0
     for dname in dtypes:
         dt = DTYPES[dname]
+
+        def arg(x):
+            """What the collective is given: the tensor, or with --numpy a numpy view of
+            it (same memory, so the checks below read the result either way; numpy has
+            no bfloat16). Lists element by element."""
+            if x is None or not as_numpy or dt == torch.bfloat16:
+                return x
+            return [t.numpy() for t in x] if isinstance(x, list) else x.numpy()
         ops = ["sum", "max", "min", "prod"] + (["avg"] if dt.is_floating_point else [])
         for n in sizes:
             ins = [make(r, n, dt) for r in range(P)]
             for op in ops:
                 for algo in algorithms:
                     t = ins[me].clone()
-                    arg = t.numpy() if as_numpy and dt != torch.bfloat16 else t
-                    g.all_reduce(arg, op=op, algorithm=algo)
+                    g.all_reduce(arg(t), op=op, algorithm=algo)
                     check(t, ref_reduce(ins, op, dt), f"all_reduce {dname} n={n} op={op} algo={algo}")
                     count += 1
                 # reduce to the last rank; others keep their input
                 t = ins[me].clone()
-                g.reduce(t, dst=P - 1, op=op)
+                g.reduce(arg(t), dst=P - 1, op=op)
                 check(t, ref_reduce(ins, op, dt) if me == P - 1 else ins[me], f"reduce {dname} n={n} op={op}")
                 # reduce_scatter: piece r of everyone, reduced, lands on rank r
                 pieces = [make(r, n * P, dt, salt=1) for r in range(P)]
                 out = torch.empty(n, dtype=dt)
-                g.reduce_scatter(out, pieces[me].clone(), op=op)
+                g.reduce_scatter(arg(out), arg(pieces[me].clone()), op=op)
                 want = ref_reduce([p[me * n:(me + 1) * n] for p in pieces], op, dt)
                 check(out, want, f"reduce_scatter {dname} n={n} op={op}")
                 out = torch.empty(n, dtype=dt)   # the list form: pieces in separate tensors
-                g.reduce_scatter(out, [pieces[me][q * n:(q + 1) * n].clone() for q in range(P)], op=op)
+                g.reduce_scatter(arg(out), arg([pieces[me][q * n:(q + 1) * n].clone() for q in range(P)]), op=op)
                 check(out, want, f"reduce_scatter(list) {dname} n={n} op={op}")
                 count += 3
             src = (n + 1) % P
             t = ins[me].clone()
-            g.broadcast(t, src=src)
+            g.broadcast(arg(t), src=src)
             check(t, ins[src], f"broadcast {dname} n={n}")
             out = torch.empty(P * n, dtype=dt)
-            g.all_gather(out, ins[me])
+            g.all_gather(arg(out), arg(ins[me]))
             check(out, torch.cat(ins), f"all_gather(tensor) {dname} n={n}")
             outs = [torch.empty(n, dtype=dt) for _ in range(P)]
-            g.all_gather(outs, ins[me])
+            g.all_gather(arg(outs), arg(ins[me]))
             check(torch.cat(outs), torch.cat(ins), f"all_gather(list) {dname} n={n}")
             dst = n % P
             gl = [torch.empty(n, dtype=dt) for _ in range(P)] if me == dst else None
-            g.gather(ins[me], gl, dst=dst)
+            g.gather(arg(ins[me]), arg(gl), dst=dst)
             if me == dst:
                 check(torch.cat(gl), torch.cat(ins), f"gather {dname} n={n}")
             sl = [make(q, n, dt, salt=2) for q in range(P)]
             t = torch.empty(n, dtype=dt)
-            g.scatter(t, sl if me == src else None, src=src)
+            g.scatter(arg(t), arg(sl) if me == src else None, src=src)
             check(t, make(me, n, dt, salt=2), f"scatter {dname} n={n}")
             # all_to_all: rank r's piece j is make(r*P+j)
             send = torch.cat([make(me * P + j, n, dt, salt=3) for j in range(P)])
             recv = torch.empty(P * n, dtype=dt)
-            g.all_to_all(recv, send)
+            g.all_to_all(arg(recv), arg(send))
             check(recv, torch.cat([make(q * P + me, n, dt, salt=3) for q in range(P)]), f"all_to_all {dname} n={n}")
             count += 7
     # algorithms compared with each other on the same inputs: the direct and naive ones
@@ -200,7 +207,7 @@ def main():
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--sizes", default="0,1,7,1000,100003")
     ap.add_argument("--algorithms", default="")
-    ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to all_reduce")
+    ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to every collective of the dtype loop")
     ap.add_argument("--subgroup", action="store_true", help="also run on a sub-group of the odd ranks")
     ap.add_argument("--expect-single-copy", choices=("yes", "no"), default=None,
                     help="check whether large all_gathers and all_reduces read peers' memory directly "
