@@ -42,6 +42,23 @@ def test_dead_peer_raises_on_survivor_naming_the_rank(backend):
     procs[1].wait(timeout=10)
     assert "caught PeerError" in out0, out0
     assert re.search(r"rank 1 \(pid \d+\) died", out0), out0
+    assert "all_reduce(float32 x 1048576" in out0, out0   # and the operation it was in
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_peer_killed_inside_a_collective_raises_on_every_survivor(backend):
+    """Rank 1 is SIGKILLed while the three ranks loop 4 MiB all-reduces, so it dies
+    inside one (not before it, as in the test above). Each survivor raises on its
+    own, long before the 120 s timeout, naming the dead rank and the operation."""
+    procs = spawn(3, "failures.py", "die_mid", env={"PARATRAIN_TIMEOUT": "120", "PARATRAIN_BACKEND": backend})
+    outs = [p.communicate(timeout=45)[0] for p in procs]
+    assert procs[1].returncode == -9, outs[1]
+    for r in (0, 2):
+        assert procs[r].returncode == 3, outs[r]   # the worker's exit code for a caught CommError
+        assert "caught PeerError" in outs[r], outs[r]
+        assert re.search(r"rank 1 \(pid \d+\) died", outs[r]), outs[r]
+        assert "all_reduce(float32 x 1048576, op=max" in outs[r], outs[r]
 
 
 @pytest.mark.timeout(60)
@@ -57,9 +74,9 @@ def test_silent_peer_times_out_naming_the_rank(backend):
 
 @pytest.mark.timeout(60)
 def test_launcher_stops_job_when_worker_is_killed_mid_collective(no_leftover_segments):
-    res = launch(3, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120"}, timeout=50)
+    res = launch(3, "failures.py", "die_mid", env={"PARATRAIN_TIMEOUT": "120"}, timeout=50)
     assert res.returncode != 0
-    assert "rank 1" in res.stderr, res.stderr
+    assert "rank 1" in res.stderr and "SIGKILL" in res.stderr, res.stderr
 
 
 @pytest.mark.timeout(60)

@@ -5,12 +5,15 @@
     mismatch_op     rank 1 uses op=max while the others sum
     mismatch_coll   rank 1 calls all_gather while the others all_reduce
     die             rank 1 kills itself (SIGKILL) just before an all_reduce
+    die_mid         all ranks all-reduce 4 MiB in a loop; rank 1 is killed (SIGKILL,
+                    from a timer thread) while inside one
     hang            rank 1 never calls the all_reduce (sleeps)
     loop            all ranks all-reduce 1 MiB forever (stopped from outside)
 """
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -41,6 +44,15 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             t = time.time()
             g.all_reduce(np.ones(1 << 20, dtype=np.float32))
+        elif scenario == "die_mid":
+            big = np.ones(1 << 20, dtype=np.float32)
+            g.all_reduce(big)
+            print(f"rank {me}: looping", flush=True)
+            if me == 1:
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            t = time.time()
+            while True:
+                g.all_reduce(big, op="max")
         elif scenario == "loop":
             big = np.ones(1 << 18, dtype=np.float32)
             print(f"rank {me}: looping", flush=True)
@@ -55,7 +67,7 @@ def main():
         return 0
     except pt.CommError as e:
         print(f"rank {me}: caught {type(e).__name__}: {e}", flush=True)
-        if scenario == "die":
+        if scenario in ("die", "die_mid"):
             print(f"rank {me}: raised after {time.time() - t:.1f}s", flush=True)
         return 3
 
