@@ -61,6 +61,22 @@ def test_peer_killed_inside_a_collective_raises_on_every_survivor(backend):
         assert "all_reduce(float32 x 1048576, op=max" in outs[r], outs[r]
 
 
+@pytest.mark.timeout(90)
+def test_peer_killed_inside_a_hierarchical_collective_raises_on_every_survivor():
+    """The same on the hierarchical backend, 2 pretend hosts of 2 ranks: rank 1 (not a
+    leader) dies; rank 0, its host's leader, sees it die over shm, and the error
+    spreads host by host as each survivor raises and exits (rank 2 sees rank 0's
+    Gloo connection close, rank 3 its leader rank 2 die). Nobody waits for the
+    120 s timeout."""
+    procs = spawn(4, "failures.py", "die_mid", env={"PARATRAIN_TIMEOUT": "120", "PARATRAIN_PRETEND_HOSTS": "2"})
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert procs[1].returncode == -9, outs[1]
+    for r in (0, 2, 3):
+        assert procs[r].returncode == 3 and "caught PeerError" in outs[r], outs[r]
+        assert re.search(r"rank \d \(pid \d+\) died", outs[r]), outs[r]
+    assert re.search(r"rank 1 \(pid \d+\) died", outs[0]), outs[0]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_silent_peer_times_out_naming_the_rank(backend):
