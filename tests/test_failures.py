@@ -79,6 +79,22 @@ def test_peer_killed_inside_a_hierarchical_collective_raises_on_every_survivor()
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_rank_waiting_for_a_late_peer_sleeps(backend):
+    """Four workers on two cores must not starve each other, so a wait blocks (after
+    a spin of at most 200 us) instead of spinning: rank 0 waits about 2 s in an
+    all-reduce for rank 1 and uses a small part of that in CPU time. The bound is
+    loose (a quarter of the wait); a spinning wait would use all of it."""
+    res = launch(2, "failures.py", "late", env={"PARATRAIN_BACKEND": backend})
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = re.search(r"rank 0: waited ([\d.]+) s wall, ([\d.]+) s cpu", res.stdout)
+    assert m, res.stdout
+    wall, cpu = float(m.group(1)), float(m.group(2))
+    assert wall > 1.0, res.stdout   # it did wait for rank 1
+    assert cpu < 0.25 * wall, res.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_silent_peer_times_out_naming_the_rank(backend):
     procs = spawn(2, "failures.py", "hang", env={"PARATRAIN_TIMEOUT": "3", "PARATRAIN_BACKEND": backend})
     out0 = procs[0].communicate(timeout=45)[0]

@@ -8,6 +8,8 @@
     die_mid         all ranks all-reduce 4 MiB in a loop; rank 1 is killed (SIGKILL,
                     from a timer thread) while inside one
     hang            rank 1 never calls the all_reduce (sleeps)
+    late            rank 1 calls the all_reduce 2 s late; the others report the CPU
+                    time they spent waiting in it (a blocking wait, not a spin)
     loop            all ranks all-reduce 1 MiB forever (stopped from outside)
 """
 import os
@@ -58,6 +60,13 @@ def main():
             print(f"rank {me}: looping", flush=True)
             while True:
                 g.all_reduce(big, op="max")
+        elif scenario == "late":
+            if me == 1:
+                time.sleep(2.0)
+            wall, cpu = time.perf_counter(), time.process_time()
+            g.all_reduce(x)
+            print(f"rank {me}: waited {time.perf_counter() - wall:.2f} s wall, "
+                  f"{time.process_time() - cpu:.2f} s cpu", flush=True)
         elif scenario == "hang":
             if me == 1:
                 time.sleep(60)
