@@ -31,6 +31,18 @@ def test_torch_mismatch_detected_in_debug_mode():
     assert "float32 x 2000" in res.stdout
 
 
+@pytest.mark.timeout(90)
+def test_hierarchical_mismatch_detected_in_debug_mode_on_every_rank():
+    """2 pretend hosts of 2 ranks, rank 1 all-reduces a longer tensor: with
+    PARATRAIN_DEBUG=1 every rank, on both hosts, names the user's all_reduce and the
+    rank that disagrees (without it, only rank 1's host sees it, in the inner reduce)."""
+    res = launch(4, "failures.py", "mismatch_shape",
+                 env={"PARATRAIN_PRETEND_HOSTS": "2", "PARATRAIN_DEBUG": "1"})
+    caught = {l.split(":")[0] for l in res.stdout.splitlines() if "caught MismatchError" in l and "all_reduce(" in l}
+    assert {"[rank 0] rank 0", "[rank 1] rank 1", "[rank 2] rank 2", "[rank 3] rank 3"} <= caught, res.stdout
+    assert "float32 x 2000" in res.stdout and "ranks [1] disagree" in res.stdout, res.stdout
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_dead_peer_raises_on_survivor_naming_the_rank(backend):
