@@ -65,6 +65,18 @@ def test_algorithms_agree_on_long_messages_and_wide_groups(n, no_leftover_segmen
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_portable_collectives_over_point_to_point_only(n):
+    """ProcessGroup's own collectives, which a backend gets from send and recv alone
+    (no backend here needs them: each has native ones), on a group that borrows only
+    those two from the shm engine: every collective, op and dtype against numpy,
+    sizes on both sides of the default's tree/ring switch (64 KiB)."""
+    res = launch(n, "collectives.py", "--backend", "shm", "--portable", "--dtypes", "float32,bfloat16,int64,uint8",
+                 "--sizes", "0,7,1001,20011")
+    _ok(res, n, "shm")
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("n,cma", [(2, "1"), (3, "1"), (2, "0")])
 def test_shm_large_all_reduce_fetches_reduced_slices_from_private_memory(n, cma, no_leftover_segments):
     """From cma.MIN_ALL_REDUCE_BYTES (32 MiB) an all-reduce of private tensors fetches

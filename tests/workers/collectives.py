@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import paratrain as pt
+from paratrain.comm.group import ProcessGroup
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
@@ -179,6 +180,25 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
     return count
 
 
+class PointToPointOnly(ProcessGroup):
+    """A backend with nothing but send and recv (borrowed from a real group): every
+    collective then takes ProcessGroup's portable versions over point to point
+    (ring or tree all_reduce by size, tree broadcast/reduce/barrier, naive gather,
+    scatter, all_gather, reduce_scatter, all_to_all), the ones a new backend gets
+    before it has native collectives."""
+    backend = "p2p"
+
+    def __init__(self, inner):
+        super().__init__(inner.rank, inner.world_size, inner.ranks, inner.timeout)
+        self.inner = inner
+
+    def _send(self, buf, code, dst, tag):
+        self.inner._send(buf, code, dst, tag)
+
+    def _recv(self, buf, code, src, tag):
+        self.inner._recv(buf, code, src, tag)
+
+
 def big_all_reduce(g, dtypes, n, algorithms=(None,)):
     """Large all-reduces of private tensors against numpy, with each algorithm asked
     for (large enough for ring's pipelined chunks and cma.all_reduce); with 2 ranks
@@ -209,6 +229,8 @@ def main():
     ap.add_argument("--algorithms", default="")
     ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to every collective of the dtype loop")
     ap.add_argument("--subgroup", action="store_true", help="also run on a sub-group of the odd ranks")
+    ap.add_argument("--portable", action="store_true",
+                    help="also run over a group with only send/recv (ProcessGroup's portable collectives)")
     ap.add_argument("--expect-single-copy", choices=("yes", "no"), default=None,
                     help="check whether large all_gathers and all_reduces read peers' memory directly "
                          "(algorithms/cma.py)")
@@ -221,6 +243,10 @@ def main():
     n = run(g, a.dtypes.split(","), sizes, algos, a.numpy)
     if a.big_all_reduce:
         n += big_all_reduce(g, a.dtypes.split(","), a.big_all_reduce, algos)
+    if a.portable:
+        p2p = PointToPointOnly(g)
+        n += run(p2p, a.dtypes.split(","), sizes, [None, "ring", "tree", "naive"], a.numpy)
+        p2p.destroy()
     if a.subgroup and g.world_size >= 3:
         members = list(range(1, g.world_size, 2)) + [0]
         sub = pt.new_group(members)
