@@ -40,3 +40,21 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
                                                                           for s in (4096, 65536)}
     png = tmp_path / "collectives.png"
     assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(180)
+def test_quick_benchmark_with_shared_buffers_extra_algorithms_and_the_hierarchical_run(tmp_path):
+    """--buffers shared, --algorithms and --hierarchical reach the JSON: each extra
+    engine measured and its result checked against numpy like the others."""
+    code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--collectives", "all_reduce,all_gather",
+                 "--buffers", "shared", "--algorithms", "ring,tree", "--hierarchical", "--no-mpi",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "collectives.json").read_text())
+    assert data["config"]["buffers"] == "shared" and data["config"]["hierarchical"] is True
+    engines = {(r["engine"], r["run"]) for r in data["results"]}
+    assert {("paratrain", "main"), ("paratrain/ring", "main"), ("paratrain/tree", "main"), ("gloo", "main"),
+            ("paratrain-hier", "hierarchical")} <= engines, engines
+    for r in data["results"]:
+        assert r["verified"] and r["median_us"] > 0, r
+    assert {r["collective"] for r in data["results"] if r["engine"] == "paratrain/ring"} == {"all_reduce"}
