@@ -67,6 +67,24 @@ def test_hierarchical_with_mpi_between_host_leaders():
     assert p.stdout.count("host leaders talk over mpi") == 2, p.stdout   # ranks 0 and 2 lead the two hosts
 
 
+@pytest.mark.timeout(60)
+def test_rank_killed_inside_an_mpi_collective_ends_the_job_naming_it():
+    """Under mpirun a dead rank is mpirun's to handle: it stops the whole job and names
+    the rank, so the survivors looping in all-reduces over the mpi backend neither
+    hang nor wait for paratrain's 120 s timeout (tests/workers/failures.py die_mid)."""
+    env = dict(os.environ, PARATRAIN_BACKEND="mpi", PARATRAIN_TIMEOUT="120", PARATRAIN_THREADS="1",
+               OMPI_MCA_mpi_yield_when_idle="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_ALGO"):
+        env.pop(k, None)
+    worker = Path(__file__).parent / "workers" / "failures.py"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, str(worker), "die_mid"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert out.count("looping") == 3, out   # all three were inside the all-reduce loop
+    assert "rank 1" in out and "signal 9" in out, out
+
+
 # ---- the worker -----------------------------------------------------------------------
 
 
