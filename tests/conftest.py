@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,19 @@ def spawn(n, script, *args, env=None, port=None):
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / script), *args], cwd=ROOT, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
+
+
+def outputs(procs, timeout):
+    """The output of each process from spawn(); any still running after ``timeout``
+    seconds in all is killed, so a failing test leaves no worker behind."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def our_segments():

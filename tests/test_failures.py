@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import launch, spawn
+from conftest import launch, outputs, spawn
 
 
 @pytest.mark.timeout(90)
@@ -49,9 +49,8 @@ def test_dead_peer_raises_on_survivor_naming_the_rank(backend):
     """Without a launcher to stop it, the survivor must notice on its own. On the
     torch backend Gloo reports a reset connection; paratrain finds the dead rank."""
     procs = spawn(2, "failures.py", "die", env={"PARATRAIN_TIMEOUT": "120", "PARATRAIN_BACKEND": backend})
-    # communicate's 45 s is far below the 120 s timeout: passing means death was noticed, not waited out
-    out0 = procs[0].communicate(timeout=45)[0]
-    procs[1].wait(timeout=10)
+    # 45 s is far below the 120 s timeout: passing means death was noticed, not waited out
+    out0 = outputs(procs, 45)[0]
     assert "caught PeerError" in out0, out0
     assert re.search(r"rank 1 \(pid \d+\) died", out0), out0
     assert "all_reduce(float32 x 1048576" in out0, out0   # and the operation it was in
@@ -64,7 +63,7 @@ def test_peer_killed_inside_a_collective_raises_on_every_survivor(backend):
     inside one (not before it, as in the test above). Each survivor raises on its
     own, long before the 120 s timeout, naming the dead rank and the operation."""
     procs = spawn(3, "failures.py", "die_mid", env={"PARATRAIN_TIMEOUT": "120", "PARATRAIN_BACKEND": backend})
-    outs = [p.communicate(timeout=45)[0] for p in procs]
+    outs = outputs(procs, 45)
     assert procs[1].returncode == -9, outs[1]
     for r in (0, 2):
         assert procs[r].returncode == 3, outs[r]   # the worker's exit code for a caught CommError
@@ -81,7 +80,7 @@ def test_peer_killed_inside_a_hierarchical_collective_raises_on_every_survivor()
     Gloo connection close, rank 3 its leader rank 2 die). Nobody waits for the
     120 s timeout."""
     procs = spawn(4, "failures.py", "die_mid", env={"PARATRAIN_TIMEOUT": "120", "PARATRAIN_PRETEND_HOSTS": "2"})
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+    outs = outputs(procs, 60)
     assert procs[1].returncode == -9, outs[1]
     for r in (0, 2, 3):
         assert procs[r].returncode == 3 and "caught PeerError" in outs[r], outs[r]
@@ -92,8 +91,8 @@ def test_peer_killed_inside_a_hierarchical_collective_raises_on_every_survivor()
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_a_rank_waiting_for_a_late_peer_sleeps(backend):
-    """Four workers on two cores must not starve each other, so a wait blocks (after
-    a spin of at most 200 us) instead of spinning: rank 0 waits about 2 s in an
+    """Four workers on two cores must not starve each other, so a wait blocks (on
+    shm after a spin of at most 200 us) instead of spinning: rank 0 waits about 2 s in an
     all-reduce for rank 1 and uses a small part of that in CPU time. The bound is
     loose (a quarter of the wait); a spinning wait would use all of it."""
     res = launch(2, "failures.py", "late", env={"PARATRAIN_BACKEND": backend})
