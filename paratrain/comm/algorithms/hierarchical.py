@@ -15,7 +15,8 @@ engine among all ranks ("flat").
 import os
 
 from .. import ops
-from ..group import ProcessGroup
+from ..errors import PeerError
+from ..group import ProcessGroup, describe
 
 
 class HierarchicalGroup(ProcessGroup):
@@ -54,6 +55,15 @@ class HierarchicalGroup(ProcessGroup):
 
     def default_algorithm(self, nbytes):
         return "hierarchical"
+
+    def _checked(self, desc, fn, *args):
+        """As ProcessGroup's, but a peer's failure in one of the steps, whose error names
+        the step (a reduce or broadcast inside the host, an all_reduce among the
+        leaders), also names the call the user made."""
+        try:
+            super()._checked(desc, fn, *args)
+        except PeerError as e:
+            raise type(e)(f"{e}; in this rank's {describe(desc)} on the hierarchical backend", e.ranks) from e
 
     def _send(self, buf, code, dst, tag):
         self.flat._send(buf, code, dst, tag)
