@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conftest import outputs
 from paratrain.launch import free_port, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +142,7 @@ def test_two_launchers_as_two_nodes_meet_and_all_reduce(tmp_path, backend):
                                "--master-addr", "127.0.0.1", "--master-port", port, "-n", "2", s],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k in (0, 1)]
-    outs = [p.communicate(timeout=75)[0] for p in nodes]
+    outs = outputs(nodes, 75)
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert sorted(l for o in outs for l in o.splitlines() if "sum" in l) == \
         [f"[rank {r}] sum 10 on {backend}" for r in range(4)]

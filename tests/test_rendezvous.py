@@ -6,14 +6,15 @@ import sys
 
 import pytest
 
-from conftest import ROOT, WORKERS, spawn
+from conftest import ROOT, WORKERS, outputs, spawn
 from paratrain.launch.local import free_port
 
 
 def _run_alone(rank, world, port, timeout="3"):
-    p = spawn(1, "failures.py", "mismatch_op", env={"RANK": str(rank), "WORLD_SIZE": str(world),
-                                                  "PARATRAIN_TIMEOUT": timeout}, port=port)[0]
-    return p.returncode, p.communicate(timeout=60)[0]
+    """The output of one rank started alone (the others never come)."""
+    procs = spawn(1, "failures.py", "mismatch_op", env={"RANK": str(rank), "WORLD_SIZE": str(world),
+                                                      "PARATRAIN_TIMEOUT": timeout}, port=port)
+    return outputs(procs, 60)[0]
 
 
 @pytest.mark.timeout(60)
@@ -22,7 +23,7 @@ def test_port_in_use():
     s.bind(("", 0))
     s.listen()
     try:
-        _, out = _run_alone(0, 2, s.getsockname()[1])
+        out = _run_alone(0, 2, s.getsockname()[1])
     finally:
         s.close()
     assert "port is in use" in out, out
@@ -30,13 +31,13 @@ def test_port_in_use():
 
 @pytest.mark.timeout(60)
 def test_unreachable_master():
-    _, out = _run_alone(1, 2, free_port())  # nobody listens there
+    out = _run_alone(1, 2, free_port())  # nobody listens there
     assert "could not reach the rendezvous" in out, out
 
 
 @pytest.mark.timeout(60)
 def test_missing_ranks_are_named():
-    _, out = _run_alone(0, 3, free_port())
+    out = _run_alone(0, 3, free_port())
     assert "only 1 of 3 ranks arrived" in out and "missing ranks [1, 2]" in out, out
 
 
@@ -49,5 +50,5 @@ def test_world_size_disagreement():
                    MASTER_PORT=str(port), PARATRAIN_TIMEOUT="4")
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failures.py"), "mismatch_op"], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+    outs = outputs(procs, 60)
     assert any("disagree on the world size" in o for o in outs), outs
