@@ -64,6 +64,28 @@ def test_algorithms_agree_on_long_messages_and_wide_groups(n, no_leftover_segmen
     _ok(res, n, "shm")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend,algo,n", [("shm", "ring", 3), ("shm", "tree", 2), ("shm", "naive", 3),
+                                            ("shm", None, 2), ("torch", "tree", 2), ("torch", None, 3)])
+def test_paratrain_algo_chooses_every_all_reduce_of_a_launched_job(backend, algo, n):
+    """PARATRAIN_ALGO in the launcher's environment (as NCCL_ALGO is used) reaches
+    every worker: each all_reduce that names no algorithm, small or large, runs the
+    one it names and matches numpy. Unset, the backend's own algorithm runs."""
+    env = {"PARATRAIN_ALGO": algo} if algo else {"PARATRAIN_ALGO": ""}
+    res = launch(n, "collectives.py", "--backend", backend, "--dtypes", "float32", "--sizes", "0",
+                 "--expect-env-algorithm", algo or "native", env=env)
+    _ok(res, n, backend)
+
+
+@pytest.mark.timeout(120)
+def test_an_unknown_paratrain_algo_stops_the_job_with_the_choices():
+    res = launch(2, "collectives.py", "--backend", "shm", "--dtypes", "float32", "--sizes", "7",
+                 env={"PARATRAIN_ALGO": "butterfly"})
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-4000:]
+    assert "unknown algorithm 'butterfly'; choose from ['direct', 'naive', 'ring', 'tree']" in out, out[-4000:]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_portable_collectives_over_point_to_point_only(n):

@@ -221,6 +221,31 @@ def big_all_reduce(g, dtypes, n, algorithms=(None,)):
     return count
 
 
+def algorithm_from_env(g, expected):
+    """All-reduces that name no algorithm, small and large (both sides of every
+    backend's size switch), against numpy, checking that each ran PARATRAIN_ALGO's
+    algorithm: the algorithm modules' all_reduce are wrapped to log their names, and
+    ``expected`` "native" means none of them ran (the backend's own)."""
+    from paratrain.comm.group import ALGORITHMS
+    ran = []
+    for name, module in ALGORITHMS.items():
+        def logged(*args, _name=name, _inner=module.all_reduce, **kwargs):
+            ran.append(_name)
+            return _inner(*args, **kwargs)
+        module.all_reduce = logged
+    P, me = g.world_size, g.rank
+    for n in (7, 100003, 600011):
+        ins = [make(r, n, torch.float32, salt=3) for r in range(P)]
+        t = ins[me].clone()
+        ran.clear()
+        g.all_reduce(t)
+        check(t, ref_reduce(ins, "sum", torch.float32), f"all_reduce n={n} with PARATRAIN_ALGO={expected}")
+        if ran != ([] if expected == "native" else [expected]):
+            raise AssertionError(f"all_reduce of {n} float32 with PARATRAIN_ALGO={expected}: the algorithms "
+                                 f"that ran were {ran or 'only the native one'}")
+    return 3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default=None)
@@ -234,6 +259,8 @@ def main():
     ap.add_argument("--expect-single-copy", choices=("yes", "no"), default=None,
                     help="check whether large all_gathers and all_reduces read peers' memory directly "
                          "(algorithms/cma.py)")
+    ap.add_argument("--expect-env-algorithm", default=None,
+                    help="check that all_reduce without an algorithm runs this one (PARATRAIN_ALGO), or 'native'")
     ap.add_argument("--big-all-reduce", type=int, default=0,
                     help="also all-reduce this many elements of each dtype (large enough for cma.all_reduce)")
     a = ap.parse_args()
@@ -241,6 +268,8 @@ def main():
     algos = [x or None for x in a.algorithms.split(",")]
     sizes = [int(s) for s in a.sizes.split(",")]
     n = run(g, a.dtypes.split(","), sizes, algos, a.numpy)
+    if a.expect_env_algorithm:
+        n += algorithm_from_env(g, a.expect_env_algorithm)
     if a.big_all_reduce:
         n += big_all_reduce(g, a.dtypes.split(","), a.big_all_reduce, algos)
     if a.portable:
