@@ -70,8 +70,8 @@ def test_algorithms_agree_on_long_messages_and_wide_groups(n, no_leftover_segmen
 def test_paratrain_algo_chooses_every_all_reduce_of_a_launched_job(backend, algo, n):
     """PARATRAIN_ALGO in the launcher's environment (as NCCL_ALGO is used) reaches
     every worker: each all_reduce that names no algorithm, small or large, runs the
-    one it names and matches numpy. Unset, the backend's own algorithm runs."""
-    env = {"PARATRAIN_ALGO": algo} if algo else {"PARATRAIN_ALGO": ""}
+    one it names and matches numpy. Empty (as unset), the backend's own algorithm runs."""
+    env = {"PARATRAIN_ALGO": algo or ""}
     res = launch(n, "collectives.py", "--backend", backend, "--dtypes", "float32", "--sizes", "0",
                  "--expect-env-algorithm", algo or "native", env=env)
     _ok(res, n, backend)
