@@ -32,13 +32,21 @@ NP_OPS = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min, "prod": n
 TOL = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-2, "float16": 1e-3}
 
 
+def _mpirun_env(**settings):
+    """This process's environment for an mpirun job, with ``settings`` on top: without
+    the launcher's rank variables (mpirun sets its own) and without a backend or
+    algorithm chosen from outside."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_BACKEND", "PARATRAIN_ALGO")}
+    env.update(settings)
+    return env
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs,debug", [(2, False), (3, True)], ids=["np2", "np3-debug"])
 def test_mpi_backend(nprocs, debug):
-    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
-               PARATRAIN_DEBUG="1" if debug else "0")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_BACKEND", "PARATRAIN_ALGO"):
-        env.pop(k, None)
+    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
+                      PARATRAIN_DEBUG="1" if debug else "0")
     # "-m mpi4py" aborts the whole job when one rank raises, instead of leaving the others waiting.
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(nprocs), sys.executable, "-m", "mpi4py",
            __file__]
@@ -52,11 +60,9 @@ def test_hierarchical_with_mpi_between_host_leaders():
     """PARATRAIN_CROSS_BACKEND=mpi: shm inside each of 2 pretend hosts, MPI between
     their leaders, under mpirun; every collective against numpy (tests/workers/collectives.py)."""
     from paratrain.launch.local import free_port
-    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
-               PARATRAIN_PRETEND_HOSTS="2", PARATRAIN_CROSS_BACKEND="mpi", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMPI_MCA_mpi_yield_when_idle="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_BACKEND", "PARATRAIN_ALGO"):
-        env.pop(k, None)
+    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
+                      PARATRAIN_PRETEND_HOSTS="2", PARATRAIN_CROSS_BACKEND="mpi", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()), OMPI_MCA_mpi_yield_when_idle="1")
     worker = Path(__file__).parent / "workers" / "collectives.py"
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, "-m", "mpi4py", str(worker),
            "--algorithms", ",ring", "--dtypes", "float32,float64,int64,uint8", "--sizes", "0,7,1000,100003",
@@ -72,10 +78,8 @@ def test_rank_killed_inside_an_mpi_collective_ends_the_job_naming_it():
     """Under mpirun a dead rank is mpirun's to handle: it stops the whole job and names
     the rank, so the survivors looping in all-reduces over the mpi backend neither
     hang nor wait for paratrain's 120 s timeout (tests/workers/failures.py die_mid)."""
-    env = dict(os.environ, PARATRAIN_BACKEND="mpi", PARATRAIN_TIMEOUT="120", PARATRAIN_THREADS="1",
-               OMPI_MCA_mpi_yield_when_idle="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_ALGO"):
-        env.pop(k, None)
+    env = _mpirun_env(PARATRAIN_BACKEND="mpi", PARATRAIN_TIMEOUT="120", PARATRAIN_THREADS="1",
+                      OMPI_MCA_mpi_yield_when_idle="1")
     worker = Path(__file__).parent / "workers" / "failures.py"
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, str(worker), "die_mid"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
