@@ -252,7 +252,8 @@ def main():
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--sizes", default="0,1,7,1000,100003")
     ap.add_argument("--algorithms", default="")
-    ap.add_argument("--numpy", action="store_true", help="pass numpy arrays instead of tensors to every collective of the dtype loop")
+    ap.add_argument("--numpy", action="store_true",
+                    help="pass numpy arrays instead of tensors to every collective of the dtype loop")
     ap.add_argument("--subgroup", action="store_true", help="also run on a sub-group of the odd ranks")
     ap.add_argument("--portable", action="store_true",
                     help="also run over a group with only send/recv (ProcessGroup's portable collectives)")
