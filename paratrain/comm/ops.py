@@ -93,6 +93,17 @@ def copy(dst, src):
         dst[...] = src
 
 
+def copy_uncached(dst, src):
+    """dst[...] = src for a one-shot copy of buffers too large to still be in cache
+    (cma.all_gather's own piece of a multi-MiB input): numpy's vectorised loop, not
+    memcpy. glibc's memcpy takes ``rep movsb`` there, which on the AMD EPYC
+    machines we run on copies out of memory slower than plain vector loads and
+    stores: 8 MiB 11.4 against 13.9 GB/s, 32 MiB 11.7 against 13.8, while at 1 MiB
+    or with both buffers in cache the two tie (benchmarks/memcpy.py). In
+    cma.all_gather at 16 MiB it saved ~5% of the call, paired against Open MPI."""
+    np.positive(src.view(np.uint8), out=dst.view(np.uint8))
+
+
 def finish_avg(buf, world_size, code):
     """Turn a sum into the mean (floating dtypes only; see check_op_dtype)."""
     if code in _HALF_CODES:

@@ -13,8 +13,8 @@ all_gather over CMA:
 
 1. every rank publishes the address and length of its input in its slot;
 2. barrier (also the always-on mismatch check);
-3. rank r copies its own input into out[r] and reads every peer's input
-   straight into out[q] with process_vm_readv;
+3. rank r reads every peer's input straight into out[q] with
+   process_vm_readv, and copies its own into out[r], all in rank order;
 4. barrier: nobody returns, and overwrites or frees its input, while a peer
    still reads it.
 
@@ -78,7 +78,7 @@ _readv = _libc_call()
 
 
 def address(a):
-    return a.__array_interface__["data"][0]
+    return a.ctypes.data   # half the time of __array_interface__, which builds a dict
 
 
 def read(pid, dst, remote_address, rank=None):
@@ -109,7 +109,7 @@ def usable(G):
     P, me = G.world_size, G.rank
     willing = _readv is not None and os.environ.get("PARATRAIN_CMA", "1") != "0"
     probe = np.array([_PROBE], dtype=np.int64)
-    slots = [s.view(np.int64) for s in G._next_slots()]
+    slots = G._next_words()
     slots[me][0] = address(probe) if willing else 0
     G._sync()
     mine = willing
@@ -121,7 +121,7 @@ def usable(G):
                 mine = int(slots[q][0]) != 0 and got[0] == _PROBE
             except OSError:
                 mine = False
-    flags = [s.view(np.int64) for s in G._next_slots()]
+    flags = G._next_words()
     flags[me][0] = int(bool(mine))
     G._sync()   # the probe reads are over (probe may go), and every flag is written
     G._cma_ok = all(int(flags[q][0]) == 1 for q in range(P))
@@ -129,21 +129,28 @@ def usable(G):
 
 
 def all_gather(G, out, buf):
-    """out[q] <- rank q's buf for every q, each peer's input read once, in place."""
+    """out[q] <- rank q's buf for every q, each peer's input read once, in place.
+
+    Every rank walks the inputs in rank order, its own included (a copy instead
+    of a read), so at step q all ranks are copying input q at once: its owner's
+    copy and the readers' share the lines one of them brought into the shared
+    L3, and input q comes from memory about once instead of once per rank. Own
+    input first, then the peers (Open MPI's order, and ours before), measured
+    0.4-6.4% slower in five paired runs at 16 MiB, 2 ranks."""
     P, me = G.world_size, G.rank
-    slot = G._next_slots()
-    views = [s.view(np.int64) for s in slot]
+    views = G._next_words()
     views[me][0] = address(buf)
     views[me][1] = buf.nbytes
     G._sync()
-    if address(out[me]) != address(buf):
-        ops.copy(out[me], buf)
     for q in range(P):
-        if q != me:
-            if int(views[q][1]) != out[q].nbytes:   # the descriptor check makes this unreachable
-                raise ValueError(f"rank {G.ranks[q]} gathers {int(views[q][1])} bytes, this rank "
-                                 f"expects {out[q].nbytes}")
-            read(int(G._pids[q]), out[q], int(views[q][0]), G.ranks[q])
+        if q == me:
+            if address(out[me]) != address(buf):
+                ops.copy_uncached(out[me], buf)
+            continue
+        if int(views[q][1]) != out[q].nbytes:   # the descriptor check makes this unreachable
+            raise ValueError(f"rank {G.ranks[q]} gathers {int(views[q][1])} bytes, this rank "
+                             f"expects {out[q].nbytes}")
+        read(int(G._pids[q]), out[q], int(views[q][0]), G.ranks[q])
     G._sync()
 
 
@@ -178,7 +185,7 @@ def all_reduce(G, buf, code, op):
     MIN_ALL_REDUCE_BYTES.
     """
     P, me = G.world_size, G.rank
-    addresses = [s.view(np.int64) for s in G._next_slots()]
+    addresses = G._next_words()
     addresses[me][0] = address(buf)
     rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
     R = len(rounds)

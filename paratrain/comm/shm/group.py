@@ -155,6 +155,7 @@ class ShmGroup(ProcessGroup):
         sb = L.slot_bytes
         self._slots = [[raw[L.slots + (NBUF * r + b) * sb:L.slots + (NBUF * r + b + 1) * sb]
                         for r in range(P)] for b in range(NBUF)]
+        self._words = [[s.view(np.int64) for s in slots] for slots in self._slots]
         fb = L.frame_bytes
         self._frames = [[[raw[L.frames + ((s * P + d) * 2 + k) * fb:L.frames + ((s * P + d) * 2 + k + 1) * fb]
                           for k in range(2)] for d in range(P)] for s in range(P)]
@@ -241,6 +242,13 @@ class ShmGroup(ProcessGroup):
         slots = self._slots[self._round % NBUF]
         self._round += 1
         return slots
+
+    def _next_words(self):
+        """This round's slot of every rank as int64 words, for the algorithms that only
+        publish addresses and lengths there (cma.py); views made once, at mapping."""
+        words = self._words[self._round % NBUF]
+        self._round += 1
+        return words
 
     def _sync(self):
         self._barrier_raw(self._what)

@@ -21,7 +21,6 @@ import bisect
 from datetime import timedelta
 
 import numpy as np
-import torch
 
 from .. import ops
 from . import segment
