@@ -16,7 +16,6 @@ needs no copy-in), and each parameter's ``.grad`` becomes a view into it
 (DDP's ``gradient_as_bucket_view``): backward accumulates straight into the
 bucket and the averaged result is the gradient, with no copy either way.
 """
-import torch
 
 FIRST_BUCKET_BYTES = 1 << 20
 

@@ -17,7 +17,6 @@ whose tasks do not preempt on wake-up. Compute-bound workers are what that
 policy is for.
 """
 import os
-import time
 
 import paratrain as pt
 

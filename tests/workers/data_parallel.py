@@ -131,7 +131,7 @@ def no_sync(g):
 
 
 def unused(g):
-    P, me = g.world_size, g.rank
+    me = g.rank
     for cls in (pt.DataParallel, pt.DataParallelNaive):
         model = cls(fresh())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
