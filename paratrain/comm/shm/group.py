@@ -208,7 +208,12 @@ class ShmGroup(ProcessGroup):
         """All-to-all barrier on counting semaphores: each rank posts to every other's
         semaphore, then takes P-1 units from its own. Tokens from a rank already in
         the next barrier are safe: that rank could only get there after everyone
-        arrived here, so a rank never passes while someone has not arrived."""
+        arrived here, so a rank never passes while someone has not arrived.
+
+        When every peer arrives within the spin, nothing else is built: the watcher
+        that turns a dead peer or the deadline into an error is made only for a
+        wait that goes on to sleep (4 KiB all_reduce, paired: 15.2-17.7 us against
+        16.4-18.2 us with it made on every call)."""
         P, me = self.world_size, self.rank
         if P == 1:
             return
@@ -219,10 +224,14 @@ class ShmGroup(ProcessGroup):
             if q != me:
                 self._bar_sems[q].post()
         sem = self._bar_sems[me]
-        deadline = time.time() + self.timeout
-        on_slice = self._watch(lambda: [q for q in range(P) if self._arrived[q] < epoch], what, deadline)
-        for _ in range(P - 1):
-            sem.acquire(self._spin(), deadline, on_slice)
+        spin, missing = self._spin(), P - 1
+        while missing and sem.spin_acquire(spin):
+            missing -= 1
+        if missing:   # a peer is late: sleep in slices, watching for its death and the deadline
+            deadline = time.time() + self.timeout
+            on_slice = self._watch(lambda: [q for q in range(P) if self._arrived[q] < epoch], what, deadline)
+            for _ in range(missing):
+                sem.acquire(0.0, deadline, on_slice)
 
     # ---- the round structure the direct algorithms use ----------------------------
 

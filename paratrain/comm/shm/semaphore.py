@@ -73,15 +73,11 @@ class Semaphore:
     def try_acquire(self):
         return _sem_trywait(self.addr) == 0
 
-    def acquire(self, spin_s, deadline, on_slice):
-        """Take one unit; spin up to spin_s, then sleep in slices.
-
-        on_slice() is called after every slice that ended without the unit; it
-        raises to abort the wait (a dead peer, the deadline passed).
-        """
+    def spin_acquire(self, spin_s):
+        """Take one unit if it is there or arrives within spin_s; False if not (nothing taken)."""
         addr = self.addr
         if _sem_trywait(addr) == 0:
-            return
+            return True
         if spin_s > 0:
             count, clock = self.count, time.perf_counter
             end = clock() + spin_s
@@ -90,7 +86,18 @@ class Semaphore:
                     while count[0] == 0 and clock() < end:
                         pass
                 if _sem_trywait(addr) == 0:
-                    return
+                    return True
+        return False
+
+    def acquire(self, spin_s, deadline, on_slice):
+        """Take one unit; spin up to spin_s, then sleep in slices.
+
+        on_slice() is called after every slice that ended without the unit; it
+        raises to abort the wait (a dead peer, the deadline passed).
+        """
+        if self.spin_acquire(spin_s):
+            return
+        addr = self.addr
         ts = _Timespec()
         while True:
             wake = min(time.time() + SLICE, deadline)
