@@ -86,6 +86,36 @@ def test_as_buffer_shares_memory_and_refuses_what_it_cannot_write_in_place():
         ops.as_buffer(ro)
 
 
+def test_as_buffer_fast_paths_agree_with_the_checked_ones():
+    """The exact-type shortcuts (plain numpy array, plain torch tensor) and the full
+    checks (subclasses, grad, bfloat16, refused dtypes) give the same flat views."""
+    class Sub(np.ndarray):
+        pass
+    grid = np.arange(12, dtype=np.float32).reshape(3, 4)
+    w = torch.nn.Parameter(torch.arange(6, dtype=torch.float64).reshape(2, 3))
+    for x, code in ((grid, 3), (grid.view(Sub), 3), (torch.from_numpy(grid), 3), (w, 4),
+                    (torch.zeros(5, dtype=torch.float16), 1), (torch.zeros(2, 2, dtype=torch.uint8), 7)):
+        buf, got = ops.as_buffer(x)
+        assert got == code and buf.ndim == 1 and buf.size == (x.numel() if torch.is_tensor(x) else x.size)
+        buf[-1] = 99   # a view: the write lands in the caller's tensor
+        assert np.asarray(x.detach() if torch.is_tensor(x) else x).reshape(-1)[-1] == 99
+    with pytest.raises(TypeError, match="torch.int16; supported"):
+        ops.as_buffer(torch.zeros(3, dtype=torch.int16))
+    with pytest.raises(TypeError, match="numpy dtype int16; supported"):
+        ops.as_buffer(np.zeros(3, dtype=np.int16))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.as_buffer(np.zeros((4, 4)).T)
+
+
+def test_cma_address_is_the_first_byte_for_every_kind_of_array():
+    from paratrain.comm.algorithms import cma
+    a = np.arange(10, dtype=np.int64)
+    ro = np.arange(4.0)
+    ro.flags.writeable = False
+    for x in (a, a[3:], a[3:3], ro, np.zeros(0)):   # empty and read-only ones fall back to ctypes
+        assert cma.address(x) == x.ctypes.data
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8])
 def test_combine_matches_torch(dtype):
     a = (torch.arange(50) % 7 + 1).to(dtype)
