@@ -107,14 +107,24 @@ def test_as_buffer_fast_paths_agree_with_the_checked_ones():
         ops.as_buffer(np.zeros((4, 4)).T)
 
 
-def test_cma_address_is_the_first_byte_for_every_kind_of_array():
-    from paratrain.comm.algorithms import cma
+def test_address_is_the_first_byte_for_every_kind_of_array():
     a = np.arange(10, dtype=np.int64)
     ro = np.arange(4.0)
     ro.flags.writeable = False
     for x in (a, a[3:], a[3:3], ro, np.zeros(0)):   # empty and read-only ones fall back to ctypes
-        assert cma.address(x) == x.ctypes.data
+        assert ops.address(x) == x.ctypes.data
 
+
+
+def test_span_joins_pieces_only_when_they_lie_end_to_end():
+    flat = np.arange(12, dtype=np.float32)
+    whole = ops.span([flat[0:4], flat[4:8], flat[8:12]])
+    whole[5] = -1   # a view of the caller's memory, covering exactly the pieces
+    assert whole.size == 12 and flat[5] == -1
+    assert ops.span([flat[0:4], flat[5:9]]) is None             # a gap
+    assert ops.span([flat[4:8], flat[0:4]]) is None             # out of order
+    assert ops.span([np.zeros(3), np.zeros(3)]) is None         # two allocations
+    assert ops.span([flat[0:0], flat[0:0]]).size == 0
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8])
 def test_combine_matches_torch(dtype):

@@ -43,7 +43,7 @@ from . import ops
 from .algorithms import split_bounds
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
-from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _span, _spin_seconds, _unpack
+from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _spin_seconds, _unpack
 
 MAX_DRAIN_BYTES = 64 << 20  # a wrongly sized message up to this size is received and dropped
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
@@ -280,7 +280,7 @@ class MpiGroup(ProcessGroup):
     def _landing(self, pieces, like):
         """Where MPI writes pieces that travel as one buffer: the pieces themselves if they lie
         end to end (views of one tensor), else a scratch buffer copied out with _unpack."""
-        span = _span(pieces)
+        span = ops.span(pieces)
         return np.empty(sum(p.size for p in pieces), like.dtype) if span is None else span, span
 
     def _all_gather_into(self, out, buf, code):

@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from . import ops
+
 SPIN_TESTS = 32          # Test() calls at once: a small message is often there by then
 SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (_spin_seconds) ...
 SLEEP_FIRST = 20e-6      # ... then sleep, doubling from 20 us ...
@@ -33,32 +35,13 @@ def _datatype(MPI, code):
             5: MPI.INT32_T, 6: MPI.INT64_T, 7: MPI.UINT8_T}[code]
 
 
-def _addr(a):
-    return a.__array_interface__["data"][0]
-
-
-def _span(pieces):
-    """One flat view over pieces lying end to end in memory (views of one tensor, as
-    all_gather_into_tensor passes), so MPI can write them in one call; else None."""
-    first, total = pieces[0], sum(p.size for p in pieces)
-    if total == 0:
-        return np.empty(0, first.dtype)
-    at = _addr(first)
-    for p in pieces:
-        if _addr(p) != at:
-            return None
-        at += p.nbytes
-    # The view covers exactly the pieces' bytes, so writing it writes only them.
-    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
-
-
 def _same(a, b):
-    return a.size == b.size and _addr(a) == _addr(b)
+    return a.size == b.size and ops.address(a) == ops.address(b)
 
 
 def _sending(pieces):
     """The pieces as one buffer MPI can read: themselves if they lie end to end, else a copy."""
-    span = _span(pieces)
+    span = ops.span(pieces)
     return np.concatenate(pieces) if span is None else span
 
 

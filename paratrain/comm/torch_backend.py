@@ -35,21 +35,6 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
               "prod": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
 
 
-def _back_to_back(pieces):
-    """One flat view over ``pieces`` if each starts where the one before ends (the
-    pieces of one tensor the caller passed whole), else None."""
-    if not pieces or any(p.size == 0 for p in pieces):
-        return None
-    start = pieces[0].__array_interface__["data"][0]
-    at = start
-    for p in pieces:
-        if p.__array_interface__["data"][0] != at or p.dtype != pieces[0].dtype:
-            return None
-        at += p.nbytes
-    return np.lib.stride_tricks.as_strided(pieces[0], shape=((at - start) // pieces[0].itemsize,),
-                                           strides=(pieces[0].itemsize,))
-
-
 class TorchGroup(ProcessGroup):
     backend = "torch"
     native_algorithms = ("native",)
@@ -138,14 +123,14 @@ class TorchGroup(ProcessGroup):
             self._avg(buf, code, op)
 
     def _all_gather_into(self, out, buf, code):
-        flat = _back_to_back(out)
+        flat = ops.span(out) if buf.size else None   # empty: the list form
         if flat is not None:
             _ALL_GATHER_SINGLE(ops.torch_view(flat, code), ops.torch_view(buf, code), group=self.pg)
         else:
             dist.all_gather([ops.torch_view(o, code) for o in out], ops.torch_view(buf, code), group=self.pg)
 
     def _reduce_scatter(self, out, inp, code, op):
-        flat = _back_to_back(inp)
+        flat = ops.span(inp)
         if flat is None:   # the list form, which Gloo lacks: one buffer for the single form
             flat = np.concatenate(inp)
         _REDUCE_SCATTER_SINGLE(ops.torch_view(out, code), ops.torch_view(flat, code), _TORCH_OPS[op],

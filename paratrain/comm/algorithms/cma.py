@@ -77,26 +77,11 @@ def _libc_call():
 _readv = _libc_call()
 
 
-_char_at, _address_of = ctypes.c_char.from_buffer, ctypes.addressof
-
-
-def address(a):
-    """Where a contiguous array's first byte is. Through the buffer protocol in C:
-    with the caches cold, as every large collective starts, it costs 18 us against
-    38 for ``a.ctypes.data`` (which builds a Python helper object) and 27 for
-    ``__array_interface__`` (a dict); hot, 0.6 against 1.9 and 2.1 us.
-    The buffer protocol refuses read-only and empty arrays: those take ctypes.data."""
-    try:
-        return _address_of(_char_at(a))
-    except (TypeError, ValueError):
-        return a.ctypes.data
-
-
 def read(pid, dst, remote_address, rank=None):
     """Copy dst.nbytes bytes from ``remote_address`` in process ``pid`` into the
     contiguous array ``dst``. The kernel may copy less than asked (a partial read
     at a page it could not fault in), so it loops; an error names the peer."""
-    nbytes, done, base = dst.nbytes, 0, address(dst)
+    nbytes, done, base = dst.nbytes, 0, ops.address(dst)
     while done < nbytes:
         local = _IOVec(base + done, nbytes - done)
         remote = _IOVec(remote_address + done, nbytes - done)
@@ -121,7 +106,7 @@ def usable(G):
     willing = _readv is not None and os.environ.get("PARATRAIN_CMA", "1") != "0"
     probe = np.array([_PROBE], dtype=np.int64)
     slots = G._next_words()
-    slots[me][0] = address(probe) if willing else 0
+    slots[me][0] = ops.address(probe) if willing else 0
     G._sync()
     mine = willing
     got = np.zeros(1, dtype=np.int64)
@@ -150,12 +135,12 @@ def all_gather(G, out, buf):
     0.4-6.4% slower in five paired runs at 16 MiB, 2 ranks."""
     P, me = G.world_size, G.rank
     views = G._next_words()
-    views[me][0] = address(buf)
+    views[me][0] = ops.address(buf)
     views[me][1] = buf.nbytes
     G._sync()
     for q in range(P):
         if q == me:
-            if address(out[me]) != address(buf):
+            if ops.address(out[me]) != ops.address(buf):
                 ops.copy_uncached(out[me], buf)
             continue
         if int(views[q][1]) != out[q].nbytes:   # the descriptor check makes this unreachable
@@ -197,7 +182,7 @@ def all_reduce(G, buf, code, op):
     """
     P, me = G.world_size, G.rank
     addresses = G._next_words()
-    addresses[me][0] = address(buf)
+    addresses[me][0] = ops.address(buf)
     rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
     R = len(rounds)
     acc = None if P == 2 else scratch(buf, G.slot_bytes // buf.itemsize)

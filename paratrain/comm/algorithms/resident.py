@@ -84,7 +84,7 @@ def all_gather(G, region, offset, out, buf):
     G._sync()
     for q in range(P):
         if q == me:
-            if out[me].__array_interface__["data"][0] != buf.__array_interface__["data"][0]:
+            if ops.address(out[me]) != ops.address(buf):
                 ops.copy(out[me], buf)
         else:
             ops.copy(out[q], views[q])
@@ -114,7 +114,7 @@ def reduce_scatter(G, region, offset, out, inp, code, op):
 
 
 def _overlaps(out, pieces):
-    lo = pieces[0].__array_interface__["data"][0]
+    lo = ops.address(pieces[0])
     hi = lo + sum(p.nbytes for p in pieces)
-    a = out.__array_interface__["data"][0]
+    a = ops.address(out)
     return a < hi and lo < a + out.nbytes

@@ -82,15 +82,15 @@ class SharedBuffers:
         if not self._regions:
             return None
         if isinstance(buf, list):
-            addr = _address(buf[0])
+            addr = ops.address(buf[0])
             nbytes = sum(p.nbytes for p in buf)
             at = addr
             for p in buf:
-                if _address(p) != at:
+                if ops.address(p) != at:
                     return None
                 at += p.nbytes
         else:
-            addr, nbytes = _address(buf), buf.nbytes
+            addr, nbytes = ops.address(buf), buf.nbytes
         at = bisect.bisect(self._starts, addr) - 1  # the last part starting at or before addr
         if at >= 0:
             region = self._by_address[at]
@@ -115,6 +115,3 @@ class SharedBuffers:
             return None
         return self._regions[(placement >> 40) - 1], placement & ((1 << 40) - 1)
 
-
-def _address(a):
-    return a.__array_interface__["data"][0]
