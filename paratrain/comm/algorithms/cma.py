@@ -22,10 +22,12 @@ all_gather over CMA:
 
 against 2 alpha_barrier per slot round + (P + 1) m beta_mem for direct.all_gather.
 Open MPI moves the same bytes with the same calls (one process_vm_readv per
-peer, one memcpy), so what separates the two is the fixed cost: here ~100 us
-per 16 MiB call, most of it the Python before the first byte moves, which
-runs with the caches just flushed by the previous call's copies (7 us hot,
-51-73 us then). The README has the measured breakdown.
+peer, one copy), so what separates the two is the fixed cost: the Python
+before the first byte moves, which runs with the caches just flushed by the
+previous call's copies (7 us hot, 51-73 us then, before ops.as_buffer and
+ops.address were thinned). At 16 MiB, 2 ranks: 0.96-1.02x Open MPI without
+Gloo in the benchmark run, 1.05-1.15x with it. The README has the measured
+breakdown.
 
 CMA needs the kernel's permission to read a peer (the ptrace access check:
 same user, and Yama's ptrace_scope 0, or a seccomp profile that allows the
