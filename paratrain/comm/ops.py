@@ -128,8 +128,8 @@ def as_buffer(tensor, what="tensor"):
     a torch tensor's checks folded into one ``.numpy()`` (which refuses GPU,
     grad-requiring and bfloat16 tensors; those take the full path, which says
     what was wrong), the flags object built once, a 1-D array returned as it is
-    rather than reshaped. Cold: numpy 28 -> 15 us, torch 50 -> 25 us; a 16 MiB
-    all_gather ~3% faster, paired.
+    rather than reshaped. Cold: numpy 26 -> 14 us, torch 50 -> 28 us; with
+    address() below, a 16 MiB all_gather 1.3-3.3% faster, paired.
     """
     if type(tensor) is np.ndarray:
         return _numpy_buffer(tensor, what)
@@ -197,12 +197,19 @@ def span(pieces):
     first, total = pieces[0], sum(p.size for p in pieces)
     if total == 0:
         return np.empty(0, first.dtype)
-    at = address(first)
+    if not end_to_end(pieces):
+        return None
+    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
+
+
+def end_to_end(pieces):
+    """Does each piece start where the one before it ends?"""
+    at = address(pieces[0])
     for p in pieces:
         if address(p) != at:
-            return None
+            return False
         at += p.nbytes
-    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
+    return True
 
 
 def supported_dtypes():

@@ -82,13 +82,9 @@ class SharedBuffers:
         if not self._regions:
             return None
         if isinstance(buf, list):
-            addr = ops.address(buf[0])
-            nbytes = sum(p.nbytes for p in buf)
-            at = addr
-            for p in buf:
-                if ops.address(p) != at:
-                    return None
-                at += p.nbytes
+            if not ops.end_to_end(buf):
+                return None
+            addr, nbytes = ops.address(buf[0]), sum(p.nbytes for p in buf)
         else:
             addr, nbytes = ops.address(buf), buf.nbytes
         at = bisect.bisect(self._starts, addr) - 1  # the last part starting at or before addr
