@@ -6,7 +6,7 @@
    (paratrain.comm.ops.copy).
 2. One-shot copies of 1 to 32 MiB between private buffers that are not in cache
    (a 64 MiB copy elsewhere runs before each), as cma.all_gather copies its own
-   input (paratrain.comm.ops.copy_uncached), and the same with both in cache.
+   input (paratrain.comm.ops.copy_vectorised), and the same with both in cache.
 
 Both in the same run, alternated; prints GB/s and the ratio. Writes
 benchmarks/results/memcpy.json.

@@ -90,15 +90,16 @@ def copy(dst, src):
     cores the other ranks need.
     """
     if COPY_UFUNC_MIN <= dst.nbytes < COPY_UFUNC_MAX:
-        np.positive(src.view(np.uint8), out=dst.view(np.uint8))
+        copy_vectorised(dst, src)
     else:
         dst[...] = src
 
 
-def copy_uncached(dst, src):
-    """dst[...] = src for a one-shot copy of buffers too large to still be in cache
-    (cma.all_gather's own piece of a multi-MiB input): numpy's vectorised loop, not
-    memcpy. glibc's memcpy takes ``rep movsb`` there, which on the AMD EPYC
+def copy_vectorised(dst, src):
+    """dst[...] = src with numpy's vectorised ``positive`` loop over the bytes, not
+    memcpy: for copy()'s mid-size chunks (above), and for a one-shot copy of buffers
+    too large to still be in cache (cma.all_gather's own piece of a multi-MiB
+    input). glibc's memcpy takes ``rep movsb`` for the latter too, which on the AMD EPYC
     machines we run on copies out of memory slower than plain vector loads and
     stores: 8 MiB 11.4 against 13.9 GB/s, 32 MiB 11.7 against 13.8, while at 1 MiB
     or with both buffers in cache the two tie (benchmarks/memcpy.py). In
