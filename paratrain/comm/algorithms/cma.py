@@ -136,13 +136,13 @@ def all_gather(G, out, buf):
     input first, then the peers (Open MPI's order, and ours before), measured
     0.4-6.4% slower in five paired runs at 16 MiB, 2 ranks."""
     P, me = G.world_size, G.rank
-    views = G._next_words()
-    views[me][0] = ops.address(buf)
+    views, mine = G._next_words(), ops.address(buf)
+    views[me][0] = mine
     views[me][1] = buf.nbytes
     G._sync()
     for q in range(P):
         if q == me:
-            if ops.address(out[me]) != ops.address(buf):
+            if ops.address(out[me]) != mine:
                 ops.copy_vectorised(out[me], buf)
             continue
         if int(views[q][1]) != out[q].nbytes:   # the descriptor check makes this unreachable
