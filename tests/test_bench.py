@@ -11,6 +11,7 @@ import pytest
 
 from paratrain.bench.cases import COLLECTIVES
 from paratrain.bench.collectives import main
+from paratrain.bench.report import median_interval, ratios
 
 
 @pytest.mark.timeout(180)
@@ -38,6 +39,9 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
                 assert r["median_us"] > 0 and r["algbw_GBps"] > 0 and r["busbw_GBps"] > 0
     assert {(r["collective"], r["bytes"]) for r in data["ratios"]} == {(c, s) for c in COLLECTIVES
                                                                           for s in (4096, 65536)}
+    for r in data["ratios"]:
+        m, lo, hi = r["paired_busbw_paratrain_over_gloo"]
+        assert lo <= m <= hi
     png = tmp_path / "collectives.png"
     assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -58,3 +62,38 @@ def test_quick_benchmark_with_shared_buffers_extra_algorithms_and_the_hierarchic
     for r in data["results"]:
         assert r["verified"] and r["median_us"] > 0, r
     assert {r["collective"] for r in data["results"] if r["engine"] == "paratrain/ring"} == {"all_reduce"}
+
+
+@pytest.mark.parametrize("n, ranks", [(6, (1, 6)), (10, (2, 9)), (20, (6, 15)), (100, (40, 61))])
+def test_median_interval_takes_the_order_statistics_of_the_binomial_tables(n, ranks):
+    """The 95% interval for a median from n samples is [x_(k), x_(n+1-k)]; the ranks
+    are those of the published tables (Conover, Practical Nonparametric Statistics,
+    table A3; n=100 also by the normal approximation n/2 -+ 1.96 sqrt(n)/2)."""
+    xs = [10.0 * i for i in range(n, 0, -1)]   # unsorted on purpose
+    m, lo, hi = median_interval(xs)
+    assert (lo, hi) == (10.0 * ranks[0], 10.0 * ranks[1])
+    assert m == 10.0 * (n + 1) / 2
+
+
+def test_median_interval_with_too_few_samples_is_the_whole_range():
+    # n = 5: even [x_(1), x_(5)] covers the median with only 1 - 2/32 = 93.75%
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, 1.0, 5.0)
+
+
+def test_paired_ratio_pairs_rounds_so_drift_cancels():
+    """Times that drift 3x over the run, paratrain 10% faster in 40 rounds and
+    stalled in 10: the ratio of the medians mixes the drift with the stalls (the
+    two medians come from different rounds), the round-by-round ratio is 1.1 in
+    the bulk, with the stalls below its interval. Sorting each engine's samples
+    before pairing them would misalign the rounds and miss 1.1."""
+    drift = [1.0 + 2.0 * (i % 7) / 6 for i in range(50)]
+    pt = [100.0 * d for d in drift]
+    for i in range(0, 50, 5):
+        pt[i] = 1000.0   # rounds where paratrain alone stalled
+    mpi = [110.0 * d for d in drift]
+    rows = [dict(collective="all_gather", bytes=1 << 24, engine=e, verified=True, samples_us=s,
+                 median_us=sorted(s)[25], busbw_GBps=1e4 / sorted(s)[25]) for e, s in (("paratrain", pt), ("mpi", mpi))]
+    (row,) = ratios(rows)
+    assert row["busbw_paratrain_over_mpi"] != pytest.approx(1.1, rel=0.01)
+    m, lo, hi = row["paired_busbw_paratrain_over_mpi"]
+    assert m == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)

@@ -11,8 +11,15 @@ busbw is comparable across collectives and world sizes: it is the rate at
 which the busiest link (here: memory, or loopback TCP for Gloo) moves data.
 The ratios are paratrain's busbw over the other engine's (above 1: paratrain
 is faster); for a given size that equals the inverse ratio of times.
+
+Beside the ratio of the medians, each ratio is also taken round by round: the
+engines' turns in one round are adjacent in time, so the per-round ratio
+cancels the drift of a shared machine (a 16 MiB all_gather's median moved
+from 1.2 to 1.9 ms within an hour here) that the two medians each carry. Its
+median comes with a 95% interval, so "at parity" and "ahead" can be told apart.
 """
 import json
+from math import comb
 from statistics import median
 
 from rich.console import Console
@@ -22,7 +29,8 @@ HEADER = ("bytes = the whole buffer: all_reduce/broadcast buffer, all_gather out
           "(world_size x per rank), as nccl-tests. time = median over rounds of the slowest rank's time "
           "per call (up to 1 MiB a round times 10 back-to-back calls, as nccl-tests loops; above, one); "
           "busbw = bytes/time x 2(P-1)/P (all_reduce), (P-1)/P (all_gather, reduce_scatter), 1 (broadcast). "
-          "GB/s = 1e9 B/s. Engines interleaved round by round in one run")
+          "GB/s = 1e9 B/s. Engines interleaved round by round in one run. Under each ratio: the 95% interval "
+          "of its median taken round by round (the engines' turns in one round are adjacent in time)")
 REFERENCE = "paratrain"
 LABELS = {"paratrain": "paratrain shm", "paratrain-hier": "pt hier 2 hosts", "gloo": "Gloo", "mpi": "Open MPI"}
 
@@ -75,8 +83,37 @@ def engine_order(results):
     return sorted(names, key=lambda n: (rank.get(n, 1), names.index(n)))
 
 
+def median_interval(xs, confidence=0.95):
+    """(median, low, high): the sample median and a distribution-free interval for the
+    population median from order statistics. The number of samples below the median
+    is Binomial(n, 1/2), so [x_(k), x_(n+1-k)] (1-based) holds the median with
+    probability 1 - 2 P(Binom(n, 1/2) < k); k is the largest rank that keeps that at
+    least ``confidence`` (Conover, Practical Nonparametric Statistics, sec. 3.2).
+    Too few samples for any such k: the whole range."""
+    x = sorted(xs)
+    n = len(x)
+    tail, below, k = (1 - confidence) / 2, 0, 0
+    while k < n // 2:
+        below += comb(n, k)   # P(Binom < k + 1) * 2**n
+        if below > tail * 2 ** n:
+            break
+        k += 1
+    return median(x), x[max(k, 1) - 1], x[n - max(k, 1)]
+
+
+def paired_ratio(ref, other):
+    """paratrain busbw / other busbw round by round (other's time / paratrain's in the
+    same round): (median, low, high) as median_interval; None unless both engines
+    have one sample per round of the same rounds."""
+    a, b = ref["samples_us"], other["samples_us"]
+    if len(a) != len(b) or not a or ref.get("run", "main") != other.get("run", "main"):
+        return None
+    return median_interval([y / x for x, y in zip(a, b) if x > 0])
+
+
 def ratios(results):
-    """paratrain busbw / other busbw per (collective, size), and 4 KiB-ish latency ratios."""
+    """paratrain busbw / other busbw per (collective, size), as the ratio of the medians and
+    round by round (``paired_*``: median, 95% low, high), and 4 KiB-ish latency ratios."""
     by = {(r["collective"], r["bytes"], r["engine"]): r for r in results}
     out = []
     for (c, b, e), ref in by.items():
@@ -88,6 +125,9 @@ def ratios(results):
             if o and ref["verified"] and o["verified"]:
                 row[f"busbw_paratrain_over_{other}"] = ref["busbw_GBps"] / o["busbw_GBps"]
                 row[f"time_paratrain_over_{other}"] = ref["median_us"] / o["median_us"]
+                paired = paired_ratio(ref, o)
+                if paired is not None:
+                    row[f"paired_busbw_paratrain_over_{other}"] = list(paired)
         out.append(row)
     return out
 
@@ -98,6 +138,15 @@ def _fmt_us(us):
 
 def _fmt_ratio(x):
     return "-" if x is None else f"{x:.2f}x"
+
+
+def _fmt_paired(row, other):
+    """The ratio of medians, and under it the per-round ratio's 95% interval."""
+    cell = _fmt_ratio(row.get(f"busbw_paratrain_over_{other}"))
+    paired = row.get(f"paired_busbw_paratrain_over_{other}")
+    if paired is not None:
+        cell += f"\n[dim]{paired[1]:.2f}-{paired[2]:.2f}[/dim]"
+    return cell
 
 
 def table(results, P, cpus):
@@ -131,7 +180,7 @@ def table(results, P, cpus):
                 mark = "*" if r["note"] else ""
                 cells += [_fmt_us(r["median_us"]) + mark, f"{r['busbw_GBps']:.3f}{mark}"]
         for o in others:
-            cells.append(_fmt_ratio(rat.get((c, b), {}).get(f"busbw_paratrain_over_{o}")))
+            cells.append(_fmt_paired(rat.get((c, b), {}), o))
         t.add_row(*cells)
     return t
 
