@@ -126,6 +126,17 @@ def test_span_joins_pieces_only_when_they_lie_end_to_end():
     assert ops.span([np.zeros(3), np.zeros(3)]) is None         # two allocations
     assert ops.span([flat[0:0], flat[0:0]]).size == 0
 
+
+def test_overlaps_finds_a_shared_byte_with_any_piece_and_only_then():
+    flat = np.arange(12, dtype=np.float32)
+    pieces = [flat[0:4], flat[4:8], flat[8:12]]
+    assert ops.overlaps(flat[8:12], pieces)          # in place: the output is piece 2
+    assert ops.overlaps(flat[7:9], pieces)           # straddles two pieces
+    assert ops.overlaps(flat[3:4], [flat[0:4]])      # the last byte range of a piece
+    assert not ops.overlaps(flat[4:8], [flat[0:4], flat[8:12]])   # touching, not sharing
+    assert not ops.overlaps(np.zeros(4, np.float32), pieces)
+    assert not ops.overlaps(flat[4:4], pieces)       # empty shares nothing
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8])
 def test_combine_matches_torch(dtype):
     a = (torch.arange(50) % 7 + 1).to(dtype)

@@ -213,7 +213,7 @@ class ProcessGroup:
         world_size x tensor.numel() elements (torch's all_gather_into_tensor)."""
         buf, code = ops.as_buffer(tensor, "all_gather input")
         out = self._gathered(output, buf, code, "all_gather output")
-        desc = self._descriptor("all_gather", code, None, buf.size, extra=self._placement(buf))
+        desc = self._descriptor("all_gather", code, None, buf.size, extra=self._gather_placement(out, buf))
         return self._run("coll", lambda: self._checked(desc, self._all_gather_into, out, buf, code),
                          async_op, "all_gather")
 
@@ -303,6 +303,11 @@ class ProcessGroup:
         """Where a buffer (or a list of pieces) lives, as a number the descriptor check
         compares across ranks (0: private memory; a backend with shared buffers says which)."""
         return 0
+
+    def _gather_placement(self, out, buf):
+        """The placement an all_gather describes: its input's (a backend whose shared
+        buffers cannot serve an in-place call in place says otherwise)."""
+        return self._placement(buf)
 
     # ---- argument helpers ---------------------------------------------------------
 

@@ -213,5 +213,19 @@ def end_to_end(pieces):
     return True
 
 
+def overlaps(a, pieces):
+    """Does array ``a`` share any byte with any of ``pieces``? An in-place
+    reduce_scatter passes its output as a view of its own input piece (as ZeRO and
+    FSDP do with NCCL), and a reduction writing there before it has read the
+    piece would count it twice."""
+    lo = address(a)
+    hi = lo + a.nbytes
+    for p in pieces:
+        at = address(p)
+        if at < hi and lo < at + p.nbytes:
+            return True
+    return False
+
+
 def supported_dtypes():
     return ", ".join(str(t).replace("torch.", "") for _, t, _ in _DTYPES)

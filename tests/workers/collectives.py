@@ -84,7 +84,10 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
                 out = torch.empty(n, dtype=dt)   # the list form: pieces in separate tensors
                 g.reduce_scatter(arg(out), arg([pieces[me][q * n:(q + 1) * n].clone() for q in range(P)]), op=op)
                 check(out, want, f"reduce_scatter(list) {dname} n={n} op={op}")
-                count += 3
+                inp = pieces[me].clone()   # in place: the output is this rank's own piece (ZeRO, FSDP)
+                g.reduce_scatter(arg(inp[me * n:(me + 1) * n]), arg(inp), op=op)
+                check(inp[me * n:(me + 1) * n], want, f"reduce_scatter in place {dname} n={n} op={op}")
+                count += 4
             src = (n + 1) % P
             t = ins[me].clone()
             g.broadcast(arg(t), src=src)
@@ -95,6 +98,10 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
             outs = [torch.empty(n, dtype=dt) for _ in range(P)]
             g.all_gather(arg(outs), arg(ins[me]))
             check(torch.cat(outs), torch.cat(ins), f"all_gather(list) {dname} n={n}")
+            out = torch.full((P * n,), 7, dtype=dt)   # in place: the input is this rank's piece of the output
+            out[me * n:(me + 1) * n] = ins[me]
+            g.all_gather(arg(out), arg(out[me * n:(me + 1) * n]))
+            check(out, torch.cat(ins), f"all_gather in place {dname} n={n}")
             dst = n % P
             gl = [torch.empty(n, dtype=dt) for _ in range(P)] if me == dst else None
             g.gather(arg(ins[me]), arg(gl), dst=dst)
@@ -109,7 +116,7 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
             recv = torch.empty(P * n, dtype=dt)
             g.all_to_all(arg(recv), arg(send))
             check(recv, torch.cat([make(q * P + me, n, dt, salt=3) for q in range(P)]), f"all_to_all {dname} n={n}")
-            count += 7
+            count += 8
     # algorithms compared with each other on the same inputs: the direct and naive ones
     # reduce in rank order, so they agree bit for bit; the others to rounding
     if len(algorithms) > 1:

@@ -2,7 +2,8 @@
 
 On shm these live in shared memory and take the zero-copy (resident) path; on
 other backends they are ordinary tensors and the same checks must hold. Slices
-at an offset, zero and odd lengths, several dtypes and ops, async; on shm, a
+at an offset, zero and odd lengths, several dtypes and ops, async, all_gather
+and reduce_scatter in place; on shm, a
 rank passing a private tensor where the others pass a shared one is a
 MismatchError, not a hang or a wrong sum.
 """
@@ -60,6 +61,16 @@ def main():
         want = torch.stack(ins).amax(0)[me * n:(me + 1) * n] if n else torch.zeros(0)
         if not torch.equal(whole[me * n:(me + 1) * n], want):
             raise AssertionError(f"in-place reduce_scatter of a shared input, n={n}")
+        whole.copy_(ins[me])   # and a sum, which (unlike max) would show a piece counted twice
+        g.reduce_scatter(whole[me * n:(me + 1) * n], whole, op="sum")
+        want = torch.stack(ins).double().sum(0)[me * n:(me + 1) * n]
+        if not torch.allclose(whole[me * n:(me + 1) * n].double(), want, rtol=1e-6):
+            raise AssertionError(f"in-place reduce_scatter (sum) of a shared input, n={n}")
+        whole.fill_(-1.0)   # all_gather in place: the input is this rank's piece of the output (ZeRO)
+        whole[me * n:(me + 1) * n] = ins[me][:n]
+        g.all_gather(whole, whole[me * n:(me + 1) * n])
+        if not torch.equal(whole, torch.cat([x[:n] for x in ins])):
+            raise AssertionError(f"in-place all_gather in a shared buffer, n={n}: got {whole[:4].tolist()}")
     if g.backend == "shm" and P > 1:
         x = g.empty_shared(1 << 18)
         try:

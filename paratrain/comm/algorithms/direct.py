@@ -37,7 +37,7 @@ it wins up to about 512 KiB (interleaved A/B here: 64 KiB 33 vs 55 us,
 the limit is SMALL_BYTES / (P-1).
 """
 from .. import ops
-from . import split_bounds
+from . import scratch, split_bounds
 
 SMALL_BYTES = 512 * 1024
 
@@ -212,7 +212,21 @@ def reduce_scatter(G, out, inp, code, op):
     """Each rank writes the pieces others own, then reduces its own piece reading
     all slots in rank order: (P-1)/P of the input copied in, one barrier per round.
     With m the bytes of one output piece and R = P m / slot_bytes rounds:
-    R alpha_barrier + (P-1) m beta_memcpy + P m beta_reduce."""
+    R alpha_barrier + (P-1) m beta_memcpy + P m beta_reduce.
+
+    In place (``out`` a view of this rank's own input piece, as ZeRO and FSDP
+    call it), the rank-order reduction would overwrite piece ``me`` before it
+    reads it whenever me >= 2; it goes through a scratch output instead, copied
+    over ``out`` once every round has read the input: + m beta_memcpy."""
+    if ops.overlaps(out, inp):
+        tmp = scratch(out)
+        _reduce_scatter(G, tmp, inp, code, op)
+        ops.copy(out, tmp)
+    else:
+        _reduce_scatter(G, out, inp, code, op)
+
+
+def _reduce_scatter(G, out, inp, code, op):
     P, me, dt = G.world_size, G.rank, out.dtype
     per = G.slot_bytes // out.itemsize // P
     for lo, hi in _rounds(out.size, per):

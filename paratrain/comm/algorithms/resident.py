@@ -103,7 +103,7 @@ def reduce_scatter(G, region, offset, out, inp, code, op):
     views = region.views(offset, n * P, out.dtype)
     parts = [views[q][me * n:(me + 1) * n] for q in range(P)]
     G._sync()
-    if _overlaps(out, inp):
+    if ops.overlaps(out, inp):
         tmp = scratch(out)
         _reduce_parts(tmp, parts, op, code, P)
         G._sync()
@@ -112,9 +112,3 @@ def reduce_scatter(G, region, offset, out, inp, code, op):
     _reduce_parts(out, parts, op, code, P)
     G._sync()
 
-
-def _overlaps(out, pieces):
-    lo = ops.address(pieces[0])
-    hi = lo + sum(p.nbytes for p in pieces)
-    a = ops.address(out)
-    return a < hi and lo < a + out.nbytes

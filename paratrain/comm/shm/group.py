@@ -343,6 +343,17 @@ class ShmGroup(ProcessGroup):
     def _placement(self, buf):
         return self._shared.placement(buf)
 
+    def _gather_placement(self, out, buf):
+        """An all_gather in place (the input is this rank's own piece of the output, as
+        ZeRO gathers its shards) puts each rank's input at a different offset of its
+        part of a shared allocation, while resident.all_gather reads every peer's input
+        at the offset of its own. Such a call is described, on every rank alike, as
+        private, and takes the private path (cma or direct), which handles it in place."""
+        placement = self._shared.placement(buf)
+        if placement and ops.address(out[self.rank]) == ops.address(buf):
+            return 0
+        return placement
+
     def _resident(self):
         """Where the current collective's buffer lives in shared memory, from its
         descriptor (every rank's agrees, or the first barrier raises); None: private."""
