@@ -18,7 +18,7 @@ import numpy as np
 
 from . import ops
 from .algorithms import naive, ring, tree
-from .errors import MismatchError
+from .errors import CommError, MismatchError
 from .work import Lanes
 
 DEFAULT_TIMEOUT = 300.0
@@ -88,6 +88,7 @@ class ProcessGroup:
         self._seq = 0
         self._debug = debug_checks()
         self._env_algo = os.environ.get("PARATRAIN_ALGO") or None
+        self._destroyed = False
 
     def __repr__(self):
         return f"<{type(self).__name__} rank {self.rank}/{self.world_size} backend={self.backend}>"
@@ -101,6 +102,9 @@ class ProcessGroup:
     # ---- running blocking or async ------------------------------------------------
 
     def _run(self, lane, fn, async_op, what):
+        if self._destroyed:
+            raise CommError(f"{what} on {self!r}, which was destroyed (pt.destroy() or group.destroy()): "
+                            "its peers may be gone; call pt.init() again and use the group it returns")
         if async_op:
             return self._lanes.submit(lane, fn, what)
         self._lanes.drain(lane)
@@ -394,4 +398,7 @@ class ProcessGroup:
         naive.all_to_all(self, out, inp, code)
 
     def destroy(self):
+        """Release the group's threads; any later call on it raises instead of talking
+        to peers that may have left (as torch.distributed refuses a destroyed group)."""
+        self._destroyed = True
         self._lanes.shutdown()

@@ -33,6 +33,7 @@ class _State:
     procs = None  # (host, pid) of every global rank, for telling a dead peer (liveness.py)
     backend = None
     group_count = 0
+    groups = ()  # the sub-groups new_group made, destroyed with the world
     torch_initialized = False
 
 
@@ -208,15 +209,25 @@ def new_group(ranks, backend=None):
     backend = backend or _S.backend
     if backend == "mpi":
         from .mpi_backend import mpi_new_group
-        return mpi_new_group(w, ranks)
+        return _remember(mpi_new_group(w, ranks))
     if backend == "hierarchical" and len({_S.hosts[r] for r in ranks}) == 1:
         backend = "shm"
-    return _make_group(ranks, _S.env.rank, backend, w.timeout)
+    return _remember(_make_group(ranks, _S.env.rank, backend, w.timeout))
+
+
+def _remember(group):
+    if group is not None:
+        _S.groups += (group,)
+    return group
 
 
 def destroy():
-    """Leave the job: release segments and threads (segments are gone at exit anyway)."""
+    """Leave the job: release threads, and mark the world and every sub-group destroyed,
+    so a later call on one of them raises (segments are unlinked already, and go
+    with the process)."""
     global _S
+    for g in _S.groups:
+        g.destroy()
     if _S.world is not None:
         _S.world.destroy()
     if _S.torch_initialized:
