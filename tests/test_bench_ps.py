@@ -2,7 +2,8 @@
 read back into its tables, JSON and plot. A smoke test of the plumbing with
 --quick (few steps), never of speed or loss: nothing here asserts a ratio.
 Table 2 (recsys) is left out to save a minute: it goes through the same
-``train`` and JSON code as the other two."""
+``train`` and JSON code as the other two; so is table 3's second slowdown
+(its flags reach ``train`` the same way; test_train_ps runs the straggler)."""
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from paratrain.bench.parameter_server import QUICK_MODES, SLOWDOWNS, main
 
 
 @pytest.mark.timeout(240)
-def test_quick_parameter_server_benchmark_writes_every_table(tmp_path):
+def test_quick_parameter_server_benchmark_writes_every_table(tmp_path, monkeypatch):
+    from paratrain.bench import parameter_server as bench
+    monkeypatch.setattr(bench, "SLOWDOWNS", SLOWDOWNS[:1])   # one slowdown: 2 of table 3's 4 runs, ~25 s
     assert main(["--quick", "--tables", "1,3", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "parameter_server_quick.json").read_text())
     dense = {r["config"]: r for r in data["dense"]}
@@ -20,7 +23,7 @@ def test_quick_parameter_server_benchmark_writes_every_table(tmp_path):
     assert all(r["samples_per_s"] > 0 for r in dense.values())
     assert "sparse" not in data
     rows = data["consistency"]
-    assert {(r["slowdown"], r["mode"]) for r in rows} == {(s, m) for s, _ in SLOWDOWNS for m in QUICK_MODES}
+    assert {(r["slowdown"], r["mode"]) for r in rows} == {(s, m) for s, _ in SLOWDOWNS[:1] for m in QUICK_MODES}
     for r in rows:
         assert r["final_eval_loss"] > 0 and len(r["shares"]) == 3 and abs(sum(r["shares"]) - 1) < 0.02, r
         if r["mode"] == "bsp":
