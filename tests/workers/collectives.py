@@ -142,6 +142,14 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
     g.all_to_all(recv, send)
     for q in range(P):
         check(recv[q], torch.full((me + 1,), float(q * 10 + me)), "uneven all_to_all")
+    # in place, as torch and MPI allow: the same tensors as input and output
+    both = [torch.full((3,), float(me * 10 + j)) for j in range(P)]
+    g.all_to_all(both, both)
+    for q in range(P):
+        check(both[q], torch.full((3,), float(q * 10 + me)), "all_to_all(list) in place")
+    both = torch.cat([torch.full((5,), float(me * 10 + j)) for j in range(P)])
+    g.all_to_all(both, both)
+    check(both, torch.cat([torch.full((5,), float(q * 10 + me)) for q in range(P)]), "all_to_all in place")
     # point to point around a ring, blocking and async, several sizes
     if P > 1:
         for n in sizes:

@@ -66,8 +66,14 @@ def all_gather(group, out, buf, code):
 
 
 def all_to_all(group, out, inp, code):
-    """Pairwise exchange of piece j with rank j; pieces may differ in size."""
+    """Pairwise exchange of piece j with rank j; pieces may differ in size.
+
+    In place (output pieces sharing memory with input pieces, as torch and MPI
+    allow), the piece received at step s lands where an input sent only at step
+    P - s still lies, so the input is copied aside first: + n beta."""
     P, me = group.world_size, group.rank
+    if any(ops.overlaps(o, inp) for o in out):
+        inp = [p.copy() for p in inp]
     out[me][...] = inp[me]
     for s in range(1, P):
         dst, src = (me + s) % P, (me - s) % P
