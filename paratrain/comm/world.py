@@ -23,6 +23,7 @@ from .errors import CommError
 from .group import timeout_from_env
 
 BACKENDS = ("shm", "torch", "gloo", "nccl", "mpi", "hierarchical")
+_ENGINE = {"gloo": "torch"}   # two names of one backend
 
 
 class _State:
@@ -52,8 +53,14 @@ def init(backend=None, timeout=None, threads=None):
     timeout: seconds any wait may take before it raises (PARATRAIN_TIMEOUT, default 300).
     threads: compute threads for torch in this process (PARATRAIN_THREADS, set to 1
     by ``paratrain run``; a machine may have fewer cores than workers).
+    Called again, it returns the same world; asked then for another backend, it
+    raises rather than hand back a group on the engine the caller did not ask for
+    (torch.distributed refuses a second init_process_group too).
     """
     if _S.world is not None:
+        if backend is not None and _ENGINE.get(backend, backend) != _ENGINE.get(_S.backend, _S.backend):
+            raise CommError(f"paratrain is already initialized with backend {_S.backend!r}, so "
+                            f"pt.init(backend={backend!r}) cannot switch it; call pt.destroy() first")
         return _S.world
     backend = backend or os.environ.get("PARATRAIN_BACKEND") or None
     if backend is not None and backend not in BACKENDS:

@@ -283,6 +283,14 @@ def main():
                     help="also all-reduce this many elements of each dtype (large enough for cma.all_reduce)")
     a = ap.parse_args()
     g = pt.init(backend=a.backend)
+    assert pt.init() is g   # a second init returns the same world, and refuses another backend
+    try:
+        pt.init(backend="mpi")
+    except pt.CommError as e:
+        if "already initialized" not in str(e):
+            raise
+    else:
+        raise AssertionError(f"pt.init(backend='mpi') on a {g.backend} world went through")
     algos = [x or None for x in a.algorithms.split(",")]
     sizes = [int(s) for s in a.sizes.split(",")]
     n = run(g, a.dtypes.split(","), sizes, algos, a.numpy)
