@@ -50,7 +50,9 @@ def _rounds(n, per_round):
 
 
 def _reduce_parts(acc, parts, op, code, P):
-    """acc = parts[0] op parts[1] op ... in rank order; acc may alias a part."""
+    """acc = parts[0] op parts[1] op ... in rank order. acc may alias parts[0] or
+    parts[1] (read by the first combine), not a later part, which the first combine
+    would overwrite before it is read: reduce_scatter in place goes through a scratch."""
     if P == 1:
         ops.copy(acc, parts[0])
     else:

@@ -349,7 +349,7 @@ class ShmGroup(ProcessGroup):
         part of a shared allocation, while resident.all_gather reads every peer's input
         at the offset of its own. Such a call is described, on every rank alike, as
         private, and takes the private path (cma or direct), which handles it in place."""
-        placement = self._shared.placement(buf)
+        placement = self._placement(buf)
         if placement and ops.address(out[self.rank]) == ops.address(buf):
             return 0
         return placement
