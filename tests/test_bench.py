@@ -6,6 +6,7 @@ here asserts on a time or a ratio. Open MPI is measured when mpirun and mpi4py
 are installed and left out otherwise; the JSON says which.
 """
 import json
+import os
 
 import pytest
 
@@ -14,10 +15,20 @@ from paratrain.bench.collectives import main
 from paratrain.bench.report import median_interval, ratios
 
 
+def assert_pinned_to_own_cpus(environment):
+    """--bind-to core, through mpirun or our own subprocesses: each of the 2 ranks
+    ran on one CPU of this process's own, a different one when there are two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert environment["bind_to"] == "core"
+    got = environment["cpus_per_rank"]
+    assert len(got) == 2 and all(len(c) == 1 and c[0] in cpus for c in got), got
+    assert len(cpus) < 2 or got[0] != got[1], got
+
+
 @pytest.mark.timeout(180)
 def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
     code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--collectives", ",".join(COLLECTIVES),
-                 "--out", str(tmp_path)])
+                 "--bind-to", "core", "--out", str(tmp_path)])
     assert code == 0
 
     data = json.loads((tmp_path / "collectives.json").read_text())
@@ -27,6 +38,7 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
     assert data["environment"]["world_size"] == 2
     for key in ("torch", "cpu_count", "date"):
         assert data["environment"][key]
+    assert_pinned_to_own_cpus(data["environment"])
 
     got = {(r["collective"], r["engine"], r["bytes"]): r for r in data["results"]}
     for coll in COLLECTIVES:
@@ -52,9 +64,11 @@ def test_quick_benchmark_with_shared_buffers_extra_algorithms_and_the_hierarchic
     engine measured and its result checked against numpy like the others."""
     code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--collectives", "all_reduce,all_gather",
                  "--buffers", "shared", "--algorithms", "ring,tree", "--hierarchical", "--no-mpi",
-                 "--out", str(tmp_path)])
+                 "--bind-to", "core", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "collectives.json").read_text())
+    assert data["environment"]["launcher"] == "subprocesses"
+    assert_pinned_to_own_cpus(data["environment"])
     assert data["config"]["buffers"] == "shared" and data["config"]["hierarchical"] is True
     engines = {(r["engine"], r["run"]) for r in data["results"]}
     assert {("paratrain", "main"), ("paratrain/ring", "main"), ("paratrain/tree", "main"), ("gloo", "main"),

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import outputs
-from paratrain.launch import free_port, main
+from paratrain.launch import binding, free_port, main
 from paratrain.launch.watch import GRACE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +108,37 @@ def test_threads_and_timeout_are_exported(tmp_path, capfd):
     """)
     assert main(["-n", "1", "--threads", "3", "--timeout", "2.5", s]) == 0
     assert capfd.readouterr().out.splitlines() == ["[rank 0] 3 3 2.5"]
+
+
+AFFINITY = """
+    import os
+    print(os.environ["LOCAL_RANK"], *sorted(os.sched_getaffinity(0)))
+"""
+
+
+def affinities(out):
+    """{local rank: its CPUs} from the AFFINITY script's lines."""
+    rows = [line.split("] ", 1)[1].split() for line in out.splitlines()]
+    return {int(r[0]): {int(c) for c in r[1:]} for r in rows}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n, threads", [(2, 1), (3, 1), (2, 2)])
+def test_bind_to_core_pins_each_worker_to_its_own_block_of_cpus(tmp_path, capfd, n, threads):
+    """Local rank i gets CPUs i*threads .. i*threads+threads-1 of the launcher's
+    own, in order, wrapping around with a note when there are too few."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert main(["-n", str(n), "--threads", str(threads), "--bind-to", "core", script(tmp_path, AFFINITY)]) == 0
+    cap = capfd.readouterr()
+    want = {i: {cpus[(i * threads + k) % len(cpus)] for k in range(min(threads, len(cpus)))} for i in range(n)}
+    assert affinities(cap.out) == want
+    assert ("workers share CPUs" in cap.err) == (n * threads > len(cpus))
+
+
+@pytest.mark.timeout(30)
+def test_unbound_workers_keep_the_launchers_cpus(tmp_path, capfd):
+    assert main(["-n", "2", script(tmp_path, AFFINITY)]) == 0
+    assert affinities(capfd.readouterr().out) == {i: set(os.sched_getaffinity(0)) for i in range(2)}
 
 
 @pytest.mark.timeout(30)
@@ -294,6 +325,7 @@ def test_missing_script(tmp_path, capfd):
     (["--threads", "0"], "at least 1"),
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
     (["--bogus"], "unrecognized"),
+    (["--bind-to", "socket"], "invalid choice"),
 ])
 def test_bad_options(tmp_path, capfd, opts, needle):
     s = script(tmp_path, "print('should not run')\n")
@@ -342,3 +374,15 @@ def test_leftover_shm_segments_are_removed(tmp_path, capfd, n, code):
         assert os.path.exists(other)  # another job's segment is not ours to remove
     finally:
         os.unlink(other)
+
+
+def test_cpu_sets_follow_a_narrowed_mask_in_order():
+    """A taskset- or cgroup-narrowed mask (CPUs 4, 6, 7): blocks are taken from it in order."""
+    cpus = [4, 6, 7]
+    assert binding.cpu_sets("none", 2, 1, cpus) == [None, None]
+    assert binding.cpu_sets("core", 4, 1, cpus) == [{4}, {6}, {7}, {4}]
+    assert binding.cpu_sets("core", 2, 2, cpus) == [{4, 6}, {7, 4}]
+    assert binding.cpu_sets("core", 1, 5, cpus) == [{4, 6, 7}]
+    assert binding.oversubscribed(2, 2, cpus) and not binding.oversubscribed(3, 1, cpus)
+    with pytest.raises(ValueError, match="unknown binding 'socket'"):
+        binding.cpu_sets("socket", 2, 1, cpus)

@@ -101,6 +101,9 @@ def parser():
                         "(Gloo and MPI use the same buffers as ordinary memory)")
     p.add_argument("--no-mpi", action="store_true", help="leave Open MPI out")
     p.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
+    p.add_argument("--bind-to", "--bind_to", dest="bind_to", choices=("none", "core"), default="none",
+                   help="pin rank i to CPU i for every engine (core: mpirun --bind-to core, or what "
+                        "paratrain run --bind-to core does), or let the kernel place the ranks (none, the default)")
     p.add_argument("--hierarchical", action="store_true",
                    help="add a separate run of paratrain's hierarchical backend with 2 pretend hosts")
     p.add_argument("--out", default="benchmarks/results", help="directory for collectives.json/.png "
@@ -127,9 +130,10 @@ def _run(args, cfg, use_mpi, tmp, tag, timeout, extra_env=None):
     env = launcher.worker_env(launcher.free_port_pair(), dict(extra_env or {}, PARATRAIN_TIMEOUT=str(OP_TIMEOUT)))
     how = "mpirun" if use_mpi else "subprocesses"
     print(f"[bench] {tag} run: {args.nproc} ranks via {how}, engines {', '.join(cfg['engines'])}"
-          f"{' (hierarchical, 2 pretend hosts)' if cfg['hierarchical'] else ''}; deadline {timeout:.0f} s",
+          f"{' (hierarchical, 2 pretend hosts)' if cfg['hierarchical'] else ''}"
+          f"{', rank i pinned to CPU i' if args.bind_to == 'core' else ''}; deadline {timeout:.0f} s",
           file=sys.stderr, flush=True)
-    code = launcher.wait(launcher.start(args.nproc, [str(cfg_path)], env, use_mpi), timeout)
+    code = launcher.wait(launcher.start(args.nproc, [str(cfg_path)], env, use_mpi, bind_to=args.bind_to), timeout)
     if code != 0:
         raise RuntimeError(f"the {tag} run's workers failed (exit code {code}); their errors are above")
     return json.loads(Path(cfg["result"]).read_text())
@@ -144,7 +148,8 @@ def _environment(args, info, launched_with):
                platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
                numpy=numpy.__version__, paratrain=paratrain.__version__, launcher=launched_with,
                torch_threads_per_rank=info.get("torch_threads"), mpi_library=info.get("mpi_library"),
-               paratrain_default_algorithm=info.get("default_algorithm"))
+               paratrain_default_algorithm=info.get("default_algorithm"),
+               bind_to=args.bind_to, cpus_per_rank=info.get("cpus_per_rank"))
     try:
         import mpi4py
         env["mpi4py"] = mpi4py.__version__
@@ -212,7 +217,8 @@ def bench(args):
                                  mpi_yield_when_idle=os.environ.get(launcher.MPI_YIELD, "1") if use_mpi else None),
                 config=dict(nproc=args.nproc, collectives=args.collectives, sizes=sizes, iters=iters, calls=calls,
                             warmup=warmup, engines=engines, algorithms=args.algorithms,
-                            hierarchical=args.hierarchical, dtype="float32", buffers=args.buffers),
+                            hierarchical=args.hierarchical, dtype="float32", buffers=args.buffers,
+                            bind_to=args.bind_to),
                 conventions=report.HEADER, notes=notes)
     json_path, png_path = out / "collectives.json", out / "collectives.png"
     report.write_json(json_path, results, meta)

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from ..launch import binding
+
 # Variables that would make paratrain believe it was started by torchrun; under
 # mpirun the ranks must come from OMPI_COMM_WORLD_* instead.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -88,18 +90,33 @@ def _command(module_args, module):
     return [sys.executable, "-m", module, "--worker", *module_args]
 
 
-def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives"):
+def _pin(cpus):
+    """A preexec_fn pinning the child to cpus before exec (None: leave it free)."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives", bind_to="none"):
     """Start the workers (``python -m MODULE --worker ARGS``); returns the Popen objects
-    (one mpirun, or one per rank)."""
+    (one mpirun, or one per rank).
+
+    bind_to "core" pins rank i to CPU i (wrapping when ranks outnumber CPUs):
+    mpirun's own ``--bind-to core`` under mpirun, or what ``paratrain run
+    --bind-to core`` does (launch/binding.py) otherwise. Under mpirun every
+    engine runs in the same pinned processes, so the comparison stays fair."""
     if use_mpi:
         forwarded = [a for k in sorted(env) if k.startswith(FORWARD_PREFIXES) for a in ("-x", k)]
-        cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+        bind = "core:overload-allowed" if bind_to == "core" else "none"
+        cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", bind,
                "-n", str(nproc), *forwarded, *_command(module_args, module)]
         return [subprocess.Popen(cmd, env=env, start_new_session=True)]
+    cpus = binding.cpu_sets(bind_to, nproc, 1, binding.available_cpus())
     procs = []
     for r in range(nproc):
         e = dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc))
-        procs.append(subprocess.Popen(_command(module_args, module), env=e, start_new_session=True))
+        procs.append(subprocess.Popen(_command(module_args, module), env=e, start_new_session=True,
+                                      preexec_fn=_pin(cpus[r])))
     return procs
 
 

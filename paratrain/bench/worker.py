@@ -123,10 +123,11 @@ def run(cfg):
                 _progress(rank, f"[bench] {coll:<14} {case.nbytes:>11,} B x {iters:>3}: {med}")
             del case
 
+    cpus = _cpus_per_rank(group)
     if rank == 0:
         info = dict(world_size=P, backend=group.backend, default_algorithm=base[0].g.default_algorithm(1),
                     mpi_library=mpi.library_version() if mpi is not None else None,
-                    torch_threads=torch.get_num_threads())
+                    torch_threads=torch.get_num_threads(), cpus_per_rank=cpus)
         with open(cfg["result"], "w") as f:
             json.dump(dict(info=info, rows=rows), f)
     group.barrier()
@@ -135,6 +136,15 @@ def run(cfg):
             e.close()
     pt.destroy()
     return 0
+
+
+def _cpus_per_rank(group):
+    """Every rank's CPU affinity (what --bind-to did), for the JSON."""
+    mask = np.zeros(max(os.cpu_count() or 1, *os.sched_getaffinity(0)) + 1)
+    mask[sorted(os.sched_getaffinity(0))] = 1
+    width = int(gather_to_all(group, [mask.size]).max())
+    mask = np.pad(mask, (0, width - mask.size))
+    return [np.flatnonzero(row).tolist() for row in gather_to_all(group, mask)]
 
 
 def main(argv):

@@ -22,6 +22,7 @@ import secrets
 import socket
 import sys
 
+from . import binding
 from . import servers as ps
 from .watch import LauncherSignals, Policy, say, stop, supervise
 from .worker import Worker
@@ -74,6 +75,9 @@ def build_parser():
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
                    help=f"rendezvous port (default: a free one with one node, {DEFAULT_MULTINODE_PORT} with several)")
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker (default 1)")
+    p.add_argument("--bind-to", "--bind_to", dest="bind_to", choices=binding.MODES, default="none",
+                   help="pin each worker to its own --threads CPUs (core), as mpirun --bind-to core, "
+                        "or let the kernel place them (none, the default)")
     p.add_argument("--servers", type=int, default=0,
                    help="parameter servers to start beside the workers (paratrain.ps; single node)")
     p.add_argument("--server-checkpoints", metavar="DIR", default=None,
@@ -247,8 +251,9 @@ def main(argv=None, on_line=None):
     addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)
     if addrs:
         base["PARATRAIN_PS_ADDRS"] = ",".join(addrs)
+    cpus = worker_cpus(args)
     workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(base, args, i, port, job_id),
-                      prefix=args.prefix, on_line=on_line) for i in range(args.nproc)]
+                      prefix=args.prefix, on_line=on_line, cpus=cpus[i]) for i in range(args.nproc)]
     checkpoints, servers = None, []
     if args.servers:
         try:
@@ -265,6 +270,17 @@ def main(argv=None, on_line=None):
         remove_leftover_segments(job_id)
         if checkpoints is not None:
             checkpoints.finish(rc == 0)
+
+
+def worker_cpus(args):
+    """Each local worker's CPU set for --bind-to (None: unbound), with a note
+    when bound workers must share CPUs."""
+    available = binding.available_cpus()
+    sets = binding.cpu_sets(args.bind_to, args.nproc, args.threads, available)
+    if args.bind_to != "none" and binding.oversubscribed(args.nproc, args.threads, available):
+        say(f"paratrain run: note: --bind-to {args.bind_to} with {args.nproc} workers x {args.threads} "
+            f"thread(s) on {len(available)} CPUs: workers share CPUs ({binding.describe(sets)})")
+    return sets
 
 
 def _policy(args, addrs):

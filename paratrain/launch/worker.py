@@ -43,19 +43,24 @@ def _load_prctl():
 _PRCTL = _load_prctl()
 
 
-def _tie_to_parent(parent_pid):
+def _tie_to_parent(parent_pid, cpus=None):
     """The preexec_fn: runs in the child between fork and exec.
 
     PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so
     workers must be started from a thread that lives as long as the launcher
     (main() starts them from its own thread and waits there). The getppid check
-    closes the race where the launcher died before prctl ran."""
+    closes the race where the launcher died before prctl ran.
+
+    cpus (binding.py) pins the child here, before exec, so every thread the
+    worker later starts (torch's, OpenMP's) inherits the mask."""
     def preexec():
         if _PRCTL is not None:
             _PRCTL(PR_SET_PDEATHSIG, ctypes.c_ulong(int(signal.SIGKILL)), ctypes.c_ulong(0),
                    ctypes.c_ulong(0), ctypes.c_ulong(0))
         if os.getppid() != parent_pid:
             os._exit(1)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
     return preexec
 
 
@@ -83,7 +88,7 @@ def emit(stream_name, data):
 class Worker:
     """A worker: its ranks, its process, its output readers and its last lines."""
 
-    def __init__(self, rank, local_rank, cmd, env, prefix=True, on_line=None, label=None):
+    def __init__(self, rank, local_rank, cmd, env, prefix=True, on_line=None, label=None, cpus=None):
         self.rank = rank
         self.label = label or f"rank {rank}"  # "server 0" for a parameter server
         self.local_rank = local_rank
@@ -91,6 +96,7 @@ class Worker:
         self.env = env
         self.prefix = f"[{self.label}] ".encode() if prefix else b""
         self.tail = collections.deque(maxlen=TAIL_LINES)  # stdout and stderr, in arrival order
+        self.cpus = cpus  # the CPUs it is pinned to (binding.py), None for anywhere
         self.proc = None
         self.signalled = False  # the launcher sent it a signal (its exit is then not a failure of its own)
         self.note = ""  # said after how it ended in the failure report ("after 3 restarts")
@@ -107,7 +113,7 @@ class Worker:
         after every worker is spawned, so no thread is running while we fork."""
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_tie_to_parent(os.getpid()))
+            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_tie_to_parent(os.getpid(), self.cpus))
 
     def start_output(self):
         for pipe, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):

@@ -81,7 +81,8 @@ def main(argv=None):
     from .metrics import render_summary
     from .progress import ProgressDisplay
     servers = ["--servers", str(args.servers)] if args.strategy == "ps" else []
-    launcher = ["-n", str(args.workers), "--threads", str(args.threads), *servers, *worker_failure(args),
+    launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to,
+                *servers, *worker_failure(args),
                 "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
           flush=True)
