@@ -187,7 +187,17 @@ def check_gathers(g, c):
             flat[r * n:(r + 1) * n] = mine
             g.all_gather(flat, flat[r * n:(r + 1) * n])  # in place, as ZeRO gathers its shards
             c.eq(flat, torch.cat(everyone), f"all_gather in place {dtype} x{n}")
+            mine = data(r, n, dtype, "ag")   # the list form in place: out[r] is the input itself
+            out = [mine if q == r else torch.full((n,), -9, dtype=DTYPES[dtype]) for q in range(P)]
+            g.all_gather(out, mine)
+            c.eq(torch.cat(out), torch.cat(everyone), f"all_gather list in place {dtype} x{n}")
             for root in range(P):
+                mine = data(r, n, dtype, "ag")   # gather_list[root] is the root's input itself
+                gl = [mine if q == r else torch.full((n,), -9, dtype=DTYPES[dtype]) for q in range(P)] \
+                    if r == root else None
+                g.gather(mine, gl, dst=root)
+                if r == root:
+                    c.eq(torch.cat(gl), torch.cat(everyone), f"gather list in place {dtype} x{n} to {root}")
                 gl = [torch.full((n,), -9, dtype=DTYPES[dtype]) for _ in range(P)] if r == root else None
                 g.gather(data(r, n, dtype, "ag"), gl, dst=root)
                 if r == root:
@@ -201,6 +211,10 @@ def check_gathers(g, c):
                 sl = [data(root, n, dtype, ("sc", q)) for q in range(P)] if r == root else None
                 g.scatter(t, sl, src=root)
                 c.eq(t, data(root, n, dtype, ("sc", r)), f"scatter list {dtype} x{n} from {root}")
+                sl = [data(root, n, dtype, ("sc", q)) for q in range(P)]   # the root's output is scatter_list[root]
+                t = sl[r] if r == root else torch.full((n,), -9, dtype=DTYPES[dtype])
+                g.scatter(t, sl if r == root else None, src=root)
+                c.eq(t, data(root, n, dtype, ("sc", r)), f"scatter list in place {dtype} x{n} from {root}")
                 flat = torch.cat([data(root, n, dtype, ("sc", q)) for q in range(P)])
                 t = flat[r * n:(r + 1) * n] if r == root else torch.full((n,), -9, dtype=DTYPES[dtype])
                 g.scatter(t, flat if r == root else None, src=root)  # the root's output is its own piece

@@ -120,7 +120,9 @@ class ProcessGroup:
     def _descriptor(self, coll, code=0, op=None, numel=0, root=0, extra=0):
         """(seq, collective, op, dtype, numel, root, extra, signature): what this rank is
         calling. Ranks agree when their signatures (a hash of fields 1-6) agree; a
-        tuple, since this runs on every call and a small-message call is all overhead."""
+        tuple, since this runs on every call and a small-message call is all overhead.
+        It counts the call (seq), so every check that may refuse a call runs before it:
+        a call refused on one rank only must leave the ranks' counts equal."""
         self._seq += 1
         fields = (COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code, int(numel), int(root), extra)
         return (self._seq, *fields, hash(fields) & 0x7FFFFFFFFFFFFFFF)
@@ -198,8 +200,8 @@ class ProcessGroup:
         op = ops.normalize_op(op)
         buf, code = ops.as_buffer(tensor)
         ops.check_op_dtype(op, code)
+        algo = self._algorithm(algorithm, buf.nbytes)   # may refuse: before _descriptor counts the call
         desc = self._descriptor("all_reduce", code, op, buf.size, extra=self._placement(buf))
-        algo = self._algorithm(algorithm, buf.nbytes)
         return self._run("coll", lambda: self._checked(desc, self._all_reduce_with, algo, buf, code, op),
                          async_op, "all_reduce")
 

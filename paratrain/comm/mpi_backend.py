@@ -286,7 +286,8 @@ class MpiGroup(ProcessGroup):
     def _all_gather_into(self, out, buf, code):
         n, T = buf.size, _datatype(self._MPI, code)
         recv, span = self._landing(out, buf)
-        if not _same(buf, out[self.rank]):  # ZeRO gathers in place; otherwise put our piece there
+        # In place (ZeRO gathers its shards so) our piece is already there, unless MPI lands in scratch.
+        if recv is not span or not _same(buf, out[self.rank]):
             recv[self.rank * n:(self.rank + 1) * n] = buf
         self._coll("all_gather", lambda: self.comm.Iallgather(self._MPI.IN_PLACE, [recv, T]))
         if recv is not span:
@@ -298,7 +299,7 @@ class MpiGroup(ProcessGroup):
             self._coll("gather", lambda: self.comm.Igather([buf, T], None, dst))
             return
         recv, span = self._landing(out, buf)
-        if not _same(buf, out[dst]):
+        if recv is not span or not _same(buf, out[dst]):
             recv[dst * n:(dst + 1) * n] = buf
         self._coll("gather", lambda: self.comm.Igather(self._MPI.IN_PLACE, [recv, T], dst))
         if recv is not span:

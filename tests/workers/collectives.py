@@ -104,11 +104,20 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
             out[me * n:(me + 1) * n] = ins[me]
             g.all_gather(arg(out), arg(out[me * n:(me + 1) * n]))
             check(out, torch.cat(ins), f"all_gather in place {dname} n={n}")
+            mine = ins[me].clone()   # the list form in place: this rank's output piece is the input
+            outs = [mine if q == me else torch.full((n,), 7, dtype=dt) for q in range(P)]
+            g.all_gather(arg(outs), arg(mine))
+            check(torch.cat(outs), torch.cat(ins), f"all_gather(list) in place {dname} n={n}")
             dst = n % P
             gl = [torch.empty(n, dtype=dt) for _ in range(P)] if me == dst else None
             g.gather(arg(ins[me]), arg(gl), dst=dst)
             if me == dst:
                 check(torch.cat(gl), torch.cat(ins), f"gather {dname} n={n}")
+            mine = ins[me].clone()   # gather_list[dst] is the input itself
+            gl = [mine if q == me else torch.full((n,), 7, dtype=dt) for q in range(P)] if me == dst else None
+            g.gather(arg(mine), arg(gl), dst=dst)
+            if me == dst:
+                check(torch.cat(gl), torch.cat(ins), f"gather in place {dname} n={n}")
             sl = [make(q, n, dt, salt=2) for q in range(P)]
             t = torch.empty(n, dtype=dt)
             g.scatter(arg(t), arg(sl) if me == src else None, src=src)
@@ -135,6 +144,17 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
         if g.backend == "shm" and "naive" in results and None in results:
             if not torch.equal(results["naive"], results[None]):
                 raise AssertionError("direct and naive all_reduce differ bitwise")
+    # a call refused on one rank only (a misspelt algorithm) must not leave the ranks out of step
+    t = torch.full((5,), float(me + 1))
+    if me == 0:
+        try:
+            g.all_reduce(t, algorithm="rnig")
+            raise AssertionError("all_reduce accepted algorithm='rnig'")
+        except ValueError:
+            pass
+    g.all_reduce(t)
+    check(t, torch.full((5,), float(P * (P + 1) // 2)), "all_reduce after a call refused on rank 0")
+    g.barrier()
     # uneven all_to_all: rank r sends j+1 elements to rank j
     dt = torch.float32
     send = [torch.full((j + 1,), float(me * 10 + j)) for j in range(P)]

@@ -79,9 +79,11 @@ class HierarchicalGroup(ProcessGroup):
         inner = "sum" if op == "avg" else op
         _reduce(self.local, buf, code, inner, 0)
         if self.leaders is not None:
+            # The leaders' engine's own default: PARATRAIN_ALGO (or algorithm=) chose this
+            # whole algorithm, and "hierarchical" means nothing to the leaders' group.
             g = self.leaders
-            g._inner("all_reduce", g._all_reduce_with, g._algorithm(None, buf.nbytes), buf, code, inner,
-                     code=code, op=inner, numel=buf.size)
+            algo = g._algorithm(g.default_algorithm(buf.nbytes), buf.nbytes)
+            g._inner("all_reduce", g._all_reduce_with, algo, buf, code, inner, code=code, op=inner, numel=buf.size)
             if op == "avg":
                 ops.finish_avg(buf, self.world_size, code)
         _broadcast(self.local, buf, code, 0)
