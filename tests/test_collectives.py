@@ -16,6 +16,18 @@ def _ok(res, n, backend):
     assert len(passed) == n, out[-4000:]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_point_to_point_matches_by_peer_and_tag(backend, no_leftover_segments):
+    """Receives from two peers complete in either order, tags pick their message,
+    and a user's message left in a channel survives collectives that send their own
+    (tests/workers/p2p_matching.py)."""
+    res = launch(3, "p2p_matching.py", backend, env=SMALL_SLOTS)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert res.stdout.count("p2p matching checks passed on " + backend) == 3, out[-4000:]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_shm_all_collectives(n, no_leftover_segments):

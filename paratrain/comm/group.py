@@ -17,12 +17,21 @@ import os
 import numpy as np
 
 from . import ops
-from .algorithms import naive, ring, tree
+from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
 from .work import Lanes
 
 DEFAULT_TIMEOUT = 300.0
-INTERNAL_TAG = 1 << 24  # tags at and above this are the algorithms' own traffic
+
+
+def _check_tag(tag, what):
+    """A user's tag: an int below INTERNAL_TAG, where the collective algorithms' own
+    messages start, so a user's message is never taken for one of theirs. (The mpi
+    backend also checks the tag against its library's bound.)"""
+    if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or not 0 <= tag < INTERNAL_TAG:
+        raise ValueError(f"{what}: tag {tag!r} must be an int from 0 to {INTERNAL_TAG - 1} "
+                         "(higher tags are reserved for paratrain's own collective algorithms)")
+    return int(tag)
 
 # Descriptor codes: what a rank says it is calling, compared across ranks.
 COLLECTIVES = ("barrier", "broadcast", "reduce", "all_reduce", "reduce_scatter",
@@ -150,26 +159,35 @@ class ProcessGroup:
 
     # ---- point to point -----------------------------------------------------------
 
+    # Each peer has its own send lane and its own receive lane (work.py): an irecv
+    # from one peer never waits behind an irecv from another (torch.distributed and
+    # MPI let the second complete first), while messages to or from one peer keep
+    # the order they were issued in, as MPI's non-overtaking rule asks.
+
     def send(self, tensor, dst, tag=0):
         buf, code = ops.as_buffer(tensor)
         dst = self._check_peer(dst, "send")
-        self._run("send", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
+        tag = _check_tag(tag, "send")
+        self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
 
     def recv(self, tensor, src, tag=0):
         buf, code = ops.as_buffer(tensor)
         src = self._check_peer(src, "recv")
-        self._run("recv", lambda: self._recv(buf, code, src, tag), False, f"recv from {src}")
+        tag = _check_tag(tag, "recv")
+        self._run(f"recv-{src}", lambda: self._recv(buf, code, src, tag), False, f"recv from {src}")
         return src
 
     def isend(self, tensor, dst, tag=0):
         buf, code = ops.as_buffer(tensor)
         dst = self._check_peer(dst, "isend")
-        return self._run("send", lambda: self._send(buf, code, dst, tag), True, f"isend to {dst}")
+        tag = _check_tag(tag, "isend")
+        return self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), True, f"isend to {dst}")
 
     def irecv(self, tensor, src, tag=0):
         buf, code = ops.as_buffer(tensor)
         src = self._check_peer(src, "irecv")
-        return self._run("recv", lambda: self._recv(buf, code, src, tag), True, f"irecv from {src}")
+        tag = _check_tag(tag, "irecv")
+        return self._run(f"recv-{src}", lambda: self._recv(buf, code, src, tag), True, f"irecv from {src}")
 
     def _send(self, buf, code, dst, tag):
         raise NotImplementedError
@@ -179,7 +197,7 @@ class ProcessGroup:
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         """Send to dst while receiving from src (both may be the same peer): the step of a ring."""
-        work = self._lanes.submit("send", lambda: self._send(send_buf, code, dst, tag), "sendrecv")
+        work = self._lanes.submit(f"send-{dst}", lambda: self._send(send_buf, code, dst, tag), "sendrecv")
         self._recv(recv_buf, code, src, tag)
         work.wait()
 

@@ -39,6 +39,7 @@ from ..liveness import alive as _alive
 from ..wire import HEADER_SIZE, decode_header, encode_header
 from . import segment
 from .semaphore import SEM_STRIDE, Semaphore
+from .matching import Mailbox, PostedReceive
 from .shared import SharedBuffers
 
 MAGIC = 0x7061726174726E31  # "paratrn1"
@@ -131,7 +132,7 @@ class ShmGroup(ProcessGroup):
         self._send_frame = [0] * P
         self._recv_frame = [0] * P
         self._send_locks = [threading.Lock() for _ in range(P)]
-        self._recv_locks = [threading.Lock() for _ in range(P)]
+        self._boxes = [Mailbox() for _ in range(P)]   # incoming channels: matching by tag
         self._need_check = False
         self._current = None
         self._barrier_raw(lambda: "group set-up")
@@ -293,39 +294,108 @@ class ShmGroup(ProcessGroup):
                 full.post()
 
     def _recv(self, buf, code, src, tag):
+        """Receive the oldest message from src with this tag (matching.py). The thread
+        holding the channel's lock reads whole messages and hands each to its receive;
+        a receive on another thread meanwhile waits for its own to be handed over, or
+        for the lock, to read the next one itself."""
         me = self.rank
         if src == me:
             raise ValueError("recv from self is not supported")
-        raw = buf.view(np.uint8)
-        total, cap = raw.size, self.chunk_bytes
-        what = f"recv of {total} bytes from rank {self.ranks[src]} (tag {tag})"
+        req = PostedReceive(tag, buf.view(np.uint8), code)
+        box = self._boxes[src]
+        deadline = time.time() + self.timeout
+        with box.lock:
+            kept = box.take_unexpected(tag)
+            if kept is None:
+                box.posted.append(req)
+            else:
+                self._land(req, src, kept[1], kept[2].size, kept[2])
+        while not req.done:
+            if box.lock.acquire(timeout=0.002):
+                try:
+                    if not req.done:
+                        self._read_message(src, box, req, deadline)
+                except BaseException:
+                    box.withdraw(req)
+                    raise
+                finally:
+                    box.lock.release()
+            elif time.time() > deadline:
+                with box.lock:
+                    box.withdraw(req)
+                if not req.done:
+                    raise CommTimeout(f"rank {self.ranks[me]}: recv of {req.raw.size} bytes from rank "
+                                      f"{self.ranks[src]} (tag {tag}) not done after {self.timeout:g}s, while "
+                                      "another thread of this rank read the channel", [self.ranks[src]])
+        if req.error is not None:
+            raise req.error
+
+    def _land(self, req, src, rcode, rtotal, payload=None):
+        """End req with a MismatchError if the message does not fit it; else copy a
+        kept payload in (and end it). Returns True if the message fits."""
+        if (rtotal, rcode) != (req.raw.size, req.code):
+            req.finish(MismatchError(
+                f"rank {self.ranks[src]} sent {rtotal} bytes of {ops.CODE_TORCH[rcode]} with tag {req.tag}, "
+                f"but rank {self.ranks[self.rank]} is receiving {req.raw.size} bytes of "
+                f"{ops.CODE_TORCH[req.code]} with tag {req.tag}: sends and receives must match in size, "
+                "dtype and tag"))
+            return False
+        if payload is not None:
+            ops.copy(req.raw, payload)
+            req.finish()
+        return True
+
+    def _read_message(self, src, box, waiting, deadline):
+        """Read the next whole message from src's channel (holding box.lock) and deliver
+        it: into the oldest posted receive with its tag, or kept aside. A message that
+        does not fit its receive is read to the end all the same (the receive fails),
+        so the channel stays in step for the next one. ``waiting``'s deadline bounds
+        the wait for the first chunk; each later chunk gets the full timeout."""
+        me, cap = self.rank, self.chunk_bytes
         full, empty = self._full(src, me), self._empty(src, me)
         frames = self._frames[src][me]
-        with self._recv_locks[src]:
-            seq = self._recv_seq[src] & 0xFFFFFFFF
-            self._recv_seq[src] += 1
-            for i in range(max(1, -(-total // cap))):
-                deadline = time.time() + self.timeout
-                full.acquire(self._spin(), deadline, self._watch(lambda: [src], what, deadline))
-                frame = frames[self._recv_frame[src]]
-                self._recv_frame[src] ^= 1
-                rcode, rtag, rseq, rtotal, index, length = decode_header(
-                    frame[:HEADER_SIZE].tobytes(), capacity=cap, max_total=MAX_MESSAGE)
-                if (rtotal, rcode, rtag) != (total, code, tag):
-                    raise MismatchError(
-                        f"rank {self.ranks[src]} sent {rtotal} bytes of {ops.CODE_TORCH[rcode]} with tag {rtag}, "
-                        f"but rank {self.ranks[me]} is receiving {total} bytes of {ops.CODE_TORCH[code]} with "
-                        f"tag {tag}: sends and receives must match in size, dtype and tag")
-                if rseq != seq or index != i or length != min(cap, total - i * cap):
-                    raise FrameError(f"out-of-order frame from rank {self.ranks[src]}: message {rseq} chunk "
-                                     f"{index} ({length} bytes), expected message {seq} chunk {i}")
-                ops.copy(raw[i * cap:i * cap + length], frame[HEADER_SIZE:HEADER_SIZE + length])
-                empty.post()
+        what = lambda: f"recv of {waiting.raw.size} bytes from rank {self.ranks[src]} (tag {waiting.tag})"  # noqa: E731
+        seq = self._recv_seq[src] & 0xFFFFFFFF
+        self._recv_seq[src] += 1
+        chunks, i, into, kept = 1, 0, None, None
+        while i < chunks:
+            full.acquire(self._spin(), deadline, self._watch(lambda: [src], what, deadline))
+            frame = frames[self._recv_frame[src]]
+            self._recv_frame[src] ^= 1
+            rcode, rtag, rseq, rtotal, index, length = decode_header(
+                frame[:HEADER_SIZE].tobytes(), capacity=cap, max_total=MAX_MESSAGE)
+            if i == 0:
+                first = (rtotal, rtag, rcode)
+                chunks = max(1, -(-rtotal // cap))
+                req = box.take_posted(rtag)
+                if req is None:
+                    kept = []
+                elif self._land(req, src, rcode, rtotal):
+                    into = req
+            if rseq != seq or index != i or (rtotal, rtag, rcode) != first or length != min(cap, rtotal - i * cap):
+                raise FrameError(f"out-of-order frame from rank {self.ranks[src]}: message {rseq} chunk "
+                                 f"{index} ({length} bytes), expected message {seq} chunk {i}")
+            payload = frame[HEADER_SIZE:HEADER_SIZE + length]
+            if into is not None:
+                ops.copy(into.raw[i * cap:i * cap + length], payload)
+            elif kept is not None:
+                kept.append(payload.copy())
+            empty.post()
+            i += 1
+            deadline = time.time() + self.timeout
+        if into is not None:
+            into.finish()
+        elif kept is not None:
+            box.unexpected.append((first[1], first[2], np.concatenate(kept)))
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
-        # Inside an algorithm step the channel is empty, so a message of at most two
-        # frames is sent without waiting: no helper thread needed.
-        if send_buf.nbytes <= 2 * self.chunk_bytes:
+        # A message that fits the channel's free frames is sent without waiting: no
+        # helper thread needed. Inside an algorithm step both frames are free, unless a
+        # user's message to dst is still there (or being sent): then the send may wait,
+        # and must not keep this thread from receiving (the peer may need our receive
+        # to free its own channel), so it goes on the send lane.
+        frames = max(1, -(-send_buf.nbytes // self.chunk_bytes))
+        if frames <= self._empty(self.rank, dst).value() and not self._send_locks[dst].locked():
             self._send(send_buf, code, dst, tag)
             self._recv(recv_buf, code, src, tag)
         else:

@@ -1,0 +1,116 @@
+"""Worker: point-to-point messages matched by peer and tag, as torch.distributed and MPI match them.
+
+Started by the launcher with 3 ranks (tests/test_collectives.py). Rank 0 is the
+receiver in each case; every result is checked against the values the senders
+built, and the script raises (exits non-zero) on the first wrong one.
+
+1. irecv from rank 1 and from rank 2, the second waited first, while rank 1
+   sends only after rank 0 has answered rank 2: the receives must not queue
+   behind each other.
+2. Rank 1 sends tag 1 then tag 2; rank 0 receives tag 2 first (shm keeps the
+   early message aside, as MPI does; not on the torch backend, whose sends to
+   one peer run one after the other on one thread: README, Point to point).
+3. A user's multi-chunk isend still in the channel while the ranks run
+   collectives whose algorithms send their own messages (ring, tree, naive,
+   list all_to_all); received after them, intact.
+4. A receive whose message has another size fails with a MismatchError, and
+   the next message on the same channel still arrives whole (shm; Gloo aborts
+   the receiving process on such a message, so not on the torch backend).
+5. Tags outside 0 .. 2**24-1 are refused before anything is sent.
+"""
+import sys
+
+import numpy as np
+
+import paratrain as pt
+
+
+def check(got, want, what):
+    if not np.array_equal(got, want):
+        raise AssertionError(f"rank {pt.world().rank}: {what}: got {got[:4]}... want {want[:4]}...")
+
+
+def main():
+    backend = sys.argv[1]
+    g = pt.init(backend=backend)
+    me, P = g.rank, g.world_size
+    assert P == 3, "run with 3 ranks"
+    big = 50_000   # float32 elements: several 16 KiB chunks with the test's small shm chunks
+
+    # 1. receives from two peers complete in either order
+    if me == 0:
+        a, b = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        wa, wb = g.irecv(a, 1, tag=3), g.irecv(b, 2, tag=3)
+        wb.wait()
+        g.send(np.full(1, 9, np.float32), 1, tag=4)
+        wa.wait()
+        check(a, np.full(4, 1, np.float32), "irecv from rank 1")
+        check(b, np.full(4, 2, np.float32), "irecv from rank 2")
+    elif me == 1:
+        go = np.zeros(1, np.float32)
+        g.recv(go, 0, tag=4)
+        g.send(np.full(4, 1, np.float32), 0, tag=3)
+    else:
+        g.send(np.full(4, 2, np.float32), 0, tag=3)
+
+    # 2. two tags from one peer, received in the other order
+    if backend == "torch":
+        pass
+    elif me == 1:
+        w1 = g.isend(np.full(big, 11, np.float32), 0, tag=1)
+        w2 = g.isend(np.full(5, 12, np.float32), 0, tag=2)
+        w1.wait()
+        w2.wait()
+    elif me == 0:
+        second, first = np.zeros(5, np.float32), np.zeros(big, np.float32)
+        g.recv(second, 1, tag=2)
+        g.recv(first, 1, tag=1)
+        check(second, np.full(5, 12, np.float32), "tag 2 received first")
+        check(first, np.full(big, 11, np.float32), "tag 1 received second")
+    g.barrier()
+
+    # 3. a user's message waits in the channel while collectives' algorithms talk
+    pending = g.isend(np.arange(big, dtype=np.float32) + me, (me + 1) % P, tag=7)
+    for algo in ("ring", "tree", "naive"):
+        x = np.full(big, me + 1, np.float32)
+        g.all_reduce(x, algorithm=algo)
+        check(x, np.full(big, P * (P + 1) / 2, np.float32), f"all_reduce({algo}) with a user message pending")
+    outs = [np.zeros(q + 1, np.float32) for q in range(P)]
+    g.all_to_all(outs, [np.full(me + 1, 10 * me + q, np.float32) for q in range(P)])
+    for q in range(P):
+        check(outs[q], np.full(q + 1, 10 * q + me, np.float32), "list all_to_all with a user message pending")
+    got = np.zeros(big, np.float32)
+    g.recv(got, (me - 1) % P, tag=7)
+    pending.wait()
+    check(got, np.arange(big, dtype=np.float32) + (me - 1) % P, "the user message received after the collectives")
+
+    # 4. a message of the wrong size fails its receive; the channel goes on
+    if backend == "torch":
+        pass
+    elif me == 1:
+        g.send(np.full(6, 5, np.float32), 0, tag=8)
+        g.send(np.full(3, 6, np.float32), 0, tag=9)
+    elif me == 0:
+        try:
+            g.recv(np.zeros(4, np.float32), 1, tag=8)
+            raise AssertionError("a 6-element message landed in a 4-element receive")
+        except pt.MismatchError as e:
+            assert "24 bytes" in str(e) and "16 bytes" in str(e), e
+        after = np.zeros(3, np.float32)
+        g.recv(after, 1, tag=9)
+        check(after, np.full(3, 6, np.float32), "the message after a mismatched one")
+
+    # 5. tags outside the user's range
+    for bad in (-1, 1 << 24, 2.0):
+        try:
+            g.isend(np.zeros(1, np.float32), (me + 1) % P, tag=bad)
+            raise AssertionError(f"tag {bad!r} accepted")
+        except ValueError as e:
+            assert "tag" in str(e), e
+    g.barrier()
+    print(f"p2p matching checks passed on {backend}", flush=True)
+    pt.destroy()
+
+
+if __name__ == "__main__":
+    main()
