@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ..comm.env import size_bytes
+from ..launch import binding
 from . import launcher, report
 from .cases import COLLECTIVES, elements
 
@@ -101,7 +102,7 @@ def parser():
                         "(Gloo and MPI use the same buffers as ordinary memory)")
     p.add_argument("--no-mpi", action="store_true", help="leave Open MPI out")
     p.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
-    p.add_argument("--bind-to", "--bind_to", dest="bind_to", choices=("none", "core"), default="none",
+    p.add_argument("--bind-to", "--bind_to", dest="bind_to", choices=binding.MODES, default="none",
                    help="pin rank i to CPU i for every engine (core: mpirun --bind-to core, or what "
                         "paratrain run --bind-to core does), or let the kernel place the ranks (none, the default)")
     p.add_argument("--hierarchical", action="store_true",

@@ -10,6 +10,7 @@ subprocesses with RANK/WORLD_SIZE set, as ``paratrain run`` would start them.
 Every run has a deadline; past it the whole process group is terminated, then
 killed, and the caller gets a BenchTimeout naming the deadline.
 """
+import functools
 import importlib.util
 import os
 import shutil
@@ -90,13 +91,6 @@ def _command(module_args, module):
     return [sys.executable, "-m", module, "--worker", *module_args]
 
 
-def _pin(cpus):
-    """A preexec_fn pinning the child to cpus before exec (None: leave it free)."""
-    if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
-
-
 def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives", bind_to="none"):
     """Start the workers (``python -m MODULE --worker ARGS``); returns the Popen objects
     (one mpirun, or one per rank).
@@ -116,7 +110,7 @@ def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives"
     for r in range(nproc):
         e = dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc))
         procs.append(subprocess.Popen(_command(module_args, module), env=e, start_new_session=True,
-                                      preexec_fn=_pin(cpus[r])))
+                                      preexec_fn=functools.partial(binding.pin, cpus[r])))
     return procs
 
 

@@ -140,10 +140,8 @@ def run(cfg):
 
 def _cpus_per_rank(group):
     """Every rank's CPU affinity (what --bind-to did), for the JSON."""
-    mask = np.zeros(max(os.cpu_count() or 1, *os.sched_getaffinity(0)) + 1)
+    mask = np.zeros(os.cpu_count())   # the same length on every rank: they share this host
     mask[sorted(os.sched_getaffinity(0))] = 1
-    width = int(gather_to_all(group, [mask.size]).max())
-    mask = np.pad(mask, (0, width - mask.size))
     return [np.flatnonzero(row).tolist() for row in gather_to_all(group, mask)]
 
 

@@ -1,9 +1,10 @@
 """``Work``: the handle an ``async_op=True`` call returns, as in torch.distributed.
 
 Each group runs its asynchronous operations on a few single-thread *lanes*
-(collectives, sends, receives), so operations of one kind complete in the
-order they were issued, like a CUDA stream or a Gloo/NCCL work queue, while a
-send and a receive may be in flight at once (a ring step needs both).
+(collectives; sends to each peer; receives from each peer), so operations on
+one lane complete in the order they were issued, like a CUDA stream or a
+Gloo/NCCL work queue, while a send and a receive, or operations with two
+different peers, may be in flight at once (a ring step needs both).
 """
 import concurrent.futures
 import threading

@@ -46,6 +46,12 @@ def oversubscribed(nproc, threads, cpus):
     return nproc * threads > len(cpus)
 
 
+def pin(cpus):
+    """Pin the calling process (a child between fork and exec) to cpus; None: leave it free."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
 def describe(sets):
     """'rank 0: CPU 0, rank 1: CPU 1' for the launcher's note (local ranks)."""
     return ", ".join(f"local rank {i}: CPU {','.join(map(str, sorted(s)))}" for i, s in enumerate(sets))

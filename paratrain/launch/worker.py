@@ -21,6 +21,8 @@ import subprocess
 import sys
 import threading
 
+from . import binding
+
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -59,8 +61,7 @@ def _tie_to_parent(parent_pid, cpus=None):
                    ctypes.c_ulong(0), ctypes.c_ulong(0))
         if os.getppid() != parent_pid:
             os._exit(1)
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
+        binding.pin(cpus)
     return preexec
 
 

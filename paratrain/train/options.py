@@ -3,6 +3,7 @@ before starting anything) and the workers (which receive the same words)."""
 import argparse
 import math
 
+from ..launch import binding
 from .slowdown import jitter_spec, straggler_spec
 
 STRATEGIES = ("allreduce", "allreduce-naive", "ps")
@@ -84,7 +85,7 @@ def build_parser():
     p.add_argument("--backend", default=None, choices=("shm", "torch"),
                    help="communication engine (default: shm on one host)")
     p.add_argument("--threads", type=positive_int, default=1, help="compute threads per worker (default 1)")
-    p.add_argument("--bind-to", dest="bind_to", choices=("none", "core"), default="none",
+    p.add_argument("--bind-to", dest="bind_to", choices=binding.MODES, default="none",
                    help="pin each worker to its own --threads CPUs (core), or let the kernel place them "
                         "(none, the default); as paratrain run --bind-to")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (default 0)")

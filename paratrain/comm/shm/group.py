@@ -271,6 +271,10 @@ class ShmGroup(ProcessGroup):
 
     # ---- point to point -----------------------------------------------------------
 
+    def _chunks(self, nbytes):
+        """Frames a message of nbytes takes: one at least (an empty message is a header)."""
+        return max(1, -(-nbytes // self.chunk_bytes))
+
     def _send(self, buf, code, dst, tag):
         me = self.rank
         if dst == me:
@@ -283,7 +287,7 @@ class ShmGroup(ProcessGroup):
         with self._send_locks[dst]:
             seq = self._send_seq[dst]
             self._send_seq[dst] += 1
-            for i in range(max(1, -(-total // cap))):
+            for i in range(self._chunks(total)):
                 part = raw[i * cap:(i + 1) * cap]
                 deadline = time.time() + self.timeout
                 empty.acquire(self._spin(), deadline, self._watch(lambda: [dst], what, deadline))
@@ -366,7 +370,7 @@ class ShmGroup(ProcessGroup):
                 frame[:HEADER_SIZE].tobytes(), capacity=cap, max_total=MAX_MESSAGE)
             if i == 0:
                 first = (rtotal, rtag, rcode)
-                chunks = max(1, -(-rtotal // cap))
+                chunks = self._chunks(rtotal)
                 req = box.take_posted(rtag)
                 if req is None:
                     kept = []
@@ -394,8 +398,7 @@ class ShmGroup(ProcessGroup):
         # user's message to dst is still there (or being sent): then the send may wait,
         # and must not keep this thread from receiving (the peer may need our receive
         # to free its own channel), so it goes on the send lane.
-        frames = max(1, -(-send_buf.nbytes // self.chunk_bytes))
-        if frames <= self._empty(self.rank, dst).value() and not self._send_locks[dst].locked():
+        if self._chunks(send_buf.nbytes) <= self._empty(self.rank, dst).value() and not self._send_locks[dst].locked():
             self._send(send_buf, code, dst, tag)
             self._recv(recv_buf, code, src, tag)
         else:
