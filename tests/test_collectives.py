@@ -17,12 +17,13 @@ def _ok(res, n, backend):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("backend", ["shm", "torch", "hierarchical"])
 def test_point_to_point_matches_by_peer_and_tag(backend, no_leftover_segments):
     """Receives from two peers complete in either order, tags pick their message,
     and a user's message left in a channel survives collectives that send their own
-    (tests/workers/p2p_matching.py)."""
-    res = launch(3, "p2p_matching.py", backend, env=SMALL_SLOTS)
+    (tests/workers/p2p_matching.py; over MPI in test_mpi_backend.py)."""
+    env = dict(SMALL_SLOTS, **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}))
+    res = launch(3, "p2p_matching.py", backend, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert res.stdout.count("p2p matching checks passed on " + backend) == 3, out[-4000:]

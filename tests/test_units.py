@@ -63,8 +63,13 @@ def test_op_names():
     assert ops.normalize_op("SUM") == "sum"
     assert ops.normalize_op(torch.distributed.ReduceOp.MAX) == "max"
     assert ops.normalize_op("average") == "avg"
+    # an instance, as torch code builds it, keeps its enum value in .op
+    assert ops.normalize_op(torch.distributed.ReduceOp(torch.distributed.ReduceOp.PRODUCT)) == "prod"
+    assert ops.normalize_op(torch.distributed.ReduceOp(torch.distributed.ReduceOp.MIN)) == "min"
     with pytest.raises(ValueError, match="unknown reduce op"):
         ops.normalize_op("median")
+    with pytest.raises(ValueError, match="unknown reduce op .*BXOR"):
+        ops.normalize_op(torch.distributed.ReduceOp(torch.distributed.ReduceOp.BXOR))
     with pytest.raises(ValueError, match="ambiguous"):
         ops.check_op_dtype("avg", ops.DTYPE_CODE[torch.int64])
 

@@ -111,14 +111,17 @@ class ProcessGroup:
     # ---- running blocking or async ------------------------------------------------
 
     def _run(self, lane, fn, async_op, what):
-        if self._destroyed:
-            raise CommError(f"{what} on {self!r}, which was destroyed (pt.destroy() or group.destroy()): "
-                            "its peers may be gone; call pt.init() again and use the group it returns")
+        self._check_alive(what)
         if async_op:
             return self._lanes.submit(lane, fn, what)
         self._lanes.drain(lane)
         fn()
         return None
+
+    def _check_alive(self, what):
+        if self._destroyed:
+            raise CommError(f"{what} on {self!r}, which was destroyed (pt.destroy() or group.destroy()): "
+                            "its peers may be gone; call pt.init() again and use the group it returns")
 
     def _check_peer(self, peer, what):
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
@@ -165,29 +168,43 @@ class ProcessGroup:
     # the order they were issued in, as MPI's non-overtaking rule asks.
 
     def send(self, tensor, dst, tag=0):
-        buf, code = ops.as_buffer(tensor)
-        dst = self._check_peer(dst, "send")
-        tag = _check_tag(tag, "send")
+        buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send")
         self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
 
     def recv(self, tensor, src, tag=0):
-        buf, code = ops.as_buffer(tensor)
-        src = self._check_peer(src, "recv")
-        tag = _check_tag(tag, "recv")
+        buf, code, src, tag = self._p2p_args(tensor, src, tag, "recv")
         self._run(f"recv-{src}", lambda: self._recv(buf, code, src, tag), False, f"recv from {src}")
         return src
 
     def isend(self, tensor, dst, tag=0):
-        buf, code = ops.as_buffer(tensor)
-        dst = self._check_peer(dst, "isend")
-        tag = _check_tag(tag, "isend")
-        return self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), True, f"isend to {dst}")
+        buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "isend")
+        self._check_alive(f"isend to {dst}")
+        return self._post_send(buf, code, dst, tag)
 
     def irecv(self, tensor, src, tag=0):
+        buf, code, src, tag = self._p2p_args(tensor, src, tag, "irecv")
+        self._check_alive(f"irecv from {src}")
+        return self._post_recv(buf, code, src, tag)
+
+    def _p2p_args(self, tensor, peer, tag, what):
+        """The checks every backend makes alike. A message to oneself is refused, as
+        torch.distributed refuses it (MPI would buffer a small one and hang on a large one)."""
         buf, code = ops.as_buffer(tensor)
-        src = self._check_peer(src, "irecv")
-        tag = _check_tag(tag, "irecv")
-        return self._run(f"recv-{src}", lambda: self._recv(buf, code, src, tag), True, f"irecv from {src}")
+        peer = self._check_peer(peer, what)
+        if peer == self.rank:
+            raise ValueError(f"{what}: rank {peer} is this rank; a rank cannot send to or receive from "
+                             "itself, copy the tensor instead")
+        return buf, code, peer, _check_tag(tag, what)
+
+    def _post_send(self, buf, code, dst, tag):
+        """Start a send and return its Work: here on the peer's send lane, over the
+        blocking ``_send``. A backend whose engine has its own nonblocking send
+        overrides this (torch_backend.py)."""
+        return self._lanes.submit(f"send-{dst}", lambda: self._send(buf, code, dst, tag), f"isend to {dst}")
+
+    def _post_recv(self, buf, code, src, tag):
+        """Start a receive and return its Work (see _post_send)."""
+        return self._lanes.submit(f"recv-{src}", lambda: self._recv(buf, code, src, tag), f"irecv from {src}")
 
     def _send(self, buf, code, dst, tag):
         raise NotImplementedError

@@ -44,6 +44,7 @@ from .algorithms import split_bounds
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
 from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _spin_seconds, _unpack
+from .work import EngineWork
 
 MAX_DRAIN_BYTES = 64 << 20  # a wrongly sized message up to this size is received and dropped
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
@@ -185,7 +186,7 @@ class MpiGroup(ProcessGroup):
                 req = msg.Irecv([sink, self._MPI.BYTE])
             self._wait(self._tester(req), what, lambda: [src], keep=lambda: [req])
         raise MismatchError(f"rank {self._me()}: {what}: the message has {nbytes} bytes but the buffer "
-                            f"holds {buf.nbytes} ({buf.size} x {buf.dtype}): the two ranks disagree on "
+                            f"holds {buf.nbytes} bytes ({buf.size} x {buf.dtype}): the two ranks disagree on "
                             "the message size")
 
     def _send(self, buf, code, dst, tag):
@@ -193,6 +194,16 @@ class MpiGroup(ProcessGroup):
         what = f"send to rank {self.ranks[dst]} (tag {tag})"
         req = self._call(what, lambda: self.comm.Isend(self._buf(buf, code), dst, tag))
         self._wait(self._tester(req), what, lambda: [dst], keep=lambda: [req])
+
+    def _post_send(self, buf, code, dst, tag):
+        """isend is an Isend started now, on the caller's thread. Sends queued on a lane
+        thread, each waited to its end, would deadlock a receiver that takes a later tag
+        first, once the message is over the eager limit and MPI holds it until the
+        receiver matches it (rendezvous)."""
+        self._check_tag(tag)
+        what = f"isend to rank {self.ranks[dst]} (tag {tag})"
+        req = self._call(what, lambda: self.comm.Isend(self._buf(buf, code), dst, tag))
+        return EngineWork(_Request(self, req, what, dst), what, contextlib.nullcontext, keep=(buf,))
 
     def _recv(self, buf, code, src, tag):
         self._check_tag(tag)
@@ -418,3 +429,19 @@ def _split(parent, ranks, me, via, what):
     with via._lock:
         comm = parent.Split(0 if member else MPI.UNDEFINED, ranks.index(me) if member else 0)
     return comm if member else None
+
+
+class _Request:
+    """An MPI request as EngineWork's handle: ``is_completed`` tests it, ``wait``
+    polls it with the group's timeout, which raises paratrain's errors itself
+    (hence EngineWork's ``errors`` is a no-op, contextlib.nullcontext)."""
+
+    def __init__(self, group, req, what, peer):
+        self._group, self._req, self._what, self._peer = group, req, what, peer
+        self._test = group._tester(req)
+
+    def is_completed(self):
+        return self._test()
+
+    def wait(self):
+        self._group._wait(self._test, self._what, lambda: [self._peer], keep=lambda: [self._req])

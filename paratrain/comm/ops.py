@@ -34,9 +34,11 @@ REDUCE_CODE = {name: i + 1 for i, name in enumerate(REDUCE_OPS)}
 
 
 def normalize_op(op):
-    """Accept "sum", pt.ReduceOp.SUM-like objects and torch.distributed.ReduceOp values."""
-    if op in _OP_SET:
+    """Accept "sum", torch.distributed.ReduceOp.SUM (an enum value) and
+    torch.distributed.ReduceOp(ReduceOp.SUM) (an instance, which keeps its enum in ``.op``)."""
+    if isinstance(op, str) and op in _OP_SET:
         return op
+    op = getattr(op, "op", op)
     name = getattr(op, "name", None) or str(op)
     name = name.rsplit(".", 1)[-1].lower()
     name = {"average": "avg", "product": "prod"}.get(name, name)

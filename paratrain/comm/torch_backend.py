@@ -27,6 +27,7 @@ from . import ops
 from .errors import CommError, CommTimeout, PeerError
 from .group import ProcessGroup, describe
 from .liveness import dead_local_peers
+from .work import EngineWork
 
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -65,7 +66,7 @@ class TorchGroup(ProcessGroup):
         dead = dead_local_peers(self.procs, me, peers)
         if dead:
             names = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in dead)
-            return PeerError(f"{names} died while rank {me} was in {what} over {self.engine} ({reason})", dead)
+            return PeerError(f"{names} died or exited while rank {me} was in {what} over {self.engine} ({reason})", dead)
         if "timed out" in reason.lower() or "timeout" in reason.lower():
             return CommTimeout(
                 f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine} waiting for ranks "
@@ -92,6 +93,23 @@ class TorchGroup(ProcessGroup):
     def _recv(self, buf, code, src, tag):
         with self._engine_errors(f"recv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})"):
             dist.recv(ops.torch_view(buf, code), self._global(src), group=self.pg, tag=tag)
+
+    # isend/irecv are torch's own: Gloo sends only once the receiver has posted a
+    # receive with that tag, so sends queued on one lane thread (the base class's
+    # way) would deadlock a receiver that takes a later tag first.
+    def _post_send(self, buf, code, dst, tag):
+        what = f"isend of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})"
+        t = ops.torch_view(buf, code)
+        with self._engine_errors(what):
+            handle = dist.isend(t, self._global(dst), group=self.pg, tag=tag)
+        return EngineWork(handle, what, self._engine_errors, keep=(buf, t))
+
+    def _post_recv(self, buf, code, src, tag):
+        what = f"irecv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})"
+        t = ops.torch_view(buf, code)
+        with self._engine_errors(what):
+            handle = dist.irecv(t, self._global(src), group=self.pg, tag=tag)
+        return EngineWork(handle, what, self._engine_errors, keep=(buf, t))
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         with self._engine_errors(f"exchange with ranks {self._global(dst)} and {self._global(src)}"):

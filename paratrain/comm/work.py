@@ -8,6 +8,7 @@ different peers, may be in flight at once (a ring step needs both).
 """
 import concurrent.futures
 import threading
+import time
 
 
 class Work:
@@ -35,6 +36,69 @@ class Work:
 
     def __repr__(self):
         return f"<Work {self.what} {'done' if self.is_completed() else 'pending'}>"
+
+
+class EngineWork(Work):
+    """A nonblocking operation the engine progresses itself (a torch.distributed
+    ``isend``/``irecv`` handle): no lane thread stands behind it, so two receives
+    from one peer with different tags may complete in either order, as the engine
+    matches them. ``errors(what)`` is a context manager turning the engine's error
+    into paratrain's; the buffers in ``keep`` stay referenced until it is done."""
+
+    def __init__(self, handle, what, errors, keep=()):
+        self._handle = handle
+        self.what = what
+        self._errors = errors
+        self._keep = keep
+        self._error = None
+        self._done = False
+        self._lock = threading.Lock()
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self._poll(time.monotonic() + timeout, timeout)
+        self._finish()
+        return True
+
+    def _poll(self, deadline, timeout):
+        """Wait for completion until the deadline without cancelling anything, as
+        Work.wait(timeout) leaves its lane running (the engine's own wait would
+        abort the operation at its timeout)."""
+        delay = 1e-4
+        while not self._handle.is_completed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.what} not finished after {timeout}s")
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.01)
+
+    def _finish(self):
+        with self._lock:
+            if not self._done:
+                try:
+                    with self._errors(self.what):
+                        self._handle.wait()
+                except Exception as e:   # kept, and raised by every wait, as a future does
+                    self._error = e
+                self._done = True
+                self._keep = None
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self):
+        return self._done or self._handle.is_completed()
+
+    def exception(self):
+        if not self.is_completed():
+            return None
+        try:
+            self._finish()
+        except Exception as e:
+            return e
+        return None
+
+    def result(self):
+        self._finish()
 
 
 class Lanes:

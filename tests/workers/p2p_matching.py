@@ -1,6 +1,7 @@
 """Worker: point-to-point messages matched by peer and tag, as torch.distributed and MPI match them.
 
-Started by the launcher with 3 ranks (tests/test_collectives.py). Rank 0 is the
+Started with 3 ranks by the launcher (tests/test_collectives.py) or by mpirun
+(tests/test_mpi_backend.py); the backend is the first argument. Rank 0 is the
 receiver in each case; every result is checked against the values the senders
 built, and the script raises (exits non-zero) on the first wrong one.
 
@@ -8,15 +9,18 @@ built, and the script raises (exits non-zero) on the first wrong one.
    sends only after rank 0 has answered rank 2: the receives must not queue
    behind each other.
 2. Rank 1 sends tag 1 then tag 2; rank 0 receives tag 2 first (shm keeps the
-   early message aside, as MPI does; not on the torch backend, whose sends to
-   one peer run one after the other on one thread: README, Point to point).
+   early message aside, as MPI does; torch and MPI match tags themselves).
 3. A user's multi-chunk isend still in the channel while the ranks run
    collectives whose algorithms send their own messages (ring, tree, naive,
    list all_to_all); received after them, intact.
 4. A receive whose message has another size fails with a MismatchError, and
-   the next message on the same channel still arrives whole (shm; Gloo aborts
-   the receiving process on such a message, so not on the torch backend).
-5. Tags outside 0 .. 2**24-1 are refused before anything is sent.
+   the next message on the same channel still arrives whole (shm, mpi; Gloo
+   aborts the receiving process on such a message, so not where point to point
+   runs over Gloo: the torch and hierarchical backends).
+5. Tags outside 0 .. 2**24-1, and a message to oneself, are refused before
+   anything is sent.
+6. ``wait(timeout)`` on an irecv whose message has not been sent raises
+   TimeoutError and leaves the receive posted: the message, sent after, lands.
 """
 import sys
 
@@ -33,6 +37,7 @@ def check(got, want, what):
 def main():
     backend = sys.argv[1]
     g = pt.init(backend=backend)
+    assert g.backend == backend, f"asked for {backend}, got {g.backend}"
     me, P = g.rank, g.world_size
     assert P == 3, "run with 3 ranks"
     big = 50_000   # float32 elements: several 16 KiB chunks with the test's small shm chunks
@@ -54,9 +59,7 @@ def main():
         g.send(np.full(4, 2, np.float32), 0, tag=3)
 
     # 2. two tags from one peer, received in the other order
-    if backend == "torch":
-        pass
-    elif me == 1:
+    if me == 1:
         w1 = g.isend(np.full(big, 11, np.float32), 0, tag=1)
         w2 = g.isend(np.full(5, 12, np.float32), 0, tag=2)
         w1.wait()
@@ -85,7 +88,7 @@ def main():
     check(got, np.arange(big, dtype=np.float32) + (me - 1) % P, "the user message received after the collectives")
 
     # 4. a message of the wrong size fails its receive; the channel goes on
-    if backend == "torch":
+    if backend in ("torch", "hierarchical"):   # point to point over Gloo
         pass
     elif me == 1:
         g.send(np.full(6, 5, np.float32), 0, tag=8)
@@ -107,6 +110,30 @@ def main():
             raise AssertionError(f"tag {bad!r} accepted")
         except ValueError as e:
             assert "tag" in str(e), e
+    for call in (g.send, g.isend, g.recv, g.irecv):
+        try:
+            call(np.zeros(1, np.float32), me)
+            raise AssertionError(f"{call.__name__} with this rank as the peer accepted")
+        except ValueError as e:
+            assert "itself" in str(e), e
+
+    # 6. a wait that times out leaves its receive posted
+    if me == 0:
+        late = np.zeros(3, np.float32)
+        w = g.irecv(late, 2, tag=11)
+        try:
+            w.wait(timeout=0.2)
+            raise AssertionError("wait(timeout=0.2) returned before rank 2 sent anything")
+        except TimeoutError:
+            pass
+        assert not w.is_completed() and w.exception() is None
+        g.send(np.ones(1, np.float32), 2, tag=12)
+        w.wait()
+        assert w.is_completed() and w.exception() is None
+        check(late, np.full(3, 7, np.float32), "the message sent after a timed-out wait")
+    elif me == 2:
+        g.recv(np.zeros(1, np.float32), 0, tag=12)
+        g.send(np.full(3, 7, np.float32), 0, tag=11)
     g.barrier()
     print(f"p2p matching checks passed on {backend}", flush=True)
     pt.destroy()

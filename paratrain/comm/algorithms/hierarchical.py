@@ -74,6 +74,12 @@ class HierarchicalGroup(ProcessGroup):
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         self.flat._sendrecv(send_buf, dst, recv_buf, src, code, tag)
 
+    def _post_send(self, buf, code, dst, tag):
+        return self.flat._post_send(buf, code, dst, tag)
+
+    def _post_recv(self, buf, code, src, tag):
+        return self.flat._post_recv(buf, code, src, tag)
+
     def _all_reduce(self, buf, code, op):
         """Reduce to the host leader over shm, all-reduce among leaders, broadcast over shm."""
         inner = "sum" if op == "avg" else op

@@ -193,7 +193,7 @@ class ShmGroup(ProcessGroup):
             dead = [q for q in peers if not _alive(int(self._pids[q]))]
             if dead:
                 names = ", ".join(f"rank {self.ranks[q]} (pid {int(self._pids[q])})" for q in dead)
-                raise PeerError(f"{names} died while rank {self.ranks[self.rank]} waited for it in {what}",
+                raise PeerError(f"{names} died or exited while rank {self.ranks[self.rank]} waited for it in {what}",
                                 [self.ranks[q] for q in dead])
             if time.time() >= deadline:
                 last = {self.ranks[q]: describe(self._desc[:, q][np.argmax(self._desc[:, q, 0])])
