@@ -224,3 +224,19 @@ def test_cma_reads_another_process_and_names_a_dead_one():
         p.communicate("")
     with pytest.raises(PeerError, match=r"rank 1 \(pid"):
         cma.read(p.pid, got, addr, rank=1)
+
+
+def test_point_to_point_arguments_refused_before_anything_moves():
+    """The checks every backend shares (ProcessGroup._p2p_args), on a group that
+    could not send anything: a wrong peer or tag is refused up front."""
+    from paratrain.comm.group import ProcessGroup
+    g = ProcessGroup(0, 3)
+    t = np.zeros(2, np.float32)
+    with pytest.raises(ValueError, match="no receive from any source"):
+        g.recv(t, None)
+    with pytest.raises(ValueError, match="cannot send to or receive from itself"):
+        g.isend(t, 0)
+    with pytest.raises(ValueError, match="not in this group of 3 ranks"):
+        g.irecv(t, 3)
+    with pytest.raises(ValueError, match="tag 16777216 must be an int from 0"):
+        g.send(t, 1, tag=1 << 24)

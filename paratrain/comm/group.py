@@ -190,6 +190,9 @@ class ProcessGroup:
         """The checks every backend makes alike. A message to oneself is refused, as
         torch.distributed refuses it (MPI would buffer a small one and hang on a large one)."""
         buf, code = ops.as_buffer(tensor)
+        if peer is None:
+            raise ValueError(f"{what}: a peer rank is needed; paratrain has no receive from any "
+                             "source (torch.distributed's src=None): name the sender, or gather")
         peer = self._check_peer(peer, what)
         if peer == self.rank:
             raise ValueError(f"{what}: rank {peer} is this rank; a rank cannot send to or receive from "
