@@ -240,3 +240,38 @@ def test_point_to_point_arguments_refused_before_anything_moves():
         g.irecv(t, 3)
     with pytest.raises(ValueError, match="tag 16777216 must be an int from 0"):
         g.send(t, 1, tag=1 << 24)
+
+
+def test_posted_receives_probe_only_the_oldest_of_each_source_and_tag():
+    """mpi_receives.PostedReceives: MPI's order rule (two receives for one source and
+    tag match in posting order) while receives for other tags match as they come."""
+    from paratrain.comm.mpi_receives import PostedReceives
+    polled = []
+    arrived = set()
+
+    def poll(name):
+        def p():
+            polled.append(name)
+            if name == "bad":
+                raise ValueError("wrong size")
+            return name in arrived
+        return p
+
+    q = PostedReceives()
+    a1, a2 = q.post(1, 5, poll("a1")), q.post(1, 5, poll("a2"))
+    b, c = q.post(1, 6, poll("b")), q.post(2, 5, poll("c"))
+    q.progress()
+    assert polled == ["a1", "b", "c"]          # a2 waits for a1, the older receive of (1, 5)
+    arrived.update({"b", "a2"})
+    polled.clear()
+    assert q.done(b) and not q.done(a2)        # b matched out of posting order; a2 still behind a1
+    assert "a2" not in polled
+    arrived.add("a1")
+    assert not q.done(a2) and a1.finished      # a1 leaves the queue; a2 is probed from the next round
+    assert q.done(a2) and a2.error is None
+    bad = q.post(3, 1, poll("bad"))
+    assert q.done(bad) and isinstance(bad.error, ValueError)   # kept for its owner to raise
+    q.withdraw(c)
+    polled.clear()
+    q.progress()
+    assert polled == []                         # nothing left: c withdrawn, the rest finished

@@ -173,7 +173,8 @@ class ProcessGroup:
 
     def recv(self, tensor, src, tag=0):
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "recv")
-        self._run(f"recv-{src}", lambda: self._recv(buf, code, src, tag), False, f"recv from {src}")
+        self._check_alive(f"recv from {src}")
+        self._blocking_recv(buf, code, src, tag)
         return src
 
     def isend(self, tensor, dst, tag=0):
@@ -198,6 +199,12 @@ class ProcessGroup:
             raise ValueError(f"{what}: rank {peer} is this rank; a rank cannot send to or receive from "
                              "itself, copy the tensor instead")
         return buf, code, peer, _check_tag(tag, what)
+
+    def _blocking_recv(self, buf, code, src, tag):
+        """recv: after the irecvs from src already on its lane, so that receives
+        with one tag match its messages in the order they were posted."""
+        self._lanes.drain(f"recv-{src}")
+        self._recv(buf, code, src, tag)
 
     def _post_send(self, buf, code, dst, tag):
         """Start a send and return its Work: here on the peer's send lane, over the

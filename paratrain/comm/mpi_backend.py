@@ -43,6 +43,7 @@ from . import ops
 from .algorithms import split_bounds
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
+from .mpi_receives import PostedReceives
 from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _spin_seconds, _unpack
 from .work import EngineWork
 
@@ -68,6 +69,7 @@ class MpiGroup(ProcessGroup):
                       else threading.Lock())
         self._spin_s = _spin_seconds()
         self._abandoned = []  # requests given up on: kept, with their buffers, in case MPI completes them
+        self._posted = PostedReceives()
         self._current = self._agreeing = None
 
     def default_algorithm(self, nbytes):
@@ -205,11 +207,42 @@ class MpiGroup(ProcessGroup):
         req = self._call(what, lambda: self.comm.Isend(self._buf(buf, code), dst, tag))
         return EngineWork(_Request(self, req, what, dst), what, contextlib.nullcontext, keep=(buf,))
 
+    # Receives go through PostedReceives (mpi_receives.py): each is posted when it is
+    # called, and any thread waiting for one probes them all, so a receive posted
+    # later may match first, as in MPI.
+
     def _recv(self, buf, code, src, tag):
         self._check_tag(tag)
         what = f"recv from rank {self.ranks[src]} (tag {tag})"
-        done, started = self._receiver(buf, code, src, tag, what)
-        self._wait(done, what, lambda: [src], keep=lambda: started)
+        self._await(*self._posted_receive(buf, code, src, tag, what), src, what)
+
+    def _post_recv(self, buf, code, src, tag):
+        self._check_tag(tag)
+        what = f"irecv from rank {self.ranks[src]} (tag {tag})"
+        entry, started = self._posted_receive(buf, code, src, tag, what)
+        return self._lanes.submit(f"recv-{src}", lambda: self._await(entry, started, src, what), what)
+
+    def _blocking_recv(self, buf, code, src, tag):
+        # No wait for the irecvs on src's lane: the posting order already orders a tag's receives.
+        self._recv(buf, code, src, tag)
+
+    def _posted_receive(self, buf, code, src, tag, what):
+        poll, started = self._receiver(buf, code, src, tag, what)
+        return self._posted.post(src, tag, poll), started
+
+    def _await(self, entry, started, src, what):
+        """Advance every posted receive until ``entry`` is done; at the timeout the
+        receive is withdrawn, so no later message lands in it."""
+        try:
+            self._wait(lambda: self._posted.done(entry), what, lambda: [src], keep=lambda: started)
+        except BaseException:
+            self._posted.withdraw(entry)
+            raise
+        err = entry.error
+        if isinstance(err, self._MPI.Exception):   # raised in whichever thread advanced it
+            raise self._error(err, what) from err
+        if err is not None:
+            raise err
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         self._check_tag(tag)

@@ -10,6 +10,8 @@ built, and the script raises (exits non-zero) on the first wrong one.
    behind each other.
 2. Rank 1 sends tag 1 then tag 2; rank 0 receives tag 2 first (shm keeps the
    early message aside, as MPI does; torch and MPI match tags themselves).
+   Then rank 0 posts two irecvs and rank 1 sends, with blocking sends, the
+   message of the second one first.
 3. A user's multi-chunk isend still in the channel while the ranks run
    collectives whose algorithms send their own messages (ring, tree, naive,
    list all_to_all); received after them, intact.
@@ -70,6 +72,18 @@ def main():
         g.recv(first, 1, tag=1)
         check(second, np.full(5, 12, np.float32), "tag 2 received first")
         check(first, np.full(big, 11, np.float32), "tag 1 received second")
+    # 2b. the receive posted first is for the message sent second, by a blocking send
+    # of a message over MPI's eager limit (which MPI holds until a receive matches it)
+    if me == 1:
+        g.send(np.full(big, 21, np.float32), 0, tag=13)
+        g.send(np.full(5, 22, np.float32), 0, tag=14)
+    elif me == 0:
+        second, first = np.zeros(5, np.float32), np.zeros(big, np.float32)
+        w_second, w_first = g.irecv(second, 1, tag=14), g.irecv(first, 1, tag=13)
+        w_second.wait()
+        w_first.wait()
+        check(first, np.full(big, 21, np.float32), "the message whose receive was posted second")
+        check(second, np.full(5, 22, np.float32), "the message whose receive was posted first")
     g.barrier()
 
     # 3. a user's message waits in the channel while collectives' algorithms talk
