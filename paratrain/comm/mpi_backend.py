@@ -465,16 +465,13 @@ def _split(parent, ranks, me, via, what):
 
 
 class _Request:
-    """An MPI request as EngineWork's handle: ``is_completed`` tests it, ``wait``
-    polls it with the group's timeout, which raises paratrain's errors itself
-    (hence EngineWork's ``errors`` is a no-op, contextlib.nullcontext)."""
+    """An MPI request as EngineWork's handle: ``wait`` polls it with the group's
+    timeout, which raises paratrain's errors itself (hence EngineWork's ``errors``
+    is a no-op, contextlib.nullcontext)."""
 
     def __init__(self, group, req, what, peer):
         self._group, self._req, self._what, self._peer = group, req, what, peer
-        self._test = group._tester(req)
-
-    def is_completed(self):
-        return self._test()
 
     def wait(self):
-        self._group._wait(self._test, self._what, lambda: [self._peer], keep=lambda: [self._req])
+        self._group._wait(self._group._tester(self._req), self._what, lambda: [self._peer],
+                          keep=lambda: [self._req])

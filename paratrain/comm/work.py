@@ -8,7 +8,6 @@ different peers, may be in flight at once (a ring step needs both).
 """
 import concurrent.futures
 import threading
-import time
 
 
 class Work:
@@ -40,10 +39,18 @@ class Work:
 
 class EngineWork(Work):
     """A nonblocking operation the engine progresses itself (a torch.distributed
-    ``isend``/``irecv`` handle): no lane thread stands behind it, so two receives
-    from one peer with different tags may complete in either order, as the engine
-    matches them. ``errors(what)`` is a context manager turning the engine's error
-    into paratrain's; the buffers in ``keep`` stay referenced until it is done."""
+    ``isend``/``irecv`` handle, an MPI request): no lane thread stands behind it,
+    so two receives from one peer with different tags may complete in either
+    order, as the engine matches them. ``errors(what)`` is a context manager
+    turning the engine's error into paratrain's; the buffers in ``keep`` stay
+    referenced until it is done.
+
+    Completion is learned by waiting: Gloo's send and receive handles say
+    ``is_completed()`` only once somebody has called their ``wait()``. So
+    ``wait()`` waits on the caller's thread, while ``is_completed()``,
+    ``exception()`` and ``wait(timeout)`` start one watcher thread that waits
+    (the engine's own timed wait would abort the operation at its timeout;
+    ours leaves it posted, as Work.wait(timeout) leaves its lane running)."""
 
     def __init__(self, handle, what, errors, keep=()):
         self._handle = handle
@@ -51,54 +58,55 @@ class EngineWork(Work):
         self._errors = errors
         self._keep = keep
         self._error = None
-        self._done = False
+        self._settled = threading.Event()
+        self._waiter = None            # the thread that waits on the handle, once one does
         self._lock = threading.Lock()
 
-    def wait(self, timeout=None):
-        if timeout is not None:
-            self._poll(time.monotonic() + timeout, timeout)
-        self._finish()
+    def _settle(self):
+        try:
+            with self._errors(self.what):
+                self._handle.wait()
+        except Exception as e:   # kept, and raised by every wait, as a future does
+            self._error = e
+        self._keep = None
+        self._settled.set()
+
+    def _claim(self, watcher):
+        """Become the handle's one waiter (this thread, or a new watcher): False if taken."""
+        with self._lock:
+            if self._waiter is not None:
+                return False
+            self._waiter = (threading.Thread(target=self._settle, daemon=True, name=f"paratrain-watch {self.what}")
+                            if watcher else threading.current_thread())
+        if watcher:
+            self._waiter.start()
         return True
 
-    def _poll(self, deadline, timeout):
-        """Wait for completion until the deadline without cancelling anything, as
-        Work.wait(timeout) leaves its lane running (the engine's own wait would
-        abort the operation at its timeout)."""
-        delay = 1e-4
-        while not self._handle.is_completed():
-            left = deadline - time.monotonic()
-            if left <= 0:
+    def wait(self, timeout=None):
+        if timeout is None:
+            if self._claim(watcher=False):
+                self._settle()
+            else:
+                self._settled.wait()
+        else:
+            self._claim(watcher=True)
+            if not self._settled.wait(timeout):
                 raise TimeoutError(f"{self.what} not finished after {timeout}s")
-            time.sleep(min(delay, left))
-            delay = min(2 * delay, 0.01)
-
-    def _finish(self):
-        with self._lock:
-            if not self._done:
-                try:
-                    with self._errors(self.what):
-                        self._handle.wait()
-                except Exception as e:   # kept, and raised by every wait, as a future does
-                    self._error = e
-                self._done = True
-                self._keep = None
         if self._error is not None:
             raise self._error
+        return True
 
     def is_completed(self):
-        return self._done or self._handle.is_completed()
+        if not self._settled.is_set() and self._claim(watcher=True):
+            # the first look: a few ms for the new watcher to find an operation long done
+            self._settled.wait(0.005)
+        return self._settled.is_set()
 
     def exception(self):
-        if not self.is_completed():
-            return None
-        try:
-            self._finish()
-        except Exception as e:
-            return e
-        return None
+        return self._error if self.is_completed() else None
 
     def result(self):
-        self._finish()
+        self.wait()
 
 
 class Lanes:

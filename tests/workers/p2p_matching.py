@@ -23,8 +23,10 @@ built, and the script raises (exits non-zero) on the first wrong one.
    anything is sent.
 6. ``wait(timeout)`` on an irecv whose message has not been sent raises
    TimeoutError and leaves the receive posted: the message, sent after, lands.
+7. ``is_completed()`` polled in a loop turns True once the message is in.
 """
 import sys
+import time
 
 import numpy as np
 
@@ -148,6 +150,21 @@ def main():
     elif me == 2:
         g.recv(np.zeros(1, np.float32), 0, tag=12)
         g.send(np.full(3, 7, np.float32), 0, tag=11)
+    g.barrier()
+
+    # 7. is_completed() turns True by itself once the message is in (Gloo's handles
+    # say so only after a wait(), so paratrain's Work watches for it)
+    if me in (0, 1):
+        peer = 1 - me
+        box = np.full(1000, me, np.float32)
+        w = g.irecv(box, peer, tag=15) if me == 0 else g.isend(box, peer, tag=15)
+        deadline = time.monotonic() + 20
+        while not w.is_completed():
+            assert time.monotonic() < deadline, f"{w!r} never said it was complete"
+            time.sleep(0.01)
+        assert w.exception() is None and w.wait(timeout=1)
+        if me == 0:
+            check(box, np.full(1000, 1, np.float32), "the message polled for with is_completed()")
     g.barrier()
     print(f"p2p matching checks passed on {backend}", flush=True)
     pt.destroy()
