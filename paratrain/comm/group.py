@@ -87,6 +87,7 @@ class ProcessGroup:
     """A set of ranks that communicate. ``rank`` is this process's index in the group."""
 
     backend = "base"
+    lane_stop_seconds = 0.0   # how long destroy() lets running lane work notice it and end
 
     def __init__(self, rank, world_size, ranks=None, timeout=None):
         self.rank = rank
@@ -448,4 +449,4 @@ class ProcessGroup:
         """Release the group's threads; any later call on it raises instead of talking
         to peers that may have left (as torch.distributed refuses a destroyed group)."""
         self._destroyed = True
-        self._lanes.shutdown()
+        self._lanes.shutdown(wait_s=self.lane_stop_seconds)

@@ -54,6 +54,9 @@ _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
 class MpiGroup(ProcessGroup):
     backend = "mpi"
     native_algorithms = ("native",)
+    # Pending receives and collectives on the lanes see the destroyed flag at their next
+    # poll and raise CommError; the communicator is freed once they have stopped polling it.
+    lane_stop_seconds = 2.0
 
     def __init__(self, comm, ranks, timeout=None):
         """comm: an mpi4py intracommunicator; ranks: the global rank of each of its members."""
@@ -124,9 +127,14 @@ class MpiGroup(ProcessGroup):
                 f"rank {self._me()} timed out after {self.timeout:g}s in {what} over MPI waiting for ranks "
                 f"{others} (MPI cannot say which are missing). Ranks must call the same collectives in the "
                 "same order; raise PARATRAIN_TIMEOUT if a rank is legitimately slow", others)
+        def live():
+            if self._destroyed:   # MPI would abort the job on a call on the freed communicator
+                raise CommError(f"rank {self._me()}: {what} was still waiting when its group was destroyed "
+                                "(pt.destroy() or group.destroy())")
+            return done()
         finished = False
         try:
-            _poll(done, self.timeout, on_timeout, self._spin_s)
+            _poll(live, self.timeout, on_timeout, self._spin_s)
             finished = True
         except MPI.Exception as e:
             raise self._error(e, what) from e

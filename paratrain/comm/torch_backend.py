@@ -19,6 +19,7 @@ which operation, and which rank died (a peer on this host found dead in /proc,
 liveness.py) or which ranks it may be.
 """
 import contextlib
+import functools
 
 import numpy as np
 import torch.distributed as dist
@@ -51,22 +52,27 @@ class TorchGroup(ProcessGroup):
     # ---- the engine's errors, in paratrain's terms --------------------------------
 
     @contextlib.contextmanager
-    def _engine_errors(self, what):
+    def _engine_errors(self, what, peer=None):
+        """peer: the group rank a point-to-point operation waits for (None: all the others)."""
         try:
             yield
         except CommError:
             raise
         except RuntimeError as e:   # DistBackendError and Gloo's plain RuntimeErrors
-            raise self._peer_error(what, e) from e
+            raise self._peer_error(what, e, peer) from e
 
-    def _peer_error(self, what, e):
+    def _peer_error(self, what, e, peer=None):
         me = self.ranks[self.rank]
-        peers = [r for r in self.ranks if r != me]
+        peers = [r for r in self.ranks if r != me] if peer is None else [self._global(peer)]
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         dead = dead_local_peers(self.procs, me, peers)
         if dead:
             names = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in dead)
             return PeerError(f"{names} died or exited while rank {me} was in {what} over {self.engine} ({reason})", dead)
+        if ("timed out" in reason.lower() or "timeout" in reason.lower()) and peer is not None:
+            return CommTimeout(
+                f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine}: rank {peers[0]} "
+                f"did not answer ({reason}); raise PARATRAIN_TIMEOUT if it is legitimately slow", peers)
         if "timed out" in reason.lower() or "timeout" in reason.lower():
             return CommTimeout(
                 f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine} waiting for ranks "
@@ -87,11 +93,11 @@ class TorchGroup(ProcessGroup):
 
     # point to point: torch uses global ranks
     def _send(self, buf, code, dst, tag):
-        with self._engine_errors(f"send of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})"):
+        with self._engine_errors(f"send of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})", dst):
             dist.send(ops.torch_view(buf, code), self._global(dst), group=self.pg, tag=tag)
 
     def _recv(self, buf, code, src, tag):
-        with self._engine_errors(f"recv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})"):
+        with self._engine_errors(f"recv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})", src):
             dist.recv(ops.torch_view(buf, code), self._global(src), group=self.pg, tag=tag)
 
     # isend/irecv are torch's own: Gloo sends only once the receiver has posted a
@@ -100,16 +106,18 @@ class TorchGroup(ProcessGroup):
     def _post_send(self, buf, code, dst, tag):
         what = f"isend of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})"
         t = ops.torch_view(buf, code)
-        with self._engine_errors(what):
+        errors = functools.partial(self._engine_errors, peer=dst)
+        with errors(what):
             handle = dist.isend(t, self._global(dst), group=self.pg, tag=tag)
-        return EngineWork(handle, what, self._engine_errors, keep=(buf, t))
+        return EngineWork(handle, what, errors, keep=(buf, t))
 
     def _post_recv(self, buf, code, src, tag):
         what = f"irecv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})"
         t = ops.torch_view(buf, code)
-        with self._engine_errors(what):
+        errors = functools.partial(self._engine_errors, peer=src)
+        with errors(what):
             handle = dist.irecv(t, self._global(src), group=self.pg, tag=tag)
-        return EngineWork(handle, what, self._engine_errors, keep=(buf, t))
+        return EngineWork(handle, what, errors, keep=(buf, t))
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         with self._engine_errors(f"exchange with ranks {self._global(dst)} and {self._global(src)}"):

@@ -9,6 +9,8 @@ different peers, may be in flight at once (a ring step needs both).
 import concurrent.futures
 import threading
 
+from .errors import CommError
+
 
 class Work:
     """A pending communication. ``wait()`` blocks until it is done and re-raises its error."""
@@ -18,20 +20,29 @@ class Work:
         self.what = what
 
     def wait(self, timeout=None):
-        try:
-            self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{self.what} not finished after {timeout}s") from None
+        self.result(timeout)
         return True
 
     def is_completed(self):
         return self._future.done()
 
     def exception(self):
-        return self._future.exception() if self._future.done() else None
+        if not self._future.done():
+            return None
+        try:
+            self.result()
+        except Exception as e:
+            return e
+        return None
 
-    def result(self):
-        return self._future.result()
+    def result(self, timeout=None):
+        try:
+            return self._future.result(timeout=timeout)
+        except concurrent.futures.CancelledError:
+            raise CommError(f"{self.what} never started: its group was destroyed first "
+                            "(pt.destroy() or group.destroy())") from None
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{self.what} not finished after {timeout}s") from None
 
     def __repr__(self):
         return f"<Work {self.what} {'done' if self.is_completed() else 'pending'}>"
@@ -134,7 +145,11 @@ class Lanes:
         if fut is not None:
             concurrent.futures.wait([fut])
 
-    def shutdown(self):
+    def shutdown(self, wait_s=0.0):
+        """Cancel what has not started; give what is running up to wait_s seconds to end."""
         for ex in self._lanes.values():
             ex.shutdown(wait=False, cancel_futures=True)
+        if wait_s > 0:
+            concurrent.futures.wait(list(self._last.values()), timeout=wait_s)
         self._lanes.clear()
+        self._last.clear()

@@ -24,6 +24,7 @@ built, and the script raises (exits non-zero) on the first wrong one.
 6. ``wait(timeout)`` on an irecv whose message has not been sent raises
    TimeoutError and leaves the receive posted: the message, sent after, lands.
 7. ``is_completed()`` polled in a loop turns True once the message is in.
+8. (mpi) A receive pending at ``pt.destroy()`` fails with CommError.
 """
 import sys
 import time
@@ -166,8 +167,18 @@ def main():
         if me == 0:
             check(box, np.full(1000, 1, np.float32), "the message polled for with is_completed()")
     g.barrier()
-    print(f"p2p matching checks passed on {backend}", flush=True)
+
+    # 8. (mpi) a receive still pending at pt.destroy() fails with CommError; it used to
+    # probe the freed communicator, which MPI answers by aborting the job
+    pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16) if backend == "mpi" else None
     pt.destroy()
+    if pending is not None:
+        try:
+            pending.wait()
+            raise AssertionError("a receive pending at destroy() completed")
+        except pt.CommError as e:
+            assert "destroyed" in str(e), e
+    print(f"p2p matching checks passed on {backend}", flush=True)
 
 
 if __name__ == "__main__":
