@@ -166,7 +166,8 @@ class ProcessGroup:
     # Each peer has its own send lane and its own receive lane (work.py): an irecv
     # from one peer never waits behind an irecv from another (torch.distributed and
     # MPI let the second complete first), while messages to or from one peer keep
-    # the order they were issued in, as MPI's non-overtaking rule asks.
+    # the order they were issued in, as MPI's non-overtaking rule asks. torch's
+    # isend/irecv and MPI's isend are the engines' own instead (_post_send/_post_recv).
 
     def send(self, tensor, dst, tag=0):
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send")
@@ -210,7 +211,7 @@ class ProcessGroup:
     def _post_send(self, buf, code, dst, tag):
         """Start a send and return its Work: here on the peer's send lane, over the
         blocking ``_send``. A backend whose engine has its own nonblocking send
-        overrides this (torch_backend.py)."""
+        overrides this (torch_backend.py, mpi_backend.py)."""
         return self._lanes.submit(f"send-{dst}", lambda: self._send(buf, code, dst, tag), f"isend to {dst}")
 
     def _post_recv(self, buf, code, src, tag):

@@ -68,7 +68,8 @@ class TorchGroup(ProcessGroup):
         dead = dead_local_peers(self.procs, me, peers)
         if dead:
             names = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in dead)
-            return PeerError(f"{names} died or exited while rank {me} was in {what} over {self.engine} ({reason})", dead)
+            return PeerError(f"{names} died or exited while rank {me} was in {what} over {self.engine} "
+                             f"({reason})", dead)
         if ("timed out" in reason.lower() or "timeout" in reason.lower()) and peer is not None:
             return CommTimeout(
                 f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine}: rank {peers[0]} "

@@ -4,7 +4,9 @@ Each group runs its asynchronous operations on a few single-thread *lanes*
 (collectives; sends to each peer; receives from each peer), so operations on
 one lane complete in the order they were issued, like a CUDA stream or a
 Gloo/NCCL work queue, while a send and a receive, or operations with two
-different peers, may be in flight at once (a ring step needs both).
+different peers, may be in flight at once (a ring step needs both). Where the
+engine has its own nonblocking point to point (torch's isend/irecv, MPI's
+Isend), the Work is an EngineWork around the engine's handle instead.
 """
 import concurrent.futures
 import threading
@@ -87,7 +89,7 @@ class EngineWork(Work):
         with self._lock:
             if self._waiter is not None:
                 return False
-            self._waiter = (threading.Thread(target=self._settle, daemon=True, name=f"paratrain-watch {self.what}")
+            self._waiter = (threading.Thread(target=self._settle, daemon=True, name="paratrain-watch")
                             if watcher else threading.current_thread())
         if watcher:
             self._waiter.start()
@@ -116,8 +118,8 @@ class EngineWork(Work):
     def exception(self):
         return self._error if self.is_completed() else None
 
-    def result(self):
-        self.wait()
+    def result(self, timeout=None):
+        self.wait(timeout)
 
 
 class Lanes:
