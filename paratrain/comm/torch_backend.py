@@ -105,19 +105,19 @@ class TorchGroup(ProcessGroup):
     # receive with that tag, so sends queued on one lane thread (the base class's
     # way) would deadlock a receiver that takes a later tag first.
     def _post_send(self, buf, code, dst, tag):
-        what = f"isend of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})"
-        t = ops.torch_view(buf, code)
-        errors = functools.partial(self._engine_errors, peer=dst)
-        with errors(what):
-            handle = dist.isend(t, self._global(dst), group=self.pg, tag=tag)
-        return EngineWork(handle, what, errors, keep=(buf, t))
+        return self._post(dist.isend, f"isend of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})",
+                          buf, code, dst, tag)
 
     def _post_recv(self, buf, code, src, tag):
-        what = f"irecv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})"
+        return self._post(dist.irecv, f"irecv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})",
+                          buf, code, src, tag)
+
+    def _post(self, start, what, buf, code, peer, tag):
+        """start (dist.isend or dist.irecv) on buf, as an EngineWork whose errors name the peer."""
         t = ops.torch_view(buf, code)
-        errors = functools.partial(self._engine_errors, peer=src)
+        errors = functools.partial(self._engine_errors, peer=peer)
         with errors(what):
-            handle = dist.irecv(t, self._global(src), group=self.pg, tag=tag)
+            handle = start(t, self._global(peer), group=self.pg, tag=tag)
         return EngineWork(handle, what, errors, keep=(buf, t))
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):

@@ -193,8 +193,8 @@ class ShmGroup(ProcessGroup):
             dead = [q for q in peers if not _alive(int(self._pids[q]))]
             if dead:
                 names = ", ".join(f"rank {self.ranks[q]} (pid {int(self._pids[q])})" for q in dead)
-                raise PeerError(f"{names} died or exited while rank {self.ranks[self.rank]} waited for it in {what}",
-                                [self.ranks[q] for q in dead])
+                raise PeerError(f"{names} died or exited while rank {self.ranks[self.rank]} waited for it "
+                                f"in {what}", [self.ranks[q] for q in dead])
             if time.time() >= deadline:
                 last = {self.ranks[q]: describe(self._desc[:, q][np.argmax(self._desc[:, q, 0])])
                         for q in peers}
@@ -277,8 +277,6 @@ class ShmGroup(ProcessGroup):
 
     def _send(self, buf, code, dst, tag):
         me = self.rank
-        if dst == me:
-            raise ValueError("send to self is not supported; copy the tensor instead")
         raw = buf.view(np.uint8)
         total, cap = raw.size, self.chunk_bytes
         what = f"send of {total} bytes to rank {self.ranks[dst]} (tag {tag})"
@@ -303,8 +301,6 @@ class ShmGroup(ProcessGroup):
         a receive on another thread meanwhile waits for its own to be handed over, or
         for the lock, to read the next one itself."""
         me = self.rank
-        if src == me:
-            raise ValueError("recv from self is not supported")
         req = PostedReceive(tag, buf.view(np.uint8), code)
         box = self._boxes[src]
         deadline = time.time() + self.timeout
