@@ -275,3 +275,67 @@ def test_posted_receives_probe_only_the_oldest_of_each_source_and_tag():
     polled.clear()
     q.progress()
     assert polled == []                         # nothing left: c withdrawn, the rest finished
+
+
+def test_posted_receive_futures_settle_from_whichever_side_ends_first():
+    """The Work of a receive posted at call time (work.posted_work): done when the
+    receive is finished by any thread, even while its own lane job waits behind
+    another; failed with the job's error if the job fails first; a CommError if
+    the group is destroyed before the job starts. And the mpi queue settles a
+    receive's future when another thread's progress finishes it."""
+    import concurrent.futures
+    import threading
+
+    from paratrain.comm.errors import CommError
+    from paratrain.comm.mpi_receives import PostedReceives
+    from paratrain.comm.work import Lanes, posted_work
+    lanes = Lanes("unit")
+    gate = threading.Event()
+    first, second = concurrent.futures.Future(), concurrent.futures.Future()
+    w1 = posted_work(lanes, "recv-1", first, gate.wait, "irecv one")
+    w2 = posted_work(lanes, "recv-1", second, lambda: None, "irecv two")
+    second.set_result(None)                      # its message delivered by another thread
+    assert w2.wait(timeout=2) and not w1.is_completed()
+    gate.set()
+    first.set_result(None)
+    assert w1.wait(timeout=2)
+
+    failing = concurrent.futures.Future()
+    w3 = posted_work(lanes, "recv-2", failing, lambda: 1 / 0, "irecv three")
+    with pytest.raises(ZeroDivisionError):
+        w3.wait(timeout=2)
+
+    block = threading.Event()
+    posted_work(lanes, "recv-3", concurrent.futures.Future(), block.wait, "irecv four")
+    w5 = posted_work(lanes, "recv-3", concurrent.futures.Future(), lambda: None, "irecv five")
+    lanes.shutdown()
+    with pytest.raises(CommError, match="destroyed"):
+        w5.wait(timeout=2)                        # never started: cancelled by the shutdown
+    block.set()                                   # let w4's job, running at the shutdown, end
+
+    q = PostedReceives()
+    fut = concurrent.futures.Future()
+    entry = q.post(1, 5, lambda: True, fut)
+    other = q.post(2, 5, lambda: False)
+    assert not q.done(other)                     # progress made for `other` finishes `entry` too
+    assert entry.finished and fut.done() and fut.exception() is None
+
+
+def test_shm_mailbox_gives_a_message_to_a_receive_posted_while_it_was_read():
+    """shm matching: a message read with no receive for it is kept, unless a receive
+    with its tag was posted while it was read, which then takes it; posting takes a
+    kept message first, oldest of its tag first."""
+    from paratrain.comm.shm.matching import Mailbox, PostedReceive
+    box = Mailbox()
+    payload = np.arange(3, dtype=np.uint8)
+    assert box.take_posted(4) is None            # the reader finds no receive for tag 4 ...
+    late = PostedReceive(4, np.zeros(3, np.uint8), 0)
+    assert box.post(late) is None                # ... one is posted meanwhile ...
+    assert box.keep(4, 0, payload) is late and not box.unexpected   # ... and takes the message
+    assert box.keep(7, 0, payload) is None and box.keep(7, 0, payload + 1) is None
+    kept = box.post(PostedReceive(7, np.zeros(3, np.uint8), 0))
+    assert kept[0] == 7 and np.array_equal(kept[2], payload) and len(box.unexpected) == 1
+    waiting = PostedReceive(9, np.zeros(3, np.uint8), 0)
+    box.post(waiting)
+    box.withdraw(waiting)
+    assert box.take_posted(9) is None

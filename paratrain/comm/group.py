@@ -163,11 +163,13 @@ class ProcessGroup:
 
     # ---- point to point -----------------------------------------------------------
 
-    # Each peer has its own send lane and its own receive lane (work.py): an irecv
-    # from one peer never waits behind an irecv from another (torch.distributed and
-    # MPI let the second complete first), while messages to or from one peer keep
-    # the order they were issued in, as MPI's non-overtaking rule asks. torch's
-    # isend/irecv and MPI's isend are the engines' own instead (_post_send/_post_recv).
+    # Portable fallback: each peer has its own send lane and its own receive lane
+    # (work.py): an irecv from one peer never waits behind an irecv from another
+    # (torch.distributed and MPI let the second complete first), while messages to
+    # or from one peer keep the order they were issued in, as MPI's non-overtaking
+    # rule asks. The backends do better (_post_send/_post_recv): torch's isend/irecv
+    # and MPI's isend are the engines' own, and shm and mpi post a receive when it
+    # is called, so its Work is done once its message is in (work.posted_work).
 
     def send(self, tensor, dst, tag=0):
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send")

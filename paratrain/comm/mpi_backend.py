@@ -33,6 +33,7 @@ Buffers go to MPI through the buffer protocol with explicit datatypes (the
 uppercase mpi4py methods): nothing is pickled. Ranks are group-local, as in the
 rest of paratrain; ``ranks`` maps them to global (COMM_WORLD) ranks.
 """
+import concurrent.futures
 import contextlib
 import threading
 import zlib
@@ -45,7 +46,7 @@ from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
 from .mpi_receives import PostedReceives
 from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _spin_seconds, _unpack
-from .work import EngineWork
+from .work import EngineWork, posted_work
 
 MAX_DRAIN_BYTES = 64 << 20  # a wrongly sized message up to this size is received and dropped
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
@@ -227,16 +228,23 @@ class MpiGroup(ProcessGroup):
     def _post_recv(self, buf, code, src, tag):
         self._check_tag(tag)
         what = f"irecv from rank {self.ranks[src]} (tag {tag})"
-        entry, started = self._posted_receive(buf, code, src, tag, what)
-        return self._lanes.submit(f"recv-{src}", lambda: self._await(entry, started, src, what), what)
+        entry, started = self._posted_receive(buf, code, src, tag, what, concurrent.futures.Future())
+        return posted_work(self._lanes, f"recv-{src}", entry.future,
+                           lambda: self._await(entry, started, src, what), what)
 
     def _blocking_recv(self, buf, code, src, tag):
         # No wait for the irecvs on src's lane: the posting order already orders a tag's receives.
         self._recv(buf, code, src, tag)
 
-    def _posted_receive(self, buf, code, src, tag, what):
-        poll, started = self._receiver(buf, code, src, tag, what)
-        return self._posted.post(src, tag, poll), started
+    def _posted_receive(self, buf, code, src, tag, what, future=None):
+        receive, started = self._receiver(buf, code, src, tag, what)
+
+        def poll():   # run by whichever thread progresses it: MPI's errors made ours there
+            try:
+                return receive()
+            except self._MPI.Exception as e:
+                raise self._error(e, what) from e
+        return self._posted.post(src, tag, poll, future), started
 
     def _await(self, entry, started, src, what):
         """Advance every posted receive until ``entry`` is done; at the timeout the
@@ -246,11 +254,8 @@ class MpiGroup(ProcessGroup):
         except BaseException:
             self._posted.withdraw(entry)
             raise
-        err = entry.error
-        if isinstance(err, self._MPI.Exception):   # raised in whichever thread advanced it
-            raise self._error(err, what) from err
-        if err is not None:
-            raise err
+        if entry.error is not None:   # raised in whichever thread advanced it
+            raise entry.error
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         self._check_tag(tag)

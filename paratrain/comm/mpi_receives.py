@@ -18,16 +18,20 @@ order their messages come.
 """
 import threading
 
+from .work import settle
+
 
 class PostedReceive:
     """One receive: ``poll()`` advances it (probe, then test the receive) and
     returns True once the message is in the buffer; an error it raises is the
-    receive's result, kept for its owner."""
+    receive's result, kept for its owner. ``future``, when an irecv's Work
+    waits on it, is settled by whichever thread finishes the receive, so the
+    Work is done then, not once its own lane job has had its turn."""
 
-    __slots__ = ("src", "tag", "poll", "finished", "error", "_busy")
+    __slots__ = ("src", "tag", "poll", "future", "finished", "error", "_busy")
 
-    def __init__(self, src, tag, poll):
-        self.src, self.tag, self.poll = src, tag, poll
+    def __init__(self, src, tag, poll, future=None):
+        self.src, self.tag, self.poll, self.future = src, tag, poll, future
         self.finished = False
         self.error = None
         self._busy = threading.Lock()   # one thread at a time advances a receive
@@ -38,8 +42,8 @@ class PostedReceives:
         self._queue = []                # in posting order
         self._guard = threading.Lock()
 
-    def post(self, src, tag, poll):
-        entry = PostedReceive(src, tag, poll)
+    def post(self, src, tag, poll, future=None):
+        entry = PostedReceive(src, tag, poll, future)
         with self._guard:
             self._queue.append(entry)
         return entry
@@ -70,9 +74,12 @@ class PostedReceives:
             try:
                 if not e.finished:
                     try:
-                        e.finished = e.poll()
+                        finished = e.poll()
                     except Exception as err:   # the receive's own failure: its owner raises it
-                        e.error, e.finished = err, True
+                        e.error, finished = err, True
+                    if finished and e.future is not None:
+                        settle(e.future, e.error)
+                    e.finished = finished
             finally:
                 e._busy.release()
             if e.finished:

@@ -6,7 +6,9 @@ one lane complete in the order they were issued, like a CUDA stream or a
 Gloo/NCCL work queue, while a send and a receive, or operations with two
 different peers, may be in flight at once (a ring step needs both). Where the
 engine has its own nonblocking point to point (torch's isend/irecv, MPI's
-Isend), the Work is an EngineWork around the engine's handle instead.
+Isend), the Work is an EngineWork around the engine's handle instead. A
+receive the backend posts at once (shm, mpi) has a Work of its own future
+(posted_work): its lane job only keeps the channel read.
 """
 import concurrent.futures
 import threading
@@ -120,6 +122,39 @@ class EngineWork(Work):
 
     def result(self, timeout=None):
         self.wait(timeout)
+
+
+def settle(future, error=None):
+    """Set a future's outcome unless another thread already did: a posted receive is
+    finished by whichever thread delivers its message, or by its own lane on failure."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def posted_work(lanes, lane, future, advance, what):
+    """The Work of a receive posted when it was called, as MPI posts an Irecv: done
+    when ``future`` is, which whichever thread delivers the message settles. The
+    lane job ``advance`` reads messages until this receive is done (so some thread
+    always reads while a receive waits, and a sender is never left stuck on a full
+    channel); a later receive from the same peer, delivered meanwhile by this
+    job, is done at once instead of waiting for its own job's turn. If ``advance``
+    fails (the peer died, the deadline passed) or never starts (the group was
+    destroyed), that is the receive's result."""
+    def on_job_end(job):
+        if future.done():
+            return
+        if job.cancelled():
+            settle(future, CommError(f"{what} never finished: its group was destroyed first "
+                                     "(pt.destroy() or group.destroy())"))
+        elif job.exception() is not None:
+            settle(future, job.exception())
+    lanes.submit(lane, advance, what)._future.add_done_callback(on_job_end)
+    return Work(future, what)
 
 
 class Lanes:

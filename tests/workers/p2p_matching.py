@@ -12,6 +12,9 @@ built, and the script raises (exits non-zero) on the first wrong one.
    early message aside, as MPI does; torch and MPI match tags themselves).
    Then rank 0 posts two irecvs and rank 1 sends, with blocking sends, the
    message of the second one first.
+   Then rank 0 posts irecvs for tags 17 and 18 and waits for 18 alone; rank 1
+   sends tag 17 only once rank 0 has answered tag 18: the second receive must
+   not wait behind the first one (one reader per peer once held it there).
 3. A user's multi-chunk isend still in the channel while the ranks run
    collectives whose algorithms send their own messages (ring, tree, naive,
    list all_to_all); received after them, intact.
@@ -24,7 +27,7 @@ built, and the script raises (exits non-zero) on the first wrong one.
 6. ``wait(timeout)`` on an irecv whose message has not been sent raises
    TimeoutError and leaves the receive posted: the message, sent after, lands.
 7. ``is_completed()`` polled in a loop turns True once the message is in.
-8. (mpi) A receive pending at ``pt.destroy()`` fails with CommError.
+8. (shm, mpi) A receive pending at ``pt.destroy()`` fails with CommError, at once.
 """
 import sys
 import time
@@ -87,6 +90,20 @@ def main():
         w_first.wait()
         check(first, np.full(big, 21, np.float32), "the message whose receive was posted second")
         check(second, np.full(5, 22, np.float32), "the message whose receive was posted first")
+    # 2c. a later receive from one peer completes while an earlier one still waits
+    if me == 1:
+        g.send(np.full(5, 32, np.float32), 0, tag=18)
+        g.recv(np.zeros(1, np.float32), 0, tag=19)
+        g.send(np.full(big, 31, np.float32), 0, tag=17)
+    elif me == 0:
+        first, second = np.zeros(big, np.float32), np.zeros(5, np.float32)
+        w_first, w_second = g.irecv(first, 1, tag=17), g.irecv(second, 1, tag=18)
+        w_second.wait()
+        assert not w_first.is_completed(), "tag 17 done before rank 1 sent it"
+        check(second, np.full(5, 32, np.float32), "the later receive, completed first")
+        g.send(np.ones(1, np.float32), 1, tag=19)
+        w_first.wait()
+        check(first, np.full(big, 31, np.float32), "the earlier receive, completed second")
     g.barrier()
 
     # 3. a user's message waits in the channel while collectives' algorithms talk
@@ -168,16 +185,19 @@ def main():
             check(box, np.full(1000, 1, np.float32), "the message polled for with is_completed()")
     g.barrier()
 
-    # 8. (mpi) a receive still pending at pt.destroy() fails with CommError; it used to
-    # probe the freed communicator, which MPI answers by aborting the job
-    pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16) if backend == "mpi" else None
+    # 8. a receive still pending at pt.destroy() fails with CommError (on mpi it used to
+    # probe the freed communicator, which MPI answers by aborting the job; on shm it
+    # waited out the timeout)
+    pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16) if backend in ("shm", "mpi") else None
     pt.destroy()
     if pending is not None:
+        start = time.monotonic()
         try:
             pending.wait()
             raise AssertionError("a receive pending at destroy() completed")
         except pt.CommError as e:
             assert "destroyed" in str(e), e
+        assert time.monotonic() - start < 5, "the pending receive waited for its timeout"
     print(f"p2p matching checks passed on {backend}", flush=True)
 
 

@@ -22,6 +22,7 @@ Point-to-point messages stream through a channel's two frames, each a fixed
 header (comm/wire.py) and up to chunk_bytes of payload: the receiver copies
 frame k while the sender fills frame k+1.
 """
+import concurrent.futures
 import ctypes
 import os
 import threading
@@ -36,6 +37,7 @@ from ..env import size_bytes
 from ..errors import CommTimeout, FrameError, MismatchError, PeerError
 from ..group import ProcessGroup, check_descriptors, describe
 from ..liveness import alive as _alive
+from ..work import posted_work
 from ..wire import HEADER_SIZE, decode_header, encode_header
 from . import segment
 from .semaphore import SEM_STRIDE, Semaphore
@@ -189,6 +191,7 @@ class ShmGroup(ProcessGroup):
             nonlocal what
             if callable(what):
                 what = what()
+            self._check_alive(what)   # pt.destroy() on another thread ends the wait
             peers = peers_fn()
             dead = [q for q in peers if not _alive(int(self._pids[q]))]
             if dead:
@@ -295,23 +298,46 @@ class ShmGroup(ProcessGroup):
                 ops.copy(frame[HEADER_SIZE:HEADER_SIZE + part.size], part)
                 full.post()
 
+    # Receives are posted when called (matching.py), so an irecv's message is matched
+    # as soon as any thread of this rank reads it off the channel: the irecv's own
+    # lane job, another irecv's, or a blocking recv. Its Work is done then, not when
+    # its lane job's turn comes behind the receives posted before it from that peer.
+
+    def _posted(self, buf, code, src, tag, future=None):
+        """A receive posted now: it takes a kept message with its tag at once, or
+        waits in the peer's mailbox for whichever thread reads its message."""
+        req = PostedReceive(tag, buf.view(np.uint8), code, future)
+        kept = self._boxes[src].post(req)
+        if kept is not None:
+            self._land(req, src, kept[1], kept[2].size, kept[2])
+        return req
+
     def _recv(self, buf, code, src, tag):
-        """Receive the oldest message from src with this tag (matching.py). The thread
-        holding the channel's lock reads whole messages and hands each to its receive;
-        a receive on another thread meanwhile waits for its own to be handed over, or
-        for the lock, to read the next one itself."""
-        me = self.rank
-        req = PostedReceive(tag, buf.view(np.uint8), code)
+        """Receive the oldest message from src with this tag."""
+        req = self._posted(buf, code, src, tag)
+        self._advance(req, src)
+        if req.error is not None:
+            raise req.error
+
+    def _post_recv(self, buf, code, src, tag):
+        what = f"irecv of {buf.nbytes} bytes from rank {self.ranks[src]} (tag {tag})"
+        req = self._posted(buf, code, src, tag, concurrent.futures.Future())
+        return posted_work(self._lanes, f"recv-{src}", req.future, lambda: self._advance(req, src), what)
+
+    def _blocking_recv(self, buf, code, src, tag):
+        # No wait for the irecvs on src's lane: they are posted, so posting order
+        # already orders the receives of one tag.
+        self._recv(buf, code, src, tag)
+
+    def _advance(self, req, src):
+        """Read src's channel until req is done. The thread holding the channel's
+        ``reading`` lock reads whole messages and hands each to its receive; a
+        receive on another thread meanwhile waits for its own to be handed over,
+        or for the lock, to read the next one itself."""
         box = self._boxes[src]
         deadline = time.time() + self.timeout
-        with box.lock:
-            kept = box.take_unexpected(tag)
-            if kept is None:
-                box.posted.append(req)
-            else:
-                self._land(req, src, kept[1], kept[2].size, kept[2])
         while not req.done:
-            if box.lock.acquire(timeout=0.002):
+            if box.reading.acquire(timeout=0.002):
                 try:
                     if not req.done:
                         self._read_message(src, box, req, deadline)
@@ -319,16 +345,14 @@ class ShmGroup(ProcessGroup):
                     box.withdraw(req)
                     raise
                 finally:
-                    box.lock.release()
-            elif time.time() > deadline:
-                with box.lock:
-                    box.withdraw(req)
+                    box.reading.release()
+            elif self._destroyed or time.time() > deadline:
+                box.withdraw(req)
                 if not req.done:
-                    raise CommTimeout(f"rank {self.ranks[me]}: recv of {req.raw.size} bytes from rank "
-                                      f"{self.ranks[src]} (tag {tag}) not done after {self.timeout:g}s, while "
-                                      "another thread of this rank read the channel", [self.ranks[src]])
-        if req.error is not None:
-            raise req.error
+                    self._check_alive(f"recv from rank {self.ranks[src]} (tag {req.tag})")
+                    raise CommTimeout(f"rank {self.ranks[self.rank]}: recv of {req.raw.size} bytes from rank "
+                                      f"{self.ranks[src]} (tag {req.tag}) not done after {self.timeout:g}s, "
+                                      "while another thread of this rank read the channel", [self.ranks[src]])
 
     def _land(self, req, src, rcode, rtotal, payload=None):
         """End req with a MismatchError if the message does not fit it; else copy a
@@ -346,7 +370,7 @@ class ShmGroup(ProcessGroup):
         return True
 
     def _read_message(self, src, box, waiting, deadline):
-        """Read the next whole message from src's channel (holding box.lock) and deliver
+        """Read the next whole message from src's channel (holding box.reading) and deliver
         it: into the oldest posted receive with its tag, or kept aside. A message that
         does not fit its receive is read to the end all the same (the receive fails),
         so the channel stays in step for the next one. ``waiting``'s deadline bounds
@@ -358,35 +382,44 @@ class ShmGroup(ProcessGroup):
         seq = self._recv_seq[src] & 0xFFFFFFFF
         self._recv_seq[src] += 1
         chunks, i, into, kept = 1, 0, None, None
-        while i < chunks:
-            full.acquire(self._spin(), deadline, self._watch(lambda: [src], what, deadline))
-            frame = frames[self._recv_frame[src]]
-            self._recv_frame[src] ^= 1
-            rcode, rtag, rseq, rtotal, index, length = decode_header(
-                frame[:HEADER_SIZE].tobytes(), capacity=cap, max_total=MAX_MESSAGE)
-            if i == 0:
-                first = (rtotal, rtag, rcode)
-                chunks = self._chunks(rtotal)
-                req = box.take_posted(rtag)
-                if req is None:
-                    kept = []
-                elif self._land(req, src, rcode, rtotal):
-                    into = req
-            if rseq != seq or index != i or (rtotal, rtag, rcode) != first or length != min(cap, rtotal - i * cap):
-                raise FrameError(f"out-of-order frame from rank {self.ranks[src]}: message {rseq} chunk "
-                                 f"{index} ({length} bytes), expected message {seq} chunk {i}")
-            payload = frame[HEADER_SIZE:HEADER_SIZE + length]
+        try:
+            while i < chunks:
+                full.acquire(self._spin(), deadline, self._watch(lambda: [src], what, deadline))
+                frame = frames[self._recv_frame[src]]
+                self._recv_frame[src] ^= 1
+                rcode, rtag, rseq, rtotal, index, length = decode_header(
+                    frame[:HEADER_SIZE].tobytes(), capacity=cap, max_total=MAX_MESSAGE)
+                if i == 0:
+                    first = (rtotal, rtag, rcode)
+                    chunks = self._chunks(rtotal)
+                    req = box.take_posted(rtag)
+                    if req is None:
+                        kept = []
+                    elif self._land(req, src, rcode, rtotal):
+                        into = req
+                if (rseq != seq or index != i or (rtotal, rtag, rcode) != first
+                        or length != min(cap, rtotal - i * cap)):
+                    raise FrameError(f"out-of-order frame from rank {self.ranks[src]}: message {rseq} chunk "
+                                     f"{index} ({length} bytes), expected message {seq} chunk {i}")
+                payload = frame[HEADER_SIZE:HEADER_SIZE + length]
+                if into is not None:
+                    ops.copy(into.raw[i * cap:i * cap + length], payload)
+                elif kept is not None:
+                    kept.append(payload.copy())
+                empty.post()
+                i += 1
+                deadline = time.time() + self.timeout
+        except Exception as e:   # the receive being filled, maybe another thread's, ends with it
             if into is not None:
-                ops.copy(into.raw[i * cap:i * cap + length], payload)
-            elif kept is not None:
-                kept.append(payload.copy())
-            empty.post()
-            i += 1
-            deadline = time.time() + self.timeout
+                into.finish(e)
+            raise
         if into is not None:
             into.finish()
         elif kept is not None:
-            box.unexpected.append((first[1], first[2], np.concatenate(kept)))
+            payload = np.concatenate(kept)
+            late = box.keep(first[1], first[2], payload)   # a receive posted while it was read
+            if late is not None:
+                self._land(late, src, first[2], first[0], payload)
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         # A message that fits the channel's free frames is sent without waiting: no

@@ -22,48 +22,76 @@ is kept and the message streams into the receive's buffer as before.
 import collections
 import threading
 
+from ..work import settle
+
 
 class PostedReceive:
-    """A receive waiting for its message: where the bytes go, and how it ended."""
+    """A receive waiting for its message: where the bytes go, and how it ended.
+    ``future``, when an irecv's Work waits on it, is settled when it ends."""
 
-    __slots__ = ("tag", "raw", "code", "done", "error")
+    __slots__ = ("tag", "raw", "code", "done", "error", "future")
 
-    def __init__(self, tag, raw, code):
-        self.tag, self.raw, self.code = tag, raw, code
+    def __init__(self, tag, raw, code, future=None):
+        self.tag, self.raw, self.code, self.future = tag, raw, code, future
         self.done = False
         self.error = None
 
     def finish(self, error=None):
         self.error = error
+        if self.future is not None:
+            settle(self.future, error)
         self.done = True
 
 
 class Mailbox:
-    """One incoming channel's matching state. ``lock`` also guards reading the
-    channel: one thread at a time reads a whole message and delivers it."""
+    """One incoming channel's matching state.
+
+    Two locks: ``lock`` guards the queues and is held only for a moment, so that
+    posting a receive never waits; ``reading`` is held by the one thread reading
+    the channel, for a whole message, which may mean waiting for the peer to send
+    it. Invariant (kept under ``lock``): no tag has both a posted receive and a
+    kept message, since whichever comes second takes the first."""
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.reading = threading.Lock()
         self.posted = []                          # PostedReceive, oldest first
         self.unexpected = collections.deque()     # (tag, code, payload uint8 array), oldest first
 
-    def take_unexpected(self, tag):
-        """The oldest kept message with this tag, removed; or None."""
-        for i, kept in enumerate(self.unexpected):
-            if kept[0] == tag:
-                del self.unexpected[i]
-                return kept
+    def post(self, req):
+        """Post a receive (under ``lock``); returns the kept message it takes instead,
+        if one with its tag came first, for the caller to copy in."""
+        with self.lock:
+            for i, kept in enumerate(self.unexpected):
+                if kept[0] == req.tag:
+                    del self.unexpected[i]
+                    return kept
+            self.posted.append(req)
         return None
 
-    def take_posted(self, tag):
-        """The oldest posted receive with this tag, removed; or None."""
+    def _pop_posted(self, tag):
         for i, req in enumerate(self.posted):
             if req.tag == tag:
                 del self.posted[i]
                 return req
         return None
 
+    def take_posted(self, tag):
+        """The oldest posted receive with this tag, removed; or None."""
+        with self.lock:
+            return self._pop_posted(tag)
+
+    def keep(self, tag, code, payload):
+        """A message read whole with no receive for it when it began: into the receive
+        posted for its tag since, if any (returned, for the caller to copy in), else kept."""
+        with self.lock:
+            req = self._pop_posted(tag)
+            if req is None:
+                self.unexpected.append((tag, code, payload))
+        return req
+
     def withdraw(self, req):
         """A receive gives up (its deadline passed): no message may land in it later."""
-        if req in self.posted:
-            self.posted.remove(req)
+        with self.lock:
+            if req in self.posted:
+                self.posted.remove(req)
