@@ -29,6 +29,19 @@ def test_point_to_point_matches_by_peer_and_tag(backend, no_leftover_segments):
     assert res.stdout.count("p2p matching checks passed on " + backend) == 3, out[-4000:]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend,n", [("shm", 1), ("shm", 3), ("torch", 3), ("hierarchical", 3)])
+def test_init_again_after_destroy(backend, n, no_leftover_segments):
+    """pt.init() after pt.destroy(), three rounds, the old groups still referenced
+    and the ranks out of step (tests/workers/reinit.py): each round's collectives
+    right, nothing of the last round's rendezvous seen; over MPI in test_mpi_backend.py."""
+    env = {"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}
+    res = launch(n, "reinit.py", backend, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert res.stdout.count("re-init checks passed on " + backend) == n, out[-4000:]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_shm_all_collectives(n, no_leftover_segments):

@@ -70,6 +70,19 @@ def test_point_to_point_matches_by_peer_and_tag_over_mpi():
 
 
 @pytest.mark.timeout(120)
+def test_init_again_after_destroy_over_mpi():
+    """tests/workers/reinit.py under mpirun: three rounds of pt.init(backend="mpi"),
+    collectives on the world and a sub-group, pt.destroy(), old groups kept."""
+    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    worker = Path(__file__).parent / "workers" / "reinit.py"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
+           str(worker), "mpi"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
+    assert p.stdout.count("re-init checks passed on mpi") == 3, p.stdout
+
+
+@pytest.mark.timeout(120)
 def test_hierarchical_with_mpi_between_host_leaders():
     """PARATRAIN_CROSS_BACKEND=mpi: shm inside each of 2 pretend hosts, MPI between
     their leaders, under mpirun; every collective against numpy (tests/workers/collectives.py)."""

@@ -77,7 +77,7 @@ def init(backend=None, timeout=None, threads=None):
 
     e = envmod.read_env()
     _S.env = e
-    store = rendezvous.connect(e.master_addr, e.master_port, e.rank, e.world_size, timeout)
+    store = _job_store(e, timeout)
     rendezvous.wait_for_ranks(store, e.rank, e.world_size, timeout)
     _S.store = store
     if e.rank == 0:
@@ -93,6 +93,31 @@ def init(backend=None, timeout=None, threads=None):
     _S.backend = backend
     _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
     return _S.world
+
+
+_STORES = {}   # (addr, port, rank, world size) -> [the rendezvous store, inits over it so far]
+
+
+def _job_store(e, timeout):
+    """The rendezvous store of this init: one connection per process, kept across
+    pt.destroy(), with a fresh key prefix for each pt.init() over it.
+
+    Why not a new TCPStore per init: rank 0's server then lives as long as
+    anything still references the old one (a group a script kept), so the next
+    init finds the port in use; and a rank quicker than rank 0 to re-init
+    connects to the old server and reads the last round's keys (a freed
+    shared-memory segment's name, Gloo's old addresses). Every rank inits the
+    same number of times, as with torch.distributed, so the n-th init of every
+    rank meets under the same prefix ``init<n>/``."""
+    key = (e.master_addr, e.master_port, e.rank, e.world_size)
+    entry = _STORES.get(key)
+    if entry is None:
+        entry = _STORES[key] = [rendezvous.connect(e.master_addr, e.master_port, e.rank, e.world_size, timeout), 0]
+    else:
+        entry[0].set_timeout(timedelta(seconds=timeout))
+    entry[1] += 1
+    from torch.distributed import PrefixStore
+    return PrefixStore(f"init{entry[1]}", entry[0])
 
 
 def _processes(store, rank, world_size, timeout):
@@ -231,7 +256,8 @@ def _remember(group):
 def destroy():
     """Leave the job: release threads, and mark the world and every sub-group destroyed,
     so a later call on one of them raises (segments are unlinked already, and go
-    with the process)."""
+    with the process). The rendezvous store stays connected, for a later
+    pt.init() (_job_store)."""
     global _S
     for g in _S.groups:
         g.destroy()
