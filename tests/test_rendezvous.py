@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -51,4 +52,41 @@ def test_world_size_disagreement():
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failures.py"), "mismatch_op"], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = outputs(procs, 60)
-    assert any("disagree on the world size" in o for o in outs), outs
+    assert "disagree on the world size" in outs[0], outs[0]
+    # rank 1 waits for a third rank; rank 0, having refused, is gone: it says so, not a raw network error
+    assert "RendezvousError" in outs[1] and "lost the rendezvous" in outs[1] and "WORLD_SIZE" in outs[1], outs[1]
+
+
+@pytest.mark.timeout(60)
+def test_master_port_held_by_a_program_that_never_answers():
+    """TCPStore's client waits forever on a listener that accepts but never answers
+    its handshake; paratrain stops at the timeout and says what holds the port."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        start = time.monotonic()
+        out = _run_alone(1, 2, s.getsockname()[1])
+        took = time.monotonic() - start
+    finally:
+        s.close()
+    assert "did not answer within 3s" in out and "MASTER_PORT" in out, out
+    assert took < 30, f"gave up after {took:.0f}s with a 3 s timeout"
+
+
+@pytest.mark.timeout(60)
+def test_ranks_asking_for_different_backends():
+    """Rank 0 on shm, rank 1 on torch: each would wait for the other's set-up keys
+    until the timeout; both say which rank asked for what instead."""
+    port = free_port()
+    procs = []
+    for rank, backend in ((0, "shm"), (1, "torch")):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PARATRAIN_TIMEOUT="20", PARATRAIN_BACKEND=backend)
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failures.py"), "mismatch_op"], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    start = time.monotonic()
+    outs = outputs(procs, 50)
+    assert time.monotonic() - start < 18, "the ranks waited for the timeout instead of comparing backends"
+    for out in outs:
+        assert "disagree on the backend" in out and "rank 0: shm, rank 1: torch" in out, out

@@ -9,6 +9,10 @@ What can go wrong gets a message that says what to do: the port is taken,
 rank 0 is unreachable, some ranks never came, or ranks disagree on the
 world size.
 """
+import os
+import socket
+import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import HashStore, TCPStore
@@ -24,8 +28,13 @@ def connect(addr, port, rank, world_size, timeout):
     if world_size == 1:
         return HashStore()
     try:
-        store = TCPStore(addr, port, world_size, is_master=(rank == 0),
-                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        if rank == 0:
+            store = TCPStore(addr, port, world_size, is_master=True,
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        else:
+            store = _client(addr, port, world_size, timeout)
+    except RendezvousError:
+        raise
     except Exception as e:  # torch raises DistNetworkError / RuntimeError / DistStoreError
         msg = str(e)
         low = msg.lower()
@@ -43,6 +52,76 @@ def connect(addr, port, rank, world_size, timeout):
     return store
 
 
+def _client(addr, port, world_size, timeout):
+    """Connect to rank 0's store, within the timeout even when something else holds
+    the port: TCPStore's client, connected to a program that accepts the connection
+    but never answers its handshake, waits forever whatever its timeout (measured:
+    still waiting after 120 s with a 5 s timeout). So it connects on a helper
+    thread (it releases the GIL), and past the deadline, if its socket is
+    connected, we shut that socket down: the helper's read returns, TCPStore
+    raises there, and we raise our own error here. This takes /proc to find the
+    socket; elsewhere the wait is TCPStore's own."""
+    box, before = {}, _socket_fds()
+
+    def make():
+        try:
+            box["store"] = TCPStore(addr, port, world_size, is_master=False,
+                                    timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        except Exception as e:   # raised in the caller's thread below
+            box["error"] = e
+    helper = threading.Thread(target=make, daemon=True, name="paratrain-rendezvous-connect")
+    helper.start()
+    # TCPStore ends its own connect retries past its timeout (about twice it, measured,
+    # when nothing listens) and raises; we stop waiting only for a connection made and
+    # never answered. (A helper still inside TCPStore when the interpreter exits may
+    # abort the process, so it is ended, not left behind.)
+    answered_by = time.monotonic() + timeout + 1.0
+    while helper.is_alive():
+        helper.join(0.25)
+        if helper.is_alive() and time.monotonic() > answered_by \
+                and _shut_down_connections(_socket_fds() - before, port):   # it raises and ends
+            helper.join(5.0)
+            raise RendezvousError(
+                f"the rendezvous at {addr}:{port} took the connection but did not answer within {timeout:g}s: "
+                "something other than a paratrain rank 0 (or torch.distributed store) holds that port, or "
+                "rank 0 is stuck. Check MASTER_ADDR and MASTER_PORT, or let `paratrain run` pick a free port.")
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
+
+
+def _socket_fds():
+    """This process's open sockets (Linux's /proc; empty elsewhere)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    out = set()
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                out.add(int(fd))
+        except OSError:   # the listing's own descriptor, closed by now
+            pass
+    return out
+
+
+def _shut_down_connections(fds, port):
+    """Shut down those of ``fds`` connected to ``port`` (a read blocked on them
+    returns); how many there were. A socket still connecting has no peer: left alone."""
+    shut = 0
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:   # a duplicate: shutdown reaches the socket itself
+                peer = s.getpeername()
+                if len(peer) >= 2 and peer[1] == port:
+                    s.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+        except OSError:
+            pass
+    return shut
+
+
 def wait_for_ranks(store, rank, world_size, timeout, prefix="rdzv"):
     """Every rank announces (rank, world size); wait until all world_size ranks did."""
     store.set(f"{prefix}/rank/{rank}", str(world_size))
@@ -50,16 +129,41 @@ def wait_for_ranks(store, rank, world_size, timeout, prefix="rdzv"):
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception:
-        present = [r for r, k in enumerate(keys) if store.check([k])]
-        missing = [r for r in range(world_size) if r not in present]
-        sizes = {int(store.get(keys[r])) for r in present}
-        hint = (f" Ranks disagree on the world size: {sorted(sizes)}." if len(sizes) > 1 else "")
-        raise RendezvousError(
-            f"only {len(present)} of {world_size} ranks arrived at the rendezvous within {timeout:g}s; "
-            f"missing ranks {missing}.{hint} Check that every rank was started with the same WORLD_SIZE "
-            "and that none crashed on start-up.") from None
+        raise _not_all_arrived(store, rank, world_size, keys, timeout) from None
     sizes = {r: int(store.get(k)) for r, k in enumerate(keys)}
     wrong = {r: s for r, s in sizes.items() if s != world_size}
     if wrong:
         raise RendezvousError(f"ranks disagree on the world size: this rank has {world_size}, ranks {wrong} "
                               "say otherwise. Start every rank with the same WORLD_SIZE.")
+
+
+def _not_all_arrived(store, rank, world_size, keys, timeout):
+    """The error for a wait that ended before every rank announced itself: who is
+    missing, if rank 0's store still answers; if it does not, that rank 0 left."""
+    try:
+        present = [r for r, k in enumerate(keys) if store.check([k])]
+        sizes = {int(store.get(keys[r])) for r in present}
+    except Exception:   # the store's server, on rank 0, is gone
+        return RendezvousError(
+            f"rank {rank} lost the rendezvous (rank 0's store) while waiting for the other ranks of a world of "
+            f"{world_size}: rank 0 exited or crashed. If rank 0 and the ranks it waited for had another "
+            "WORLD_SIZE than this rank they went on without it: start every rank with the same WORLD_SIZE, "
+            "and look at rank 0's output.")
+    missing = [r for r in range(world_size) if r not in present]
+    hint = f" Ranks disagree on the world size: {sorted(sizes)}." if len(sizes) > 1 else ""
+    return RendezvousError(
+        f"only {len(present)} of {world_size} ranks arrived at the rendezvous within {timeout:g}s; "
+        f"missing ranks {missing}.{hint} Check that every rank was started with the same WORLD_SIZE "
+        "and backend (a rank on backend='mpi' does not come here), and that none crashed on start-up.")
+
+
+def agree(store, name, rank, world_size, value, timeout, what):
+    """Every rank states ``value`` (a string) under ``name``; raise RendezvousError
+    naming each rank's value unless all are equal. ``what`` says what to make equal."""
+    store.set(f"{name}/{rank}", value)
+    keys = [f"{name}/{r}" for r in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    values = [store.get(k).decode() for k in keys]
+    if len(set(values)) > 1:
+        said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise RendezvousError(f"ranks disagree on the {name} ({said}); {what}")

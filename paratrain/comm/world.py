@@ -90,6 +90,8 @@ def init(backend=None, timeout=None, threads=None):
     if backend == "shm" and len(set(_S.hosts)) > 1:
         raise CommError(f"backend='shm' needs all ranks on one host, but they span {len(set(_S.hosts))} hosts; "
                         "use backend='hierarchical' (the default) or 'torch'")
+    rendezvous.agree(store, "backend", e.rank, e.world_size, _ENGINE.get(backend, backend), timeout,
+                     "pass every rank the same pt.init(backend=...) or PARATRAIN_BACKEND")
     _S.backend = backend
     _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
     return _S.world
