@@ -172,7 +172,7 @@ class ProcessGroup:
     # is called, so its Work is done once its message is in (work.posted_work).
 
     def send(self, tensor, dst, tag=0):
-        buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send")
+        buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send", writable=False)
         self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
 
     def recv(self, tensor, src, tag=0):
@@ -182,7 +182,7 @@ class ProcessGroup:
         return src
 
     def isend(self, tensor, dst, tag=0):
-        buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "isend")
+        buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "isend", writable=False)
         self._check_alive(f"isend to {dst}")
         return self._post_send(buf, code, dst, tag)
 
@@ -191,10 +191,10 @@ class ProcessGroup:
         self._check_alive(f"irecv from {src}")
         return self._post_recv(buf, code, src, tag)
 
-    def _p2p_args(self, tensor, peer, tag, what):
+    def _p2p_args(self, tensor, peer, tag, what, writable=True):
         """The checks every backend makes alike. A message to oneself is refused, as
         torch.distributed refuses it (MPI would buffer a small one and hang on a large one)."""
-        buf, code = ops.as_buffer(tensor)
+        buf, code = ops.as_buffer(tensor, f"{what} buffer", writable)
         if peer is None:
             raise ValueError(f"{what}: a peer rank is needed; paratrain has no receive from any "
                              "source (torch.distributed's src=None): name the sender, or gather")
@@ -266,7 +266,7 @@ class ProcessGroup:
     def all_gather(self, output, tensor, async_op=False):
         """output: a list of world_size tensors shaped like ``tensor``, or one tensor of
         world_size x tensor.numel() elements (torch's all_gather_into_tensor)."""
-        buf, code = ops.as_buffer(tensor, "all_gather input")
+        buf, code = ops.as_buffer(tensor, "all_gather input", writable=False)
         out = self._gathered(output, buf, code, "all_gather output")
         desc = self._descriptor("all_gather", code, None, buf.size, extra=self._gather_placement(out, buf))
         return self._run("coll", lambda: self._checked(desc, self._all_gather_into, out, buf, code),
@@ -284,7 +284,7 @@ class ProcessGroup:
                          async_op, "reduce_scatter")
 
     def gather(self, tensor, gather_list=None, dst=0, async_op=False):
-        buf, code = ops.as_buffer(tensor, "gather input")
+        buf, code = ops.as_buffer(tensor, "gather input", writable=False)
         dst = self._check_peer(dst, "gather")
         out = None
         if self.rank == dst:
@@ -312,14 +312,14 @@ class ProcessGroup:
         output/input: lists of world_size tensors, or single tensors split evenly."""
         in_list = _as_list(input)
         if in_list is None:
-            flat, code = ops.as_buffer(input, "all_to_all input")
+            flat, code = ops.as_buffer(input, "all_to_all input", writable=False)
             if flat.size % self.world_size:
                 raise ValueError(f"all_to_all input has {flat.size} elements, not divisible by world size "
                                  f"{self.world_size}; pass lists for uneven pieces")
             n = flat.size // self.world_size
             inp = [flat[i * n:(i + 1) * n] for i in range(self.world_size)]
         else:
-            inp = self._pieces(in_list, "all_to_all input")
+            inp = self._pieces(in_list, "all_to_all input", writable=False)
             code = self._same_code(in_list, "all_to_all input")
         out_list = _as_list(output)
         if out_list is None:
@@ -366,13 +366,13 @@ class ProcessGroup:
 
     # ---- argument helpers ---------------------------------------------------------
 
-    def _pieces(self, lst, what):
+    def _pieces(self, lst, what, writable=True):
         if len(lst) != self.world_size:
             raise ValueError(f"{what} has {len(lst)} tensors; it needs one per rank ({self.world_size})")
-        return [ops.as_buffer(t, f"{what}[{i}]")[0] for i, t in enumerate(lst)]
+        return [ops.as_buffer(t, f"{what}[{i}]", writable)[0] for i, t in enumerate(lst)]
 
     def _same_code(self, lst, what):
-        codes = {ops.as_buffer(t, what)[1] for t in lst}
+        codes = {ops.as_buffer(t, what, writable=False)[1] for t in lst}
         if len(codes) > 1:
             raise TypeError(f"{what} mixes dtypes")
         return codes.pop()
@@ -381,13 +381,13 @@ class ProcessGroup:
         """world_size pieces, each shaped like ``like``: from a list or one big tensor."""
         lst = _as_list(output)
         if lst is None:
-            flat, ocode = ops.as_buffer(output, what)
+            flat, ocode = ops.as_buffer(output, what, writable)
             if flat.size != like.size * self.world_size:
                 raise ValueError(f"{what} has {flat.size} elements; it needs world_size x {like.size} "
                                  f"= {like.size * self.world_size}")
             pieces = [flat[i * like.size:(i + 1) * like.size] for i in range(self.world_size)]
         else:
-            pieces = self._pieces(lst, what)
+            pieces = self._pieces(lst, what, writable)
             ocode = self._same_code(lst, what)
             for i, p in enumerate(pieces):
                 if p.size != like.size:

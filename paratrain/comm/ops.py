@@ -6,6 +6,7 @@ reductions, and float16's (numpy emulates float16 about 8x slower than torch's
 vectorised kernels), run in torch on zero-copy views of the same memory.
 """
 import ctypes
+import warnings
 
 import numpy as np
 import torch
@@ -55,8 +56,15 @@ def check_op_dtype(op, code):
 
 
 def torch_view(a, code):
-    """A torch tensor sharing the numpy buffer's memory (bfloat16 reinterpreted from uint16)."""
-    t = torch.from_numpy(a)
+    """A torch tensor sharing the numpy buffer's memory (bfloat16 reinterpreted from uint16).
+    A read-only array (what a send sends) is only read: torch's warning that its
+    tensor could write to it is silenced."""
+    if a.flags.writeable:
+        t = torch.from_numpy(a)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
     return t.view(torch.bfloat16) if code == 2 else t
 
 
@@ -117,11 +125,13 @@ def finish_avg(buf, world_size, code):
         np.divide(buf, world_size, out=buf)
 
 
-def as_buffer(tensor, what="tensor"):
+def as_buffer(tensor, what="tensor", writable=True):
     """A flat numpy view of a CPU torch tensor or numpy array, sharing its memory.
 
     Returns (flat_view, dtype_code). Non-contiguous or non-CPU input is refused
-    rather than silently copied, since collectives write their result in place.
+    rather than silently copied, since collectives write their result in place;
+    a read-only numpy array too, unless ``writable`` is False (a buffer the call
+    only reads: what a send sends, a collective's separate input).
 
     It runs at the start of every collective, usually just after the previous
     call's copies flushed the caches, where each Python-level step costs 2-8 us
@@ -135,7 +145,7 @@ def as_buffer(tensor, what="tensor"):
     address() below, a 16 MiB all_gather 1.3-3.3% faster, paired.
     """
     if type(tensor) is np.ndarray:
-        return _numpy_buffer(tensor, what)
+        return _numpy_buffer(tensor, what, writable)
     if type(tensor) is torch.Tensor:
         try:
             a = tensor.numpy()
@@ -148,7 +158,7 @@ def as_buffer(tensor, what="tensor"):
     if isinstance(tensor, torch.Tensor):
         return _torch_buffer(tensor, what)
     if isinstance(tensor, np.ndarray):
-        return _numpy_buffer(tensor, what)
+        return _numpy_buffer(tensor, what, writable)
     raise TypeError(f"{what} must be a CPU torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
 
 
@@ -168,15 +178,15 @@ def _torch_buffer(tensor, what):
     return t.numpy().reshape(-1), code
 
 
-def _numpy_buffer(a, what):
+def _numpy_buffer(a, what, writable):
     code = NUMPY_CODE.get(a.dtype)
     if code is None:
         raise TypeError(f"{what} has numpy dtype {a.dtype}; supported: {supported_dtypes()}")
     flags = a.flags
     if not flags.c_contiguous:
         raise ValueError(f"{what} is not C-contiguous; use np.ascontiguousarray first")
-    if not flags.writeable:
-        raise ValueError(f"{what} is read-only; collectives write in place")
+    if writable and not flags.writeable:
+        raise ValueError(f"{what} is read-only, and this call writes its result into it")
     return (a if a.ndim == 1 else a.reshape(-1)), code
 
 

@@ -27,7 +27,10 @@ built, and the script raises (exits non-zero) on the first wrong one.
 6. ``wait(timeout)`` on an irecv whose message has not been sent raises
    TimeoutError and leaves the receive posted: the message, sent after, lands.
 7. ``is_completed()`` polled in a loop turns True once the message is in.
-8. (shm, mpi) A receive pending at ``pt.destroy()`` fails with CommError, at once.
+8. Buffers a call only reads (what send/isend send, the inputs of reduce_scatter,
+   all_to_all, all_gather, gather, scatter) may be read-only numpy arrays; the
+   results are right and the inputs unchanged.
+9. (shm, mpi) A receive pending at ``pt.destroy()`` fails with CommError, at once.
 """
 import sys
 import time
@@ -185,7 +188,52 @@ def main():
             check(box, np.full(1000, 1, np.float32), "the message polled for with is_completed()")
     g.barrier()
 
-    # 8. a receive still pending at pt.destroy() fails with CommError (on mpi it used to
+    # 8. read-only buffers where the call only reads them
+    def frozen(a):
+        a = np.array(a)
+        a.flags.writeable = False
+        return a
+    if me == 0:
+        g.send(frozen(np.full(big, 41, np.float32)), 1, tag=20)
+        g.isend(frozen(np.full(9, 42, np.float32)), 2, tag=21).wait()
+    else:
+        got = np.zeros(big if me == 1 else 9, np.float32)
+        g.recv(got, 0, tag=20 if me == 1 else 21)
+        check(got, np.full(got.size, 40 + me, np.float32), "a read-only array sent")
+    n = 1001
+    for dtype in (np.float32, np.float16):
+        base = (np.arange(P * n) % 100).astype(dtype)
+        src = frozen(base + me)
+        out = np.zeros(n, dtype)
+        g.reduce_scatter(out, src)
+        check(out, sum(base[me * n:(me + 1) * n] + r for r in range(P)), f"reduce_scatter of a read-only {dtype}")
+        check(src, base + me, "a read-only reduce_scatter input, after the call")
+    pieces = [frozen(np.full(n, 10 * me + q, np.float32)) for q in range(P)]
+    outs = [np.zeros(n, np.float32) for _ in range(P)]
+    g.all_to_all(outs, pieces)
+    for q in range(P):
+        check(outs[q], np.full(n, 10 * q + me, np.float32), "all_to_all of read-only pieces")
+        check(pieces[q], np.full(n, 10 * me + q, np.float32), "a read-only all_to_all piece, after the call")
+    mine = frozen(np.full(n, me, np.float32))
+    everyone = np.zeros(P * n, np.float32)
+    g.all_gather(everyone, mine)
+    check(everyone, np.repeat(np.arange(P, dtype=np.float32), n), "all_gather of a read-only input")
+    gathered = [np.zeros(n, np.float32) for _ in range(P)] if me == 0 else None
+    g.gather(mine, gathered, dst=0)
+    if me == 0:
+        check(np.concatenate(gathered), np.repeat(np.arange(P, dtype=np.float32), n), "gather of read-only inputs")
+    out = np.zeros(n, np.float32)
+    g.scatter(out, [frozen(np.full(n, 5 + q, np.float32)) for q in range(P)] if me == 0 else None, src=0)
+    check(out, np.full(n, 5 + me, np.float32), "scatter of a read-only scatter_list")
+    check(mine, np.full(n, me, np.float32), "a read-only all_gather/gather input, after the calls")
+    try:
+        g.all_reduce(frozen(np.ones(3, np.float32)))
+        raise AssertionError("all_reduce into a read-only array accepted")
+    except ValueError as e:
+        assert "read-only" in str(e), e
+    g.barrier()
+
+    # 9. a receive still pending at pt.destroy() fails with CommError (on mpi it used to
     # probe the freed communicator, which MPI answers by aborting the job; on shm it
     # waited out the timeout)
     pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16) if backend in ("shm", "mpi") else None
