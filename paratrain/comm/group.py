@@ -214,11 +214,13 @@ class ProcessGroup:
         """Start a send and return its Work: here on the peer's send lane, over the
         blocking ``_send``. A backend whose engine has its own nonblocking send
         overrides this (torch_backend.py, mpi_backend.py)."""
-        return self._lanes.submit(f"send-{dst}", lambda: self._send(buf, code, dst, tag), f"isend to {dst}")
+        return self._lanes.submit(f"send-{dst}", lambda: self._send(buf, code, dst, tag),
+                                  f"isend of {buf.nbytes} bytes to rank {self.ranks[dst]} (tag {tag})")
 
     def _post_recv(self, buf, code, src, tag):
         """Start a receive and return its Work (see _post_send)."""
-        return self._lanes.submit(f"recv-{src}", lambda: self._recv(buf, code, src, tag), f"irecv from {src}")
+        return self._lanes.submit(f"recv-{src}", lambda: self._recv(buf, code, src, tag),
+                                  f"irecv of {buf.nbytes} bytes from rank {self.ranks[src]} (tag {tag})")
 
     def _send(self, buf, code, dst, tag):
         raise NotImplementedError
@@ -351,6 +353,7 @@ class ProcessGroup:
         the same place on every rank, skips the copy-in and copy-out. Elsewhere it
         is ordinary memory. Collective: every rank calls it in the same order with
         the same numel and dtype. Contents are uninitialised (zero on shm)."""
+        self._check_alive("empty_shared")
         import torch
         return torch.empty(int(numel), dtype=dtype or torch.float32)
 

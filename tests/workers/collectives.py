@@ -346,6 +346,13 @@ def main():
                 raise
         else:
             raise AssertionError(f"all_reduce on {group!r} after pt.destroy() went through")
+        try:   # nor hands out shared memory
+            group.empty_shared(4)
+        except pt.CommError as e:
+            if "destroyed" not in str(e):
+                raise
+        else:
+            raise AssertionError(f"empty_shared on {group!r} after pt.destroy() went through")
     print(f"rank {g.rank}: {n} collective checks passed on {g.backend}", flush=True)
 
 

@@ -439,6 +439,7 @@ class ShmGroup(ProcessGroup):
         return "direct"
 
     def empty_shared(self, numel, dtype=None):
+        self._check_alive("empty_shared")
         import torch
         return self._shared.allocate(numel, dtype or torch.float32)
 
