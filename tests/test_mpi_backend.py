@@ -55,31 +55,29 @@ def test_mpi_backend(nprocs, debug):
     assert p.stdout.count("checks passed") == nprocs, p.stdout
 
 
+def _run_worker(script, passed):
+    """tests/workers/<script> "mpi" under mpirun with 3 ranks; each must print ``passed``."""
+    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
+           str(Path(__file__).parent / "workers" / script), "mpi"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
+    assert p.stdout.count(passed) == 3, p.stdout
+
+
 @pytest.mark.timeout(120)
 def test_point_to_point_matches_by_peer_and_tag_over_mpi():
     """tests/workers/p2p_matching.py under mpirun: receives from two peers in either
     order, a later tag received first (its message over the eager limit), a user's
     message pending through collectives, a wrong-size message refused."""
-    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
-    worker = Path(__file__).parent / "workers" / "p2p_matching.py"
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
-           str(worker), "mpi"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
-    assert p.stdout.count("p2p matching checks passed on mpi") == 3, p.stdout
+    _run_worker("p2p_matching.py", "p2p matching checks passed on mpi")
 
 
 @pytest.mark.timeout(120)
 def test_init_again_after_destroy_over_mpi():
     """tests/workers/reinit.py under mpirun: three rounds of pt.init(backend="mpi"),
     collectives on the world and a sub-group, pt.destroy(), old groups kept."""
-    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
-    worker = Path(__file__).parent / "workers" / "reinit.py"
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
-           str(worker), "mpi"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
-    assert p.stdout.count("re-init checks passed on mpi") == 3, p.stdout
+    _run_worker("reinit.py", "re-init checks passed on mpi")
 
 
 @pytest.mark.timeout(120)

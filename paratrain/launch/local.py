@@ -285,10 +285,10 @@ def worker_cpus(args):
 
 def _policy(args, addrs):
     world_size = args.nnodes * args.nproc
-    lost = None
-    if addrs and args.worker_failure == "continue":
-        def lost(w):
-            return ps.farewell_in_background(addrs, w.rank, world_size)
+
+    def farewell(w):
+        return ps.farewell_in_background(addrs, w.rank, world_size)
+    lost = farewell if addrs and args.worker_failure == "continue" else None
     return Policy(worker_failure=args.worker_failure, restarts=ps.Restarts(args.server_restarts),
                   worker_lost=lost)
 
