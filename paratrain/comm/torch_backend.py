@@ -118,7 +118,7 @@ class TorchGroup(ProcessGroup):
         errors = functools.partial(self._engine_errors, peer=peer)
         with errors(what):
             handle = start(t, self._global(peer), group=self.pg, tag=tag)
-        return EngineWork(handle, what, errors, keep=(buf, t))
+        return EngineWork(handle, what, errors, keep=(buf, t), destroyed=lambda: self._destroyed)
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         with self._engine_errors(f"exchange with ranks {self._global(dst)} and {self._global(src)}"):

@@ -67,8 +67,11 @@ class EngineWork(Work):
     (the engine's own timed wait would abort the operation at its timeout;
     ours leaves it posted, as Work.wait(timeout) leaves its lane running)."""
 
-    def __init__(self, handle, what, errors, keep=()):
+    LAST_LOOK_SECONDS = 0.5   # how long a wait begun after destroy() gives the engine
+
+    def __init__(self, handle, what, errors, keep=(), destroyed=None):
         self._handle = handle
+        self._destroyed = destroyed   # () -> True once the group is destroyed (torch: see _settle)
         self.what = what
         self._errors = errors
         self._keep = keep
@@ -80,11 +83,26 @@ class EngineWork(Work):
     def _settle(self):
         try:
             with self._errors(self.what):
-                self._handle.wait()
+                if self._destroyed is not None and self._destroyed():
+                    self._last_look()
+                else:
+                    self._handle.wait()
         except Exception as e:   # kept, and raised by every wait, as a future does
             self._error = e
         self._keep = None
         self._settled.set()
+
+    def _last_look(self):
+        """A wait begun after the group was destroyed: a Gloo operation, once posted,
+        cannot be withdrawn, and an untimed wait would last the whole timeout. So the
+        engine gets a moment to say it is done (it may well be, unwaited), and past
+        that the operation is given up (torch's timed wait aborts it)."""
+        import datetime
+        try:
+            self._handle.wait(datetime.timedelta(seconds=self.LAST_LOOK_SECONDS))
+        except Exception:
+            raise CommError(f"{self.what} was still pending when its group was destroyed "
+                            "(pt.destroy() or group.destroy())") from None
 
     def _claim(self, watcher):
         """Become the handle's one waiter (this thread, or a new watcher): False if taken."""
