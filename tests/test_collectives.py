@@ -30,6 +30,16 @@ def test_point_to_point_matches_by_peer_and_tag(backend, no_leftover_segments):
 
 
 @pytest.mark.timeout(90)
+def test_irecvs_from_a_silent_peer_time_out_together():
+    """Four pending irecvs from a live, silent peer all fail about one timeout after
+    they were posted (tests/workers/silent_peer.py; over MPI in test_mpi_backend.py)."""
+    res = launch(2, "silent_peer.py", "shm", env={"PARATRAIN_TIMEOUT": "2"})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "silent peer checks passed" in res.stdout, out[-4000:]
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend,n", [("shm", 1), ("shm", 3), ("torch", 3), ("hierarchical", 3)])
 def test_init_again_after_destroy(backend, n, no_leftover_segments):
     """pt.init() after pt.destroy(), three rounds, the old groups still referenced

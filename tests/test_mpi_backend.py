@@ -55,14 +55,14 @@ def test_mpi_backend(nprocs, debug):
     assert p.stdout.count("checks passed") == nprocs, p.stdout
 
 
-def _run_worker(script, passed):
-    """tests/workers/<script> "mpi" under mpirun with 3 ranks; each must print ``passed``."""
-    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+def _run_worker(script, passed, printers=3, timeout="30"):
+    """tests/workers/<script> "mpi" under mpirun with 3 ranks; ``printers`` of them must print ``passed``."""
+    env = _mpirun_env(PARATRAIN_TIMEOUT=timeout, PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
            str(Path(__file__).parent / "workers" / script), "mpi"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
     assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
-    assert p.stdout.count(passed) == 3, p.stdout
+    assert p.stdout.count(passed) == printers, p.stdout
 
 
 @pytest.mark.timeout(120)
@@ -78,6 +78,13 @@ def test_init_again_after_destroy_over_mpi():
     """tests/workers/reinit.py under mpirun: three rounds of pt.init(backend="mpi"),
     collectives on the world and a sub-group, pt.destroy(), old groups kept."""
     _run_worker("reinit.py", "re-init checks passed on mpi")
+
+
+@pytest.mark.timeout(120)
+def test_irecvs_from_a_silent_peer_time_out_together_over_mpi():
+    """tests/workers/silent_peer.py under mpirun: four pending irecvs all time out
+    about one timeout after they were posted, not one timeout after another."""
+    _run_worker("silent_peer.py", "silent peer checks passed", printers=1, timeout="2")
 
 
 @pytest.mark.timeout(120)

@@ -321,6 +321,28 @@ def test_posted_receive_futures_settle_from_whichever_side_ends_first():
     assert entry.finished and fut.done() and fut.exception() is None
 
 
+def test_lanes_shutdown_waits_for_running_jobs_only():
+    """Lanes.shutdown(wait_s): the running job gets up to wait_s to end; a queued one
+    it cancels does not hold it for the whole wait_s (a cancelled future never
+    counts as done for concurrent.futures.wait, and once it held destroy() 2 s)."""
+    import threading
+    import time as _time
+
+    from paratrain.comm.errors import CommError
+    from paratrain.comm.work import Lanes
+    lanes = Lanes("unit")
+    started = threading.Event()
+    running = lanes.submit("a", lambda: (started.set(), _time.sleep(0.2)), "running job")
+    queued = lanes.submit("a", lambda: None, "queued job")
+    assert started.wait(5)
+    begin = _time.monotonic()
+    lanes.shutdown(wait_s=30)
+    assert _time.monotonic() - begin < 10, "shutdown waited for the cancelled job"
+    assert running.is_completed()   # the running job was waited for
+    with pytest.raises(CommError, match="destroyed"):
+        queued.wait(timeout=1)
+
+
 def test_shm_mailbox_gives_a_message_to_a_receive_posted_while_it_was_read():
     """shm matching: a message read with no receive for it is kept, unless a receive
     with its tag was posted while it was read, which then takes it; posting takes a

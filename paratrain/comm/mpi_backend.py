@@ -36,6 +36,7 @@ rest of paratrain; ``ranks`` maps them to global (COMM_WORLD) ranks.
 import concurrent.futures
 import contextlib
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -110,10 +111,14 @@ class MpiGroup(ProcessGroup):
         cls = MismatchError if e.Get_error_class() == self._MPI.ERR_TRUNCATE else CommError
         return cls(f"rank {self._me()}: MPI error in {what}: {e.Get_error_string()}")
 
-    def _wait(self, done, what, peers=None, keep=list):
+    def _wait(self, done, what, peers=None, keep=list, deadline=None, request_only=False):
         """Poll done() or raise CommTimeout naming ``what`` and ``peers()``, the group-local
         ranks waited for (None: a collective, all the others). keep(): requests MPI cannot
-        withdraw (a send, a collective), kept with their buffers if we give up on them."""
+        withdraw (a send, a collective), kept with their buffers if we give up on them.
+        deadline: a time.monotonic() to give up at (default: the timeout from now).
+        request_only: done() only tests a request, which MPI allows after the communicator
+        is freed, so an operation that finished before the group was destroyed still
+        reports success (a receive's probe would use the communicator)."""
         MPI = self._MPI
 
         def on_timeout():
@@ -130,12 +135,15 @@ class MpiGroup(ProcessGroup):
                 "same order; raise PARATRAIN_TIMEOUT if a rank is legitimately slow", others)
         def live():
             if self._destroyed:   # MPI would abort the job on a call on the freed communicator
+                if request_only and done():
+                    return True
                 raise CommError(f"rank {self._me()}: {what} was still waiting when its group was destroyed "
                                 "(pt.destroy() or group.destroy())")
             return done()
         finished = False
+        timeout = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            _poll(live, self.timeout, on_timeout, self._spin_s)
+            _poll(live, timeout, on_timeout, self._spin_s)
             finished = True
         except MPI.Exception as e:
             raise self._error(e, what) from e
@@ -152,7 +160,7 @@ class MpiGroup(ProcessGroup):
     def _coll(self, name, start, what=None):
         what = what or self._what(name)
         req = self._call(what, start)
-        self._wait(self._tester(req), what, keep=lambda: [req])
+        self._wait(self._tester(req), what, keep=lambda: [req], request_only=True)
 
     # ---- point to point (group-local ranks) ------------------------------------------
 
@@ -204,7 +212,7 @@ class MpiGroup(ProcessGroup):
         self._check_tag(tag)
         what = f"send to rank {self.ranks[dst]} (tag {tag})"
         req = self._call(what, lambda: self.comm.Isend(self._buf(buf, code), dst, tag))
-        self._wait(self._tester(req), what, lambda: [dst], keep=lambda: [req])
+        self._wait(self._tester(req), what, lambda: [dst], keep=lambda: [req], request_only=True)
 
     def _post_send(self, buf, code, dst, tag):
         """isend is an Isend started now, on the caller's thread. Sends queued on a lane
@@ -229,8 +237,9 @@ class MpiGroup(ProcessGroup):
         self._check_tag(tag)
         what = f"irecv from rank {self.ranks[src]} (tag {tag})"
         entry, started = self._posted_receive(buf, code, src, tag, what, concurrent.futures.Future())
+        deadline = time.monotonic() + self.timeout   # from posting, not from its lane job's turn
         return posted_work(self._lanes, f"recv-{src}", entry.future,
-                           lambda: self._await(entry, started, src, what), what)
+                           lambda: self._await(entry, started, src, what, deadline), what)
 
     def _blocking_recv(self, buf, code, src, tag):
         # No wait for the irecvs on src's lane: the posting order already orders a tag's receives.
@@ -246,11 +255,12 @@ class MpiGroup(ProcessGroup):
                 raise self._error(e, what) from e
         return self._posted.post(src, tag, poll, future), started
 
-    def _await(self, entry, started, src, what):
-        """Advance every posted receive until ``entry`` is done; at the timeout the
-        receive is withdrawn, so no later message lands in it."""
+    def _await(self, entry, started, src, what, deadline=None):
+        """Advance every posted receive until ``entry`` is done; at the deadline (default:
+        the timeout from now) the receive is withdrawn, so no later message lands in it."""
         try:
-            self._wait(lambda: self._posted.done(entry), what, lambda: [src], keep=lambda: started)
+            self._wait(lambda: self._posted.done(entry), what, lambda: [src], keep=lambda: started,
+                       deadline=deadline)
         except BaseException:
             self._posted.withdraw(entry)
             raise
@@ -487,4 +497,4 @@ class _Request:
 
     def wait(self):
         self._group._wait(self._group._tester(self._req), self._what, lambda: [self._peer],
-                          keep=lambda: [self._req])
+                          keep=lambda: [self._req], request_only=True)

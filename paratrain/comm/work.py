@@ -182,6 +182,7 @@ class Lanes:
         self._prefix = prefix
         self._lanes = {}
         self._last = {}
+        self._unfinished = set()   # submitted, not yet done: what shutdown() may wait for
         self._lock = threading.Lock()
 
     def submit(self, lane, fn, what):
@@ -192,7 +193,13 @@ class Lanes:
                 self._lanes[lane] = ex
             fut = ex.submit(fn)
             self._last[lane] = fut
+            self._unfinished.add(fut)
+        fut.add_done_callback(self._finished)
         return Work(fut, what)
+
+    def _finished(self, fut):
+        with self._lock:
+            self._unfinished.discard(fut)
 
     def drain(self, lane):
         """Wait for everything queued on ``lane``; errors stay with their own Work."""
@@ -201,10 +208,14 @@ class Lanes:
             concurrent.futures.wait([fut])
 
     def shutdown(self, wait_s=0.0):
-        """Cancel what has not started; give what is running up to wait_s seconds to end."""
+        """Cancel what has not started; give what is running up to wait_s seconds to end.
+        (A job cancelled here never counts as done for concurrent.futures.wait, so only
+        the running ones are waited for; each lane runs at most one.)"""
         for ex in self._lanes.values():
             ex.shutdown(wait=False, cancel_futures=True)
-        if wait_s > 0:
-            concurrent.futures.wait(list(self._last.values()), timeout=wait_s)
+        with self._lock:
+            running = [f for f in self._unfinished if not f.done()]
+        if wait_s > 0 and running:
+            concurrent.futures.wait(running, timeout=wait_s)
         self._lanes.clear()
         self._last.clear()

@@ -31,7 +31,8 @@ built, and the script raises (exits non-zero) on the first wrong one.
    all_to_all, all_gather, gather, scatter) may be read-only numpy arrays; the
    results are right and the inputs unchanged.
 9. A receive pending at ``pt.destroy()`` fails with CommError, at once (on torch,
-   within half a second, when it is waited for after the destroy).
+   within half a second, when it is waited for after the destroy); an isend that
+   finished before the destroy, waited for after it, succeeds.
 """
 import sys
 import time
@@ -238,8 +239,15 @@ def main():
     # probe the freed communicator, which MPI answers by aborting the job; on shm it
     # waited out the timeout, as on torch, where a posted Gloo receive cannot be withdrawn:
     # a wait begun after the destroy gives it a last look)
+    # An isend that finished before the destroy, waited for after it, succeeds.
+    finished = g.isend(np.full(3, me, np.float32), (me + 1) % P, tag=22)
+    got = np.zeros(3, np.float32)
+    g.recv(got, (me - 1) % P, tag=22)
+    check(got, np.full(3, (me - 1) % P, np.float32), "the message of an isend waited after destroy")
+    g.barrier()
     pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16)
     pt.destroy()
+    finished.wait()
     start = time.monotonic()
     try:
         pending.wait()

@@ -322,20 +322,23 @@ class ShmGroup(ProcessGroup):
     def _post_recv(self, buf, code, src, tag):
         what = f"irecv of {buf.nbytes} bytes from rank {self.ranks[src]} (tag {tag})"
         req = self._posted(buf, code, src, tag, concurrent.futures.Future())
-        return posted_work(self._lanes, f"recv-{src}", req.future, lambda: self._advance(req, src), what)
+        deadline = time.time() + self.timeout   # from posting, not from its lane job's turn
+        return posted_work(self._lanes, f"recv-{src}", req.future,
+                           lambda: self._advance(req, src, deadline), what)
 
     def _blocking_recv(self, buf, code, src, tag):
         # No wait for the irecvs on src's lane: they are posted, so posting order
         # already orders the receives of one tag.
         self._recv(buf, code, src, tag)
 
-    def _advance(self, req, src):
-        """Read src's channel until req is done. The thread holding the channel's
-        ``reading`` lock reads whole messages and hands each to its receive; a
-        receive on another thread meanwhile waits for its own to be handed over,
-        or for the lock, to read the next one itself."""
+    def _advance(self, req, src, deadline=None):
+        """Read src's channel until req is done, or raise at the deadline (default: the
+        timeout from now). The thread holding the channel's ``reading`` lock reads
+        whole messages and hands each to its receive; a receive on another thread
+        meanwhile waits for its own to be handed over, or for the lock, to read the
+        next one itself."""
         box = self._boxes[src]
-        deadline = time.time() + self.timeout
+        deadline = time.time() + self.timeout if deadline is None else deadline
         while not req.done:
             if box.reading.acquire(timeout=0.002):
                 try:
