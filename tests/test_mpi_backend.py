@@ -87,6 +87,18 @@ def test_irecvs_from_a_silent_peer_time_out_together_over_mpi():
     _run_worker("silent_peer.py", "silent peer checks passed", printers=1, timeout="2")
 
 
+@pytest.mark.timeout(90)
+def test_mpi_backend_outside_mpirun_refuses_a_larger_world():
+    """`paratrain run -n 2` starting a script that asks for backend='mpi': each process
+    is an MPI world of one, and used to compute alone (an all_reduce of ones gave 1).
+    Now each refuses, saying to start the job with mpirun."""
+    from conftest import launch
+    res = launch(2, "reinit.py", "mpi", env={"PARATRAIN_TIMEOUT": "10"})
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-4000:]
+    assert "found an MPI world of 1 process(es), but WORLD_SIZE=2" in out and "mpirun -n 2" in out, out[-4000:]
+
+
 @pytest.mark.timeout(120)
 def test_hierarchical_with_mpi_between_host_leaders():
     """PARATRAIN_CROSS_BACKEND=mpi: shm inside each of 2 pretend hosts, MPI between

@@ -35,6 +35,7 @@ rest of paratrain; ``ranks`` maps them to global (COMM_WORLD) ranks.
 """
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 import zlib
@@ -430,8 +431,17 @@ def mpi_world(timeout=None):
     MPI = _mpi()
     timeout = timeout_from_env() if timeout is None else float(timeout)
     world = MPI.COMM_WORLD
-    comm, req = world.Idup()
     me, size = world.Get_rank(), world.Get_size()
+    said = os.environ.get("WORLD_SIZE")
+    if said is not None and said.strip() != str(size):
+        # e.g. `paratrain run -n 2` or torchrun starting a script that asks for mpi: each
+        # process is an MPI world of its own, and would compute alone, silently
+        raise CommError(
+            f"pt.init(backend='mpi') found an MPI world of {size} process(es), but WORLD_SIZE={said} says the "
+            f"job has {said}: backend='mpi' takes its ranks from MPI, so start the job with `mpirun -n {said} "
+            "python -m mpi4py script.py`, or keep this launcher and choose another backend (the default, "
+            "or 'torch')")
+    comm, req = world.Idup()
     _poll(req.Test, timeout, lambda: CommTimeout(
         f"rank {me} timed out after {timeout:g}s in pt.init(backend='mpi'): not all {size} processes "
         "started by mpirun called it", [r for r in range(size) if r != me]))
