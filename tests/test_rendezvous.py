@@ -90,3 +90,14 @@ def test_ranks_asking_for_different_backends():
     assert time.monotonic() - start < 18, "the ranks waited for the timeout instead of comparing backends"
     for out in outs:
         assert "disagree on the backend" in out and "rank 0: shm, rank 1: torch" in out, out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step,backend", [("agree", "shm"), ("engine", "torch")])
+def test_rank_exiting_after_the_rendezvous_is_named(step, backend):
+    """Rank 1 reaches the rendezvous, then exits during pt.init()'s next step: the
+    others say that rank 1 exited, instead of torch's raw store timeout."""
+    procs = spawn(3, "exit_after_rendezvous.py", step, env={"PARATRAIN_TIMEOUT": "4", "PARATRAIN_BACKEND": backend})
+    outs = outputs(procs, 50)
+    for out in (outs[0], outs[2]):
+        assert "init failed: RendezvousError" in out and "ranks [1] " in out and "exited" in out, out

@@ -18,6 +18,7 @@ from datetime import timedelta
 from torch.distributed import HashStore, TCPStore
 
 from .errors import CommError
+from .liveness import dead_local_peers
 
 
 class RendezvousError(CommError):
@@ -137,6 +138,11 @@ def wait_for_ranks(store, rank, world_size, timeout, prefix="rdzv"):
                               "say otherwise. Start every rank with the same WORLD_SIZE.")
 
 
+def _lost(rank, what, hint=""):
+    return RendezvousError(f"rank {rank} lost the rendezvous (rank 0's store) while waiting for the other ranks "
+                           f"in {what}: rank 0 exited or crashed.{hint} Look at rank 0's output.")
+
+
 def _not_all_arrived(store, rank, world_size, keys, timeout):
     """The error for a wait that ended before every rank announced itself: who is
     missing, if rank 0's store still answers; if it does not, that rank 0 left."""
@@ -144,11 +150,9 @@ def _not_all_arrived(store, rank, world_size, keys, timeout):
         present = [r for r, k in enumerate(keys) if store.check([k])]
         sizes = {int(store.get(keys[r])) for r in present}
     except Exception:   # the store's server, on rank 0, is gone
-        return RendezvousError(
-            f"rank {rank} lost the rendezvous (rank 0's store) while waiting for the other ranks of a world of "
-            f"{world_size}: rank 0 exited or crashed. If rank 0 and the ranks it waited for had another "
-            "WORLD_SIZE than this rank they went on without it: start every rank with the same WORLD_SIZE, "
-            "and look at rank 0's output.")
+        return _lost(rank, f"the rendezvous of a world of {world_size}",
+                     " If rank 0 and the ranks it waited for had another WORLD_SIZE than this rank, they "
+                     "went on without it: start every rank with the same WORLD_SIZE.")
     missing = [r for r in range(world_size) if r not in present]
     hint = f" Ranks disagree on the world size: {sorted(sizes)}." if len(sizes) > 1 else ""
     return RendezvousError(
@@ -157,12 +161,33 @@ def _not_all_arrived(store, rank, world_size, keys, timeout):
         "and backend (a rank on backend='mpi' does not come here), and that none crashed on start-up.")
 
 
-def agree(store, name, rank, world_size, value, timeout, what):
+def wait_keys(store, keys, owners, rank, timeout, what, procs=None):
+    """store.wait(keys), failing with an error that names the ranks that never got
+    there (owners[i] is the global rank that sets keys[i]), and those of them that
+    have exited, as far as this host can tell (procs: (host, pid) by rank)."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+        return
+    except Exception:
+        pass
+    try:
+        missing = sorted({o for k, o in zip(keys, owners) if not store.check([k])})
+    except Exception:
+        raise _lost(rank, what) from None
+    dead = dead_local_peers(procs, rank, missing, settle=0.0) if procs else []
+    raise RendezvousError(
+        f"rank {rank}: ranks {missing} did not reach {what} within {timeout:g}s"
+        + (f" (ranks {dead} have exited)" if dead else "")
+        + ": they came to the rendezvous, then died, exited or got stuck before this step; their own "
+        "output says why (raise PARATRAIN_TIMEOUT if they are only slow)") from None
+
+
+def agree(store, name, rank, world_size, value, timeout, what, procs=None):
     """Every rank states ``value`` (a string) under ``name``; raise RendezvousError
     naming each rank's value unless all are equal. ``what`` says what to make equal."""
     store.set(f"{name}/{rank}", value)
     keys = [f"{name}/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout))
+    wait_keys(store, keys, range(world_size), rank, timeout, f"the check that ranks agree on the {name}", procs)
     values = [store.get(k).decode() for k in keys]
     if len(set(values)) > 1:
         said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))

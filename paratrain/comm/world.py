@@ -91,7 +91,7 @@ def init(backend=None, timeout=None, threads=None):
         raise CommError(f"backend='shm' needs all ranks on one host, but they span {len(set(_S.hosts))} hosts; "
                         "use backend='hierarchical' (the default) or 'torch'")
     rendezvous.agree(store, "backend", e.rank, e.world_size, _ENGINE.get(backend, backend), timeout,
-                     "pass every rank the same pt.init(backend=...) or PARATRAIN_BACKEND")
+                     "pass every rank the same pt.init(backend=...) or PARATRAIN_BACKEND", _S.procs)
     _S.backend = backend
     _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
     return _S.world
@@ -128,7 +128,7 @@ def _processes(store, rank, world_size, timeout):
     whether that peer died (liveness.py), and says so by rank."""
     store.set(f"proc/{rank}", f"{envmod.host_id()} {os.getpid()}")
     keys = [f"proc/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout))
+    rendezvous.wait_keys(store, keys, range(world_size), rank, timeout, "the exchange of hosts and pids")
     out = []
     for k in keys:
         host, _, pid = store.get(k).decode().rpartition(" ")
@@ -153,10 +153,26 @@ def _init_torch(backend, timeout):
     if not _S.torch_initialized:
         bind_world_defaults_early()
         engine = "nccl" if backend == "nccl" else "gloo"
-        dist.init_process_group(engine, store=_prefix("torch"), rank=_S.env.rank,
-                                world_size=_S.env.world_size, timeout=timedelta(seconds=timeout))
+        try:
+            dist.init_process_group(engine, store=_prefix("torch"), rank=_S.env.rank,
+                                    world_size=_S.env.world_size, timeout=timedelta(seconds=timeout))
+        except RuntimeError as e:   # DistStoreError (a wait timed out), a peer's connection failed
+            raise _setup_error(f"torch.distributed's set-up of {engine}", timeout, e) from None
         _S.torch_initialized = True
         atexit.register(_destroy_at_exit)
+
+
+def _setup_error(what, timeout, e):
+    """A rank came to the rendezvous, then did not get through the engine's set-up."""
+    from .liveness import dead_local_peers
+    me = _S.env.rank
+    others = [r for r in range(_S.env.world_size) if r != me]
+    dead = dead_local_peers(_S.procs, me, others)
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    who = (f"ranks {dead} exited after the rendezvous" if dead else
+           "a rank died, exited or got stuck after the rendezvous (its own output says why)")
+    return rendezvous.RendezvousError(f"rank {me}: {what} did not complete within {timeout:g}s: {who} "
+                                      f"({reason})")
 
 
 def bind_world_defaults_early():

@@ -199,6 +199,13 @@ class ShmGroup(ProcessGroup):
                 raise PeerError(f"{names} died or exited while rank {self.ranks[self.rank]} waited for it "
                                 f"in {what}", [self.ranks[q] for q in dead])
             if time.time() >= deadline:
+                unset = [self.ranks[q] for q in peers if int(self._pids[q]) <= 0]
+                if unset:   # no pid: it never got through the group's set-up, so nothing to say it is alive
+                    raise CommTimeout(
+                        f"rank {self.ranks[self.rank]} timed out after {self.timeout:g}s in {what} waiting for "
+                        f"ranks {unset}, which never finished setting up this group: they failed or exited "
+                        "during pt.init() or new_group() (their own output says why), or are stuck there",
+                        unset)
                 last = {self.ranks[q]: describe(self._desc[:, q][np.argmax(self._desc[:, q, 0])])
                         for q in peers}
                 raise CommTimeout(

@@ -15,6 +15,8 @@ import atexit
 import mmap
 import os
 
+from ..rendezvous import wait_keys
+
 SHM_DIR = "/dev/shm"
 PREFIX = "paratrain-"
 _pending_unlink = set()
@@ -110,10 +112,16 @@ def open_shared(store, key, rank, ranks, size, wait, prepare=None):
             prepare(mm)
         store.set(f"{key}/segment", name)
     else:
-        store.wait([f"{key}/segment"], wait)
+        _wait(store, [f"{key}/segment"], [ranks[0]], ranks[rank], wait)
         mm = attach(store.get(f"{key}/segment").decode(), size)
     store.set(f"{key}/attached/{rank}", "1")
     if rank == 0:
-        store.wait([f"{key}/attached/{r}" for r in range(P)], wait)
-        unlink(path)
+        try:
+            _wait(store, [f"{key}/attached/{r}" for r in range(P)], ranks, ranks[rank], wait)
+        finally:
+            unlink(path)
     return mm
+
+
+def _wait(store, keys, owners, me, wait):
+    wait_keys(store, keys, owners, me, wait.total_seconds(), "the set-up of a group's shared memory")
