@@ -6,8 +6,9 @@ We do not write a key-value store: TCPStore is proven, and torch's own
 process groups can be built on the same one.
 
 What can go wrong gets a message that says what to do: the port is taken,
-rank 0 is unreachable, some ranks never came, or ranks disagree on the
-world size.
+rank 0 is unreachable or something else holds its port, some ranks never came
+or left after coming (wait_keys), or ranks disagree on the world size or the
+backend (agree).
 """
 import os
 import socket
