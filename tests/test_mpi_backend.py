@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import launch
+
 MPIRUN = shutil.which("mpirun", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or MPIRUN is None,
@@ -92,7 +94,6 @@ def test_mpi_backend_outside_mpirun_refuses_a_larger_world():
     """`paratrain run -n 2` starting a script that asks for backend='mpi': each process
     is an MPI world of one, and used to compute alone (an all_reduce of ones gave 1).
     Now each refuses, saying to start the job with mpirun."""
-    from conftest import launch
     res = launch(2, "reinit.py", "mpi", env={"PARATRAIN_TIMEOUT": "10"})
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-4000:]

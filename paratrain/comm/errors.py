@@ -5,6 +5,13 @@ rank, so a user reading one line of a log knows where to look.
 """
 
 
+def first_line(e):
+    """The first line of an engine's error message (torch's and Gloo's run on with C++
+    frames), or the error's class name when it has no message."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class CommError(RuntimeError):
     """Base class of every communication failure in paratrain."""
 

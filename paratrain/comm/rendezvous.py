@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from torch.distributed import HashStore, TCPStore
 
-from .errors import CommError
+from .errors import CommError, first_line
 from .liveness import dead_local_peers
 
 
@@ -38,18 +38,17 @@ def connect(addr, port, rank, world_size, timeout):
     except RendezvousError:
         raise
     except Exception as e:  # torch raises DistNetworkError / RuntimeError / DistStoreError
-        msg = str(e)
-        low = msg.lower()
+        low = str(e).lower()
         if rank == 0 and ("address already in use" in low or "errno: 98" in low or "eaddrinuse" in low):
             raise RendezvousError(
                 f"rank 0 cannot serve the rendezvous on {addr}:{port}: the port is in use (another job?). "
                 "Set MASTER_PORT to a free port, or let `paratrain run` pick one.") from None
         if rank == 0:
-            raise RendezvousError(f"rank 0 could not start the rendezvous on {addr}:{port}: {msg.splitlines()[0]}") \
+            raise RendezvousError(f"rank 0 could not start the rendezvous on {addr}:{port}: {first_line(e)}") \
                 from None
         raise RendezvousError(
             f"rank {rank} could not reach the rendezvous at {addr}:{port} within {timeout:g}s "
-            f"({msg.splitlines()[0] if msg else type(e).__name__}). Is rank 0 running, and do all ranks "
+            f"({first_line(e)}). Is rank 0 running, and do all ranks "
             "have the same MASTER_ADDR and MASTER_PORT?") from None
     return store
 
@@ -183,13 +182,20 @@ def wait_keys(store, keys, owners, rank, timeout, what, procs=None):
         "output says why (raise PARATRAIN_TIMEOUT if they are only slow)") from None
 
 
+def exchange(store, name, rank, world_size, value, timeout, what, procs=None):
+    """Every rank states ``value`` (a string) under ``name``; returns every rank's, by
+    rank, once all are in (wait_keys's error, naming ``what``, if some never come)."""
+    store.set(f"{name}/{rank}", value)
+    keys = [f"{name}/{r}" for r in range(world_size)]
+    wait_keys(store, keys, range(world_size), rank, timeout, what, procs)
+    return [store.get(k).decode() for k in keys]
+
+
 def agree(store, name, rank, world_size, value, timeout, what, procs=None):
     """Every rank states ``value`` (a string) under ``name``; raise RendezvousError
     naming each rank's value unless all are equal. ``what`` says what to make equal."""
-    store.set(f"{name}/{rank}", value)
-    keys = [f"{name}/{r}" for r in range(world_size)]
-    wait_keys(store, keys, range(world_size), rank, timeout, f"the check that ranks agree on the {name}", procs)
-    values = [store.get(k).decode() for k in keys]
+    values = exchange(store, name, rank, world_size, value, timeout,
+                      f"the check that ranks agree on the {name}", procs)
     if len(set(values)) > 1:
         said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise RendezvousError(f"ranks disagree on the {name} ({said}); {what}")

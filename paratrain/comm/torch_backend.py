@@ -25,7 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 from . import ops
-from .errors import CommError, CommTimeout, PeerError
+from .errors import CommError, CommTimeout, PeerError, first_line
 from .group import ProcessGroup, describe
 from .liveness import dead_local_peers
 from .work import EngineWork
@@ -64,7 +64,7 @@ class TorchGroup(ProcessGroup):
     def _peer_error(self, what, e, peer=None):
         me = self.ranks[self.rank]
         peers = [r for r in self.ranks if r != me] if peer is None else [self._global(peer)]
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         dead = dead_local_peers(self.procs, me, peers)
         if dead:
             names = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in dead)

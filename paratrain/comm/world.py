@@ -16,10 +16,12 @@ import sys
 from datetime import timedelta
 
 import torch
+from torch.distributed import PrefixStore
 
 from . import env as envmod
 from . import rendezvous
-from .errors import CommError
+from .errors import CommError, first_line
+from .liveness import dead_local_peers
 from .group import timeout_from_env
 
 BACKENDS = ("shm", "torch", "gloo", "nccl", "mpi", "hierarchical")
@@ -118,7 +120,6 @@ def _job_store(e, timeout):
     else:
         entry[0].set_timeout(timedelta(seconds=timeout))
     entry[1] += 1
-    from torch.distributed import PrefixStore
     return PrefixStore(f"init{entry[1]}", entry[0])
 
 
@@ -126,12 +127,11 @@ def _processes(store, rank, world_size, timeout):
     """(real host, pid) of every rank, in one exchange through the store: the host
     layout (_host_layout), and how a rank whose peer's connection broke checks
     whether that peer died (liveness.py), and says so by rank."""
-    store.set(f"proc/{rank}", f"{envmod.host_id()} {os.getpid()}")
-    keys = [f"proc/{r}" for r in range(world_size)]
-    rendezvous.wait_keys(store, keys, range(world_size), rank, timeout, "the exchange of hosts and pids")
+    said = rendezvous.exchange(store, "proc", rank, world_size, f"{envmod.host_id()} {os.getpid()}", timeout,
+                               "the exchange of hosts and pids")
     out = []
-    for k in keys:
-        host, _, pid = store.get(k).decode().rpartition(" ")
+    for text in said:
+        host, _, pid = text.rpartition(" ")
         out.append((host, int(pid) if pid.isdigit() else 0))
     return out
 
@@ -164,15 +164,13 @@ def _init_torch(backend, timeout):
 
 def _setup_error(what, timeout, e):
     """A rank came to the rendezvous, then did not get through the engine's set-up."""
-    from .liveness import dead_local_peers
     me = _S.env.rank
     others = [r for r in range(_S.env.world_size) if r != me]
     dead = dead_local_peers(_S.procs, me, others)
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     who = (f"ranks {dead} exited after the rendezvous" if dead else
            "a rank died, exited or got stuck after the rendezvous (its own output says why)")
     return rendezvous.RendezvousError(f"rank {me}: {what} did not complete within {timeout:g}s: {who} "
-                                      f"({reason})")
+                                      f"({first_line(e)})")
 
 
 def bind_world_defaults_early():
@@ -216,7 +214,6 @@ def _destroy_at_exit():
 
 
 def _prefix(name):
-    from torch.distributed import PrefixStore
     return PrefixStore(name, _S.store)
 
 
