@@ -56,6 +56,7 @@ _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
 
 class MpiGroup(ProcessGroup):
     backend = "mpi"
+    receives_posted_when_called = True
     native_algorithms = ("native",)
     # Pending receives and collectives on the lanes see the destroyed flag at their next
     # poll and raise CommError; the communicator is freed once they have stopped polling it.
@@ -241,10 +242,6 @@ class MpiGroup(ProcessGroup):
         deadline = time.monotonic() + self.timeout   # from posting, not from its lane job's turn
         return posted_work(self._lanes, f"recv-{src}", entry.future,
                            lambda: self._await(entry, started, src, what, deadline), what)
-
-    def _blocking_recv(self, buf, code, src, tag):
-        # No wait for the irecvs on src's lane: the posting order already orders a tag's receives.
-        self._recv(buf, code, src, tag)
 
     def _posted_receive(self, buf, code, src, tag, what, future=None):
         receive, started = self._receiver(buf, code, src, tag, what)

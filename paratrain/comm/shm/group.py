@@ -96,6 +96,7 @@ class ShmGroup(ProcessGroup):
     """Ranks on one host, talking through shared memory with blocking semaphores."""
 
     backend = "shm"
+    receives_posted_when_called = True
     native_algorithms = ("direct",)
 
     def __init__(self, store, key, rank, ranks, timeout=None, slot_bytes=None, chunk_bytes=None):
@@ -332,11 +333,6 @@ class ShmGroup(ProcessGroup):
         deadline = time.time() + self.timeout   # from posting, not from its lane job's turn
         return posted_work(self._lanes, f"recv-{src}", req.future,
                            lambda: self._advance(req, src, deadline), what)
-
-    def _blocking_recv(self, buf, code, src, tag):
-        # No wait for the irecvs on src's lane: they are posted, so posting order
-        # already orders the receives of one tag.
-        self._recv(buf, code, src, tag)
 
     def _advance(self, req, src, deadline=None):
         """Read src's channel until req is done, or raise at the deadline (default: the
