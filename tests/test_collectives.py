@@ -17,12 +17,17 @@ def _ok(res, n, backend):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("backend", ["shm", "torch", "hierarchical"])
-def test_point_to_point_matches_by_peer_and_tag(backend, no_leftover_segments):
+@pytest.mark.parametrize("backend,debug", [("shm", "0"), ("torch", "0"), ("hierarchical", "0"),
+                                           ("shm", "1"), ("torch", "1"), ("hierarchical", "1")])
+def test_point_to_point_matches_by_peer_and_tag(backend, debug, no_leftover_segments):
     """Receives from two peers complete in either order, tags pick their message,
     and a user's message left in a channel survives collectives that send their own
-    (tests/workers/p2p_matching.py; over MPI in test_mpi_backend.py)."""
-    env = dict(SMALL_SLOTS, **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}))
+    (tests/workers/p2p_matching.py; over MPI in test_mpi_backend.py). With
+    PARATRAIN_DEBUG=1 every message goes behind its envelope on torch and
+    hierarchical (envelopes.py): the same checks pass, and a receive of the wrong
+    size or dtype is refused there too instead of Gloo aborting the process."""
+    env = dict(SMALL_SLOTS, PARATRAIN_DEBUG=debug,
+               **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}))
     res = launch(3, "p2p_matching.py", backend, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]

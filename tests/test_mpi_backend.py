@@ -57,9 +57,10 @@ def test_mpi_backend(nprocs, debug):
     assert p.stdout.count("checks passed") == nprocs, p.stdout
 
 
-def _run_worker(script, passed, printers=3, timeout="30"):
+def _run_worker(script, passed, printers=3, timeout="30", debug="0"):
     """tests/workers/<script> "mpi" under mpirun with 3 ranks; ``printers`` of them must print ``passed``."""
-    env = _mpirun_env(PARATRAIN_TIMEOUT=timeout, PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    env = _mpirun_env(PARATRAIN_TIMEOUT=timeout, PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
+                      PARATRAIN_DEBUG=debug)
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
            str(Path(__file__).parent / "workers" / script), "mpi"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
@@ -68,11 +69,13 @@ def _run_worker(script, passed, printers=3, timeout="30"):
 
 
 @pytest.mark.timeout(120)
-def test_point_to_point_matches_by_peer_and_tag_over_mpi():
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_point_to_point_matches_by_peer_and_tag_over_mpi(debug):
     """tests/workers/p2p_matching.py under mpirun: receives from two peers in either
     order, a later tag received first (its message over the eager limit), a user's
-    message pending through collectives, a wrong-size message refused."""
-    _run_worker("p2p_matching.py", "p2p matching checks passed on mpi")
+    message pending through collectives, a wrong-size message refused; with
+    PARATRAIN_DEBUG=1 (envelopes.py) a message of another dtype refused too."""
+    _run_worker("p2p_matching.py", "p2p matching checks passed on mpi", debug=debug)
 
 
 @pytest.mark.timeout(120)

@@ -361,3 +361,39 @@ def test_shm_mailbox_gives_a_message_to_a_receive_posted_while_it_was_read():
     box.post(waiting)
     box.withdraw(waiting)
     assert box.take_posted(9) is None
+
+
+def test_envelope_says_dtype_size_and_tag_and_refuses_what_is_not_one():
+    """envelopes.py (PARATRAIN_DEBUG's point-to-point check on torch and mpi): an
+    envelope read back gives the sender's dtype code and byte count; a corrupt one,
+    or one for another tag, is a FrameError before anything is received."""
+    from paratrain.comm import envelopes
+    from paratrain.comm.errors import FrameError
+    buf = np.zeros(6, np.float32)
+    env = envelopes.envelope(buf, ops.NUMPY_CODE[np.dtype(np.float32)], 9)
+    assert envelopes.read_envelope(env, 9, "recv") == (ops.NUMPY_CODE[np.dtype(np.float32)], 24)
+    with pytest.raises(FrameError, match="tag 9, not 10"):
+        envelopes.read_envelope(env, 10, "recv")
+    bad = env.copy()
+    bad[0] ^= 0xFF
+    with pytest.raises(FrameError, match="magic"):
+        envelopes.read_envelope(bad, 9, "recv")
+    assert envelopes.ENVELOPE_TAG + (1 << 24) - 1 < 2 ** 31 - 1   # within Gloo's and Open MPI's tags
+
+
+def test_envelope_send_errors_name_the_users_call():
+    """AllOf: an isend behind its envelope fails with the user's call named (the
+    engine's words name the envelope's internal tag), and its exception() says so."""
+    import concurrent.futures
+
+    from paratrain.comm.envelopes import AllOf
+    from paratrain.comm.errors import PeerError
+    from paratrain.comm.work import Work
+    failed, done = concurrent.futures.Future(), concurrent.futures.Future()
+    failed.set_exception(PeerError("isend of 32 bytes to rank 1 (tag 33554441) failed", [1]))
+    done.set_result(None)
+    w = AllOf(Work(failed, "envelope"), Work(done, "message"), "isend of 8 bytes to rank 1 (tag 9)")
+    with pytest.raises(PeerError, match=r"isend of 8 bytes to rank 1 \(tag 9\), passing its envelope") as e:
+        w.wait()
+    assert e.value.ranks == (1,)
+    assert isinstance(w.exception(), PeerError) and w.is_completed()

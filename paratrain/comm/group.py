@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from . import ops
+from . import envelopes, ops
 from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
 from .work import Lanes
@@ -89,6 +89,7 @@ class ProcessGroup:
     backend = "base"
     lane_stop_seconds = 0.0   # how long destroy() lets running lane work notice it and end
     receives_posted_when_called = False   # shm, mpi: an irecv is matchable from its call on
+    messages_carry_dtype = False   # shm: every message says its dtype and size (else see envelopes.py)
 
     def __init__(self, rank, world_size, ranks=None, timeout=None):
         self.rank = rank
@@ -98,6 +99,7 @@ class ProcessGroup:
         self._lanes = Lanes(f"paratrain-{self.backend}")
         self._seq = 0
         self._debug = debug_checks()
+        self._envelopes = self._debug and not self.messages_carry_dtype   # envelopes.py
         self._env_algo = os.environ.get("PARATRAIN_ALGO") or None
         self._destroyed = False
 
@@ -174,23 +176,38 @@ class ProcessGroup:
 
     def send(self, tensor, dst, tag=0):
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send", writable=False)
+        if self._envelopes:
+            self._check_alive(f"send to {dst}")
+            envelopes.post_send(self, buf, code, dst, tag, self._p2p_what("send", buf, "to", dst, tag)).wait()
+            return
         self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
 
     def recv(self, tensor, src, tag=0):
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "recv")
         self._check_alive(f"recv from {src}")
-        self._blocking_recv(buf, code, src, tag)
+        if self._envelopes:
+            envelopes.post_recv(self, buf, code, src, tag, self._p2p_what("recv", buf, "from", src, tag)).wait()
+        else:
+            self._blocking_recv(buf, code, src, tag)
         return src
 
     def isend(self, tensor, dst, tag=0):
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "isend", writable=False)
         self._check_alive(f"isend to {dst}")
+        if self._envelopes:
+            return envelopes.post_send(self, buf, code, dst, tag, self._p2p_what("isend", buf, "to", dst, tag))
         return self._post_send(buf, code, dst, tag)
 
     def irecv(self, tensor, src, tag=0):
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "irecv")
         self._check_alive(f"irecv from {src}")
+        if self._envelopes:
+            return envelopes.post_recv(self, buf, code, src, tag, self._p2p_what("irecv", buf, "from", src, tag))
         return self._post_recv(buf, code, src, tag)
+
+    def _p2p_what(self, name, buf, direction, peer, tag):
+        """'irecv of 16 bytes from rank 2 (tag 5)', as the Work labels say."""
+        return f"{name} of {buf.nbytes} bytes {direction} rank {self.ranks[peer]} (tag {tag})"
 
     def _p2p_args(self, tensor, peer, tag, what, writable=True):
         """The checks every backend makes alike. A message to oneself is refused, as

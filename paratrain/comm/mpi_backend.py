@@ -44,13 +44,13 @@ import numpy as np
 
 from . import ops
 from .algorithms import split_bounds
+from .envelopes import MAX_DRAIN_BYTES   # a message that does not fit, up to this size, is received and dropped
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
 from .mpi_receives import PostedReceives
 from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _spin_seconds, _unpack
 from .work import EngineWork, posted_work
 
-MAX_DRAIN_BYTES = 64 << 20  # a wrongly sized message up to this size is received and dropped
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
 
 

@@ -20,6 +20,7 @@ liveness.py) or which ranks it may be.
 """
 import contextlib
 import functools
+import weakref
 
 import numpy as np
 import torch.distributed as dist
@@ -48,6 +49,7 @@ class TorchGroup(ProcessGroup):
         self.pg = pg
         self.engine = dist.get_backend(pg)
         self.procs = procs
+        self._pending = weakref.WeakSet()   # the EngineWorks of isend/irecv, settled at destroy()
 
     # ---- the engine's errors, in paratrain's terms --------------------------------
 
@@ -118,7 +120,9 @@ class TorchGroup(ProcessGroup):
         errors = functools.partial(self._engine_errors, peer=peer)
         with errors(what):
             handle = start(t, self._global(peer), group=self.pg, tag=tag)
-        return EngineWork(handle, what, errors, keep=(buf, t), destroyed=lambda: self._destroyed)
+        work = EngineWork(handle, what, errors, keep=(buf, t), destroyed=lambda: self._destroyed)
+        self._pending.add(work)
+        return work
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
         with self._engine_errors(f"exchange with ranks {self._global(dst)} and {self._global(src)}"):
@@ -188,4 +192,10 @@ class TorchGroup(ProcessGroup):
             dist.all_to_all([ops.torch_view(o, code) for o in out], [ops.torch_view(i, code) for i in inp], group=self.pg)
 
     def destroy(self):
+        """Pending isends/irecvs are settled first (EngineWork.give_up): a Gloo
+        operation cannot be withdrawn, and a thread left blocked in its wait would
+        outlast the destroy until the timeout."""
+        self._destroyed = True
+        for work in list(self._pending):
+            work.give_up()
         super().destroy()

@@ -89,20 +89,49 @@ class EngineWork(Work):
                     self._handle.wait()
         except Exception as e:   # kept, and raised by every wait, as a future does
             self._error = e
+            if self._destroyed is not None and self._destroyed():
+                self._error = self._gone()   # woken by give_up(), or failed as the group went
         self._keep = None
         self._settled.set()
+
+    def _gone(self):
+        return CommError(f"{self.what} was still pending when its group was destroyed "
+                         "(pt.destroy() or group.destroy())")
 
     def _last_look(self):
         """A wait begun after the group was destroyed: a Gloo operation, once posted,
         cannot be withdrawn, and an untimed wait would last the whole timeout. So the
         engine gets a moment to say it is done (it may well be, unwaited), and past
         that the operation is given up (torch's timed wait aborts it)."""
-        import datetime
         try:
-            self._handle.wait(datetime.timedelta(seconds=self.LAST_LOOK_SECONDS))
+            self._timed_wait()
         except Exception:
-            raise CommError(f"{self.what} was still pending when its group was destroyed "
-                            "(pt.destroy() or group.destroy())") from None
+            raise self._gone() from None
+
+    def _timed_wait(self):
+        import datetime
+        self._handle.wait(datetime.timedelta(seconds=self.LAST_LOOK_SECONDS))
+
+    def give_up(self):
+        """Called by the group's destroy() (after it is marked destroyed): settle this
+        operation now, done or failed, so no thread is left blocked in the engine.
+        Nobody waiting: the last look, on this thread. A thread already blocked in
+        the engine's untimed wait: Gloo answers a second, timed wait on the same
+        handle that runs out by closing the connection to that peer ("Application
+        timeout caused pair closure"), which wakes the blocked wait with an error
+        (and, had the operation finished meanwhile, both waits return). Left blocked,
+        that thread would wait out the timeout and, were the process to exit first,
+        abort it ("terminate called without an active exception")."""
+        if self._settled.is_set():
+            return
+        if self._claim(watcher=False):
+            self._settle()
+            return
+        try:
+            self._timed_wait()
+        except Exception:
+            pass
+        self._settled.wait(self.LAST_LOOK_SECONDS)
 
     def _claim(self, watcher):
         """Become the handle's one waiter (this thread, or a new watcher): False if taken."""

@@ -19,9 +19,12 @@ built, and the script raises (exits non-zero) on the first wrong one.
    collectives whose algorithms send their own messages (ring, tree, naive,
    list all_to_all); received after them, intact.
 4. A receive whose message has another size fails with a MismatchError, and
-   the next message on the same channel still arrives whole (shm, mpi; Gloo
-   aborts the receiving process on such a message, so not where point to point
-   runs over Gloo: the torch and hierarchical backends).
+   the next message on the same channel still arrives whole (shm and mpi always;
+   torch and hierarchical, where point to point runs over Gloo, which aborts the
+   receiving process on such a message, with PARATRAIN_DEBUG=1: envelopes.py).
+   A message of another dtype but the same size fails the same way on shm
+   always, and with PARATRAIN_DEBUG=1 everywhere (MPI knows only bytes); checked
+   with a blocking recv and with an irecv.
 5. Tags outside 0 .. 2**24-1, and a message to oneself, are refused before
    anything is sent.
 6. ``wait(timeout)`` on an irecv whose message has not been sent raises
@@ -30,11 +33,15 @@ built, and the script raises (exits non-zero) on the first wrong one.
 8. Buffers a call only reads (what send/isend send, the inputs of reduce_scatter,
    all_to_all, all_gather, gather, scatter) may be read-only numpy arrays; the
    results are right and the inputs unchanged.
-9. A receive pending at ``pt.destroy()`` fails with CommError, at once (on torch,
-   within half a second, when it is waited for after the destroy); an isend that
-   finished before the destroy, waited for after it, succeeds.
+9. A receive pending at ``pt.destroy()`` fails with CommError, at once (on torch
+   within half a second), whether it is waited for after the destroy or a thread
+   is already waiting for it (on torch, inside Gloo's wait: that thread left
+   there would also abort the process at its exit); an isend that finished before
+   the destroy, waited for after it, succeeds.
 """
+import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -126,21 +133,38 @@ def main():
     pending.wait()
     check(got, np.arange(big, dtype=np.float32) + (me - 1) % P, "the user message received after the collectives")
 
-    # 4. a message of the wrong size fails its receive; the channel goes on
-    if backend in ("torch", "hierarchical"):   # point to point over Gloo
-        pass
-    elif me == 1:
-        g.send(np.full(6, 5, np.float32), 0, tag=8)
-        g.send(np.full(3, 6, np.float32), 0, tag=9)
-    elif me == 0:
-        try:
-            g.recv(np.zeros(4, np.float32), 1, tag=8)
-            raise AssertionError("a 6-element message landed in a 4-element receive")
-        except pt.MismatchError as e:
-            assert "24 bytes" in str(e) and "16 bytes" in str(e), e
-        after = np.zeros(3, np.float32)
-        g.recv(after, 1, tag=9)
-        check(after, np.full(3, 6, np.float32), "the message after a mismatched one")
+    # 4. a message of the wrong size or dtype fails its receive; the channel goes on
+    debug = os.environ.get("PARATRAIN_DEBUG", "0") == "1"
+    if backend in ("shm", "mpi") or debug:   # Gloo aborts the process on a wrong size unless checked
+        if me == 1:
+            g.send(np.full(6, 5, np.float32), 0, tag=8)
+            g.send(np.full(3, 6, np.float32), 0, tag=9)
+        elif me == 0:
+            try:
+                g.recv(np.zeros(4, np.float32), 1, tag=8)
+                raise AssertionError("a 6-element message landed in a 4-element receive")
+            except pt.MismatchError as e:
+                assert "24 bytes" in str(e) and "16 bytes" in str(e), e
+            after = np.zeros(3, np.float32)
+            g.recv(after, 1, tag=9)
+            check(after, np.full(3, 6, np.float32), "the message after a mismatched one")
+    if backend == "shm" or debug:   # same size, another dtype: MPI and Gloo know only bytes
+        if me == 1:
+            g.send(np.full(4, 1.5, np.float32), 0, tag=8)
+            w = g.isend(np.full(4, 2.5, np.float32), 0, tag=8)
+            g.send(np.full(5, 7, np.int32), 0, tag=9)
+            w.wait()
+        elif me == 0:
+            for how in ("recv", "irecv"):
+                wrong = np.zeros(4, np.int32)
+                try:
+                    g.recv(wrong, 1, tag=8) if how == "recv" else g.irecv(wrong, 1, tag=8).wait()
+                    raise AssertionError(f"float32 x 4 landed in an int32 x 4 {how}: {wrong}")
+                except pt.MismatchError as e:
+                    assert "float32" in str(e) and "int32" in str(e), e
+            after = np.zeros(5, np.int32)
+            g.recv(after, 1, tag=9)
+            check(after, np.full(5, 7, np.int32), "the message after a wrong-dtype one")
 
     # 5. tags outside the user's range
     for bad in (-1, 1 << 24, 2.0):
@@ -246,7 +270,21 @@ def main():
     check(got, np.full(3, (me - 1) % P, np.float32), "the message of an isend waited after destroy")
     g.barrier()
     pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16)
+    blocked, outcome = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=23), []
+
+    def wait_blocked():
+        try:
+            blocked.wait()
+            outcome.append("completed")
+        except Exception as e:
+            outcome.append(e)
+    waiter = threading.Thread(target=wait_blocked, daemon=True)
+    waiter.start()
+    time.sleep(0.2)   # the waiter is inside the engine's wait (Gloo's) when the group goes
     pt.destroy()
+    waiter.join(5)
+    assert outcome and isinstance(outcome[0], pt.CommError) and "destroyed" in str(outcome[0]), \
+        f"a wait under way at destroy(): {outcome or 'still waiting after 5 s'}"
     finished.wait()
     start = time.monotonic()
     try:

@@ -97,6 +97,7 @@ class ShmGroup(ProcessGroup):
 
     backend = "shm"
     receives_posted_when_called = True
+    messages_carry_dtype = True   # frames say dtype and size: a receive that does not fit is refused always
     native_algorithms = ("direct",)
 
     def __init__(self, store, key, rank, ranks, timeout=None, slot_bytes=None, chunk_bytes=None):
