@@ -397,3 +397,32 @@ def test_envelope_send_errors_name_the_users_call():
         w.wait()
     assert e.value.ranks == (1,)
     assert isinstance(w.exception(), PeerError) and w.is_completed()
+
+
+def test_reaped_lanes_end_their_thread_and_keep_their_order():
+    """Lanes.submit(reap=True) (envelopes.py's lane per peer and tag): jobs queued on
+    one lane still run in order, and once the lane is idle its thread ends, so a
+    program using a tag per micro-batch does not keep a thread per tag."""
+    import threading
+    import time
+
+    from paratrain.comm.work import Lanes
+    lanes, order, gate = Lanes("test"), [], threading.Event()
+    before = threading.active_count()
+    works = [lanes.submit("a", lambda: gate.wait(5), "first", reap=True)]
+    works += [lanes.submit("a", lambda i=i: order.append(i), f"job {i}", reap=True) for i in range(5)]
+    gate.set()
+    for w in works:
+        w.wait(5)
+    assert order == list(range(5))
+    for tag in range(50):
+        lanes.submit(f"tag-{tag}", lambda: None, "one", reap=True).wait(5)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before, [t.name for t in threading.enumerate()]
+    kept = Lanes("test")
+    kept.submit("b", lambda: None, "kept").wait(5)
+    assert threading.active_count() == before + 1   # a lane without reap stays, as the per-peer ones do
+    kept.shutdown()
+    lanes.shutdown()

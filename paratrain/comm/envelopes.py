@@ -23,7 +23,9 @@ they were posted, and a receive must not wait behind another tag's (the rule
 every backend keeps, tests/workers/p2p_matching.py). Envelopes are posted when the
 receive is called, so they match in posting order; each message's own receive
 is posted once its envelope is in, on a lane per (peer, tag), so receives of one
-tag post their messages' receives in the same order, while other tags go on.
+tag post their messages' receives in the same order, while other tags go on;
+the lane is retired when it has nothing left to do (a program that uses a tag
+per micro-batch would otherwise keep a thread per tag).
 Every rank must set PARATRAIN_DEBUG alike: a receiver without it never takes the
 envelope, and the sender waits for it until the timeout.
 """
@@ -132,4 +134,4 @@ def post_recv(group, buf, code, src, tag, what):
             f"rank {me}: {what}: rank {peer} sent {_kind(nbytes, sent_code)} but the receive buffer holds "
             f"{_kind(buf.nbytes, code)}: the two ranks disagree on the message's {differs} (checked because "
             "PARATRAIN_DEBUG is set)")
-    return group._lanes.submit(f"checked-recv-{src}-{tag}", receive, what)
+    return group._lanes.submit(f"checked-recv-{src}-{tag}", receive, what, reap=True)

@@ -205,7 +205,10 @@ def posted_work(lanes, lane, future, advance, what):
 
 
 class Lanes:
-    """Named single-thread executors, created on first use."""
+    """Named single-thread executors, created on first use. A lane submitted to with
+    ``reap=True`` is retired once its last job is done (its thread ends; a later
+    job makes a new one), for lanes named by something unbounded, such as
+    envelopes.py's one per (peer, tag): kept, they would be a thread per tag."""
 
     def __init__(self, prefix):
         self._prefix = prefix
@@ -214,7 +217,7 @@ class Lanes:
         self._unfinished = set()   # submitted, not yet done: what shutdown() may wait for
         self._lock = threading.Lock()
 
-    def submit(self, lane, fn, what):
+    def submit(self, lane, fn, what, reap=False):
         with self._lock:
             ex = self._lanes.get(lane)
             if ex is None:
@@ -223,12 +226,15 @@ class Lanes:
             fut = ex.submit(fn)
             self._last[lane] = fut
             self._unfinished.add(fut)
-        fut.add_done_callback(self._finished)
+        fut.add_done_callback(lambda f: self._finished(f, lane if reap else None))
         return Work(fut, what)
 
-    def _finished(self, fut):
+    def _finished(self, fut, reap_lane=None):
         with self._lock:
             self._unfinished.discard(fut)
+            if reap_lane is not None and self._last.get(reap_lane) is fut:   # nothing queued behind it
+                del self._last[reap_lane]
+                self._lanes.pop(reap_lane).shutdown(wait=False)   # the thread ends after this callback
 
     def drain(self, lane):
         """Wait for everything queued on ``lane``; errors stay with their own Work."""
@@ -240,11 +246,14 @@ class Lanes:
         """Cancel what has not started; give what is running up to wait_s seconds to end.
         (A job cancelled here never counts as done for concurrent.futures.wait, so only
         the running ones are waited for; each lane runs at most one.)"""
-        for ex in self._lanes.values():
+        with self._lock:   # a snapshot: a reaped lane leaves the dict from a job's thread
+            executors = list(self._lanes.values())
+        for ex in executors:
             ex.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             running = [f for f in self._unfinished if not f.done()]
         if wait_s > 0 and running:
             concurrent.futures.wait(running, timeout=wait_s)
-        self._lanes.clear()
-        self._last.clear()
+        with self._lock:
+            self._lanes.clear()
+            self._last.clear()
