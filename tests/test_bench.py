@@ -5,14 +5,27 @@ never of speed: on a shared 2-core machine timings say nothing, so nothing
 here asserts on a time or a ratio. Open MPI is measured when mpirun and mpi4py
 are installed and left out otherwise; the JSON says which.
 """
+import importlib.util
 import json
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
 from paratrain.bench.cases import COLLECTIVES
 from paratrain.bench.collectives import main
 from paratrain.bench.report import median_interval, ratios
+
+
+MPI_INSTALLED = importlib.util.find_spec("mpi4py") is not None and shutil.which(
+    "mpirun", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}") is not None
+
+# nccl-tests' doc/PERFORMANCE.md, written out for 2 ranks: all_reduce 2(P-1)/P, broadcast
+# and reduce 1, the rest (P-1)/P
+NCCL_TESTS_FACTOR = {"all_reduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "all_gather": 0.5,
+                     "reduce_scatter": 0.5, "gather": 0.5, "scatter": 0.5, "all_to_all": 0.5}
 
 
 def assert_pinned_to_own_cpus(environment):
@@ -35,6 +48,7 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
     engines = data["config"]["engines"]
     assert engines[:2] == ["paratrain", "gloo"]
     assert ("mpi" in engines) == (data["environment"]["launcher"] == "mpirun")
+    assert ("mpi" in engines) == MPI_INSTALLED   # the test command installs paratrain[mpi]: never dropped silently
     assert data["environment"]["world_size"] == 2
     for key in ("torch", "cpu_count", "date"):
         assert data["environment"][key]
@@ -48,7 +62,10 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
                 assert r["verified"], r
                 assert r["iters"] == len(r["samples_us"]) > 0
                 assert r["calls"] == 10   # small sizes: back-to-back calls per timed turn
-                assert r["median_us"] > 0 and r["algbw_GBps"] > 0 and r["busbw_GBps"] > 0
+                assert r["median_us"] > 0
+                # nccl-tests: algbw = bytes / time, busbw = algbw x the collective's factor
+                assert r["algbw_GBps"] == pytest.approx(size / (r["median_us"] * 1e3), rel=1e-3)
+                assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * NCCL_TESTS_FACTOR[coll], rel=1e-3)
     assert {(r["collective"], r["bytes"]) for r in data["ratios"]} == {(c, s) for c in COLLECTIVES
                                                                           for s in (4096, 65536)}
     for r in data["ratios"]:

@@ -155,7 +155,7 @@ def test_shm_large_all_reduce_fetches_reduced_slices_from_private_memory(n, cma,
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_torch_gloo_backend(n):
     res = launch(n, "collectives.py", "--backend", "torch", "--algorithms", ",ring,tree",
                  "--dtypes", ALL_DTYPES, "--subgroup")

@@ -100,6 +100,56 @@ def test_env_for_three_workers(tmp_path, capfd):
     assert 0 < int(port) < 65536 and job
 
 
+@pytest.mark.timeout(60)
+def test_a_free_port_is_chosen_and_workers_compute_on_one_thread(tmp_path, capfd):
+    """Without --master-port the launcher picks a port nobody holds: with torch's
+    usual 29500 held here, rank 0's store still binds and the workers meet (an
+    all_reduce of ones gives 2). torch computes on one thread in each worker,
+    before pt.init() (OMP_NUM_THREADS) and after it (PARATRAIN_THREADS)."""
+    s = script(tmp_path, """
+        import os
+        import torch
+        before = torch.get_num_threads()
+        import paratrain as pt
+        g = pt.init()
+        t = torch.ones(4)
+        g.all_reduce(t)
+        print(os.environ["MASTER_PORT"], before, torch.get_num_threads(), t.tolist())
+        pt.destroy()
+    """)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        try:
+            held.bind(("", 29500))
+            held.listen()
+        except OSError:
+            pass   # somebody holds it already: just as good
+        assert main(["-n", "2", s]) == 0
+    lines = [line.split("] ", 1)[1].split(" ", 3) for line in capfd.readouterr().out.splitlines()
+             if line.startswith("[rank")]
+    assert len(lines) == 2 and len({port for port, *_ in lines}) == 1, lines
+    port, before, after, total = lines[0]
+    assert int(port) != 29500 and (before, after) == ("1", "1") and total == "[2.0, 2.0, 2.0, 2.0]", lines
+
+
+@pytest.mark.timeout(60)
+def test_the_console_script_runs_workers(tmp_path):
+    """`paratrain run` as a user types it: the console script pip installed beside
+    this Python, not launch.main called in this process."""
+    exe = os.path.join(os.path.dirname(sys.executable), "paratrain")
+    assert os.access(exe, os.X_OK), f"no console script at {exe}: pip install -e . makes it"
+    s = script(tmp_path, """
+        import os
+        print("hello from", os.environ["RANK"], "of", os.environ["WORLD_SIZE"])
+    """)
+    p = subprocess.run([exe, "run", "-n", "2", s], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(l for l in p.stdout.splitlines() if "hello" in l) == \
+        ["[rank 0] hello from 0 of 2", "[rank 1] hello from 1 of 2"], p.stdout
+    bench = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "collectives.py"), "--help"],
+                           capture_output=True, text=True, timeout=50)
+    assert bench.returncode == 0 and "--collectives" in bench.stdout, bench.stdout + bench.stderr
+
+
 @pytest.mark.timeout(30)
 def test_threads_and_timeout_are_exported(tmp_path, capfd):
     s = script(tmp_path, """

@@ -426,3 +426,25 @@ def test_reaped_lanes_end_their_thread_and_keep_their_order():
     assert threading.active_count() == before + 1   # a lane without reap stays, as the per-peer ones do
     kept.shutdown()
     lanes.shutdown()
+
+
+def test_default_algorithm_follows_message_size_and_world_size():
+    """The choice made when neither algorithm= nor PARATRAIN_ALGO names one.
+    The portable collectives (ProcessGroup, over send/recv): tree up to 64 KiB,
+    where latency steps dominate, ring above. shm's direct all_reduce: its
+    one-round small path while every rank's slot holds the message and the bytes
+    each rank reads from its peers, (P-1)·n, stay within direct.SMALL_BYTES, so
+    the same 200 KiB takes it with 2 ranks and not with 4."""
+    from types import SimpleNamespace
+
+    from paratrain.comm.algorithms import direct
+    from paratrain.comm.group import ProcessGroup
+    portable = ProcessGroup(0, 2)
+    assert [portable.default_algorithm(n) for n in (4, 64 * 1024, 64 * 1024 + 1, 64 << 20)] == \
+        ["tree", "tree", "ring", "ring"]
+    assert portable._algorithm(None, 4).__name__.endswith("tree")
+    assert portable._algorithm(None, 1 << 20).__name__.endswith("ring")
+    msg = np.zeros(200 * 1024 // 4, np.float32)
+    small = [direct.takes_small_path(SimpleNamespace(slot_bytes=1 << 20, world_size=P), msg) for P in (2, 3, 4)]
+    assert small == [True, True, False]   # (P-1) x 200 KiB against 512 KiB
+    assert not direct.takes_small_path(SimpleNamespace(slot_bytes=128 * 1024, world_size=2), msg)

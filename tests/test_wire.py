@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paratrain.comm.errors import FrameError
+from paratrain.comm.ops import CODE_TORCH
 from paratrain.comm.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, decode_header, encode_header
 
 CAP = 1 << 20
@@ -20,6 +21,19 @@ def test_random_bytes_either_decode_within_limits_or_raise_frame_error(data):
     except FrameError:
         return
     assert total <= MAX_TOTAL and length <= CAP and index * CAP + length <= total
+
+
+@given(st.binary(min_size=HEADER_SIZE - 6, max_size=HEADER_SIZE + 8))
+@settings(max_examples=1000)
+def test_random_fields_behind_a_valid_magic_and_version_decode_within_limits_or_raise(rest):
+    """The same, past the first check: random bytes behind a real magic and version
+    reach every later field's check (the plain random case almost never gets there)."""
+    data = HEADER.pack(MAGIC, VERSION, 0, 0, 0, 0, 0, 0)[:6] + rest
+    try:
+        code, tag, seq, total, index, length = decode_header(data, capacity=CAP, max_total=MAX_TOTAL)
+    except FrameError:
+        return
+    assert code in CODE_TORCH and total <= MAX_TOTAL and length <= CAP and index * CAP + length <= total
 
 
 @given(st.integers(1, 7), st.integers(-2**31, 2**31 - 1), st.integers(0, 2**32 - 1),

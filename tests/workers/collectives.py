@@ -258,6 +258,28 @@ def big_all_reduce(g, dtypes, n, algorithms=(None,)):
     return count
 
 
+def barrier_holds(g):
+    """No rank leaves a barrier before the last one entered it: rank 0 enters late and
+    says when (a barrier that returned at once would let the others out before
+    that). Blocking and async_op=True. One host's clock, so the times compare."""
+    import time
+    for blocking in (True, False):
+        entered = np.zeros(1, np.float64)
+        if g.rank == 0:
+            time.sleep(0.2)
+            entered[0] = time.time()
+        if blocking:
+            g.barrier()
+        else:
+            g.barrier(async_op=True).wait()
+        left = time.time()
+        g.broadcast(entered, src=0)
+        if left < entered[0]:
+            raise AssertionError(f"rank {g.rank} left the {'blocking' if blocking else 'async'} barrier "
+                                 f"{(entered[0] - left) * 1e3:.0f} ms before rank 0 entered it")
+    return 2
+
+
 def algorithm_from_env(g, expected):
     """All-reduces that name no algorithm, small and large (both sides of every
     backend's size switch), against numpy, checking that each ran PARATRAIN_ALGO's
@@ -314,6 +336,7 @@ def main():
     algos = [x or None for x in a.algorithms.split(",")]
     sizes = [int(s) for s in a.sizes.split(",")]
     n = run(g, a.dtypes.split(","), sizes, algos, a.numpy)
+    n += barrier_holds(g)
     if a.expect_env_algorithm:
         n += algorithm_from_env(g, a.expect_env_algorithm)
     if a.big_all_reduce:
@@ -326,9 +349,12 @@ def main():
     if a.subgroup and g.world_size >= 3:
         members = list(range(1, g.world_size, 2)) + [0]
         sub = pt.new_group(members)
+        # members get the group, ranked in increasing global rank as torch sorts them; the others None
+        assert (sub is not None) == (g.rank in members), f"rank {g.rank}: new_group({members}) gave {sub!r}"
         if sub is not None:
-            assert sub.world_size == len(members), sub
+            assert (sub.world_size, sub.rank) == (len(members), sorted(members).index(g.rank)), sub
             n += run(sub, ["float32", "int64"], [0, 5, 1001], [None], False)
+            n += barrier_holds(sub)
         g.barrier()
     if a.expect_single_copy is not None:
         used = getattr(g, "_cma_ok", None)
