@@ -448,3 +448,24 @@ def test_default_algorithm_follows_message_size_and_world_size():
     small = [direct.takes_small_path(SimpleNamespace(slot_bytes=1 << 20, world_size=P), msg) for P in (2, 3, 4)]
     assert small == [True, True, False]   # (P-1) x 200 KiB against 512 KiB
     assert not direct.takes_small_path(SimpleNamespace(slot_bytes=128 * 1024, world_size=2), msg)
+
+
+@pytest.mark.timeout(20)
+def test_shutdown_with_a_job_queued_on_a_reaped_lane_returns():
+    """shutdown() cancels the queued job, whose end must not shut its executor down
+    again from inside shutdown (it waited forever on the executor's own lock: two
+    PARATRAIN_DEBUG irecvs of one peer and tag pending at pt.destroy())."""
+    import threading
+
+    from paratrain.comm.errors import CommError
+    from paratrain.comm.work import Lanes
+    lanes, gate = Lanes("test"), threading.Event()
+    running = lanes.submit("checked-recv-1-5", lambda: gate.wait(10), "first", reap=True)
+    queued = lanes.submit("checked-recv-1-5", lambda: None, "second", reap=True)
+    done = threading.Event()
+    threading.Thread(target=lambda: (lanes.shutdown(), done.set()), daemon=True).start()
+    assert done.wait(5), "Lanes.shutdown() did not return"
+    with pytest.raises(CommError, match="never started"):
+        queued.wait(1)
+    gate.set()
+    running.wait(5)

@@ -230,9 +230,12 @@ class Lanes:
         return Work(fut, what)
 
     def _finished(self, fut, reap_lane=None):
+        """A job's end. A cancelled one ends inside shutdown(), which holds its
+        executor's shutdown lock while it cancels: shutting that executor down
+        again from here would wait on the lock forever (and it is going anyway)."""
         with self._lock:
             self._unfinished.discard(fut)
-            if reap_lane is not None and self._last.get(reap_lane) is fut:   # nothing queued behind it
+            if reap_lane is not None and not fut.cancelled() and self._last.get(reap_lane) is fut:
                 del self._last[reap_lane]
                 self._lanes.pop(reap_lane).shutdown(wait=False)   # the thread ends after this callback
 
