@@ -17,6 +17,31 @@ def _ok(res, n, backend):
 
 
 @pytest.mark.timeout(90)
+def test_debug_receive_left_pending_does_not_hold_the_exit(tmp_path):
+    """PARATRAIN_DEBUG on torch: a script that ends with an irecv never matched
+    (and no pt.destroy()) exits at once, as without debug, instead of Python's
+    join of the receive's lane thread holding it until the peer goes or the
+    timeout (work.program_ending)."""
+    script = tmp_path / "ends_with_a_pending_irecv.py"
+    script.write_text(
+        "import atexit, time\n"
+        "import numpy as np\n"
+        "import paratrain as pt\n"
+        "g = pt.init(backend='torch')\n"
+        "if g.rank == 0:\n"
+        "    g.irecv(np.zeros(4, np.float32), 1, tag=5)   # never sent\n"
+        "    ended = time.monotonic()\n"
+        "    atexit.register(lambda: print(f'exit held {time.monotonic() - ended:.1f}s', flush=True))\n"
+        "else:\n"
+        "    time.sleep(12)\n")
+    res = launch(2, str(script), env={"PARATRAIN_DEBUG": "1", "PARATRAIN_TIMEOUT": "30"})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    held = [float(l.rsplit(" ", 1)[1].rstrip("s")) for l in res.stdout.splitlines() if "exit held" in l]
+    assert len(held) == 1 and held[0] < 5, out[-3000:]   # without the fix: until rank 1 left, 12 s
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend,debug", [("shm", "0"), ("torch", "0"), ("hierarchical", "0"),
                                            ("shm", "1"), ("torch", "1"), ("hierarchical", "1")])
 def test_point_to_point_matches_by_peer_and_tag(backend, debug, no_leftover_segments):

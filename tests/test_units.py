@@ -469,3 +469,18 @@ def test_shutdown_with_a_job_queued_on_a_reaped_lane_returns():
         queued.wait(1)
     gate.set()
     running.wait(5)
+
+
+def test_envelope_send_timeout_names_the_users_call():
+    """wait(timeout) on an isend behind its envelope: the TimeoutError names the
+    user's call and the timeout given (it named the envelope's 32 bytes and internal
+    tag, and the time left to the deadline)."""
+    import concurrent.futures
+
+    from paratrain.comm.envelopes import AllOf
+    from paratrain.comm.work import Work
+    never = concurrent.futures.Future()
+    w = AllOf(Work(never, "isend of 32 bytes to rank 1 (tag 33554433)"), Work(never, "message"),
+              "isend of 16 bytes to rank 1 (tag 1)")
+    with pytest.raises(TimeoutError, match=r"^isend of 16 bytes to rank 1 \(tag 1\) not finished after 0.05s$"):
+        w.wait(0.05)

@@ -25,9 +25,21 @@ receive is called, so they match in posting order; each message's own receive
 is posted once its envelope is in, on a lane per (peer, tag), so receives of one
 tag post their messages' receives in the same order, while other tags go on;
 the lane is retired when it has nothing left to do (a program that uses a tag
-per micro-batch would otherwise keep a thread per tag).
+per micro-batch would otherwise keep a thread per tag), so there is one thread
+per (peer, tag) with receives pending, not one per tag ever used.
+
+The message's own receive is posted like any irecv (``_post_recv``), so
+destroy() gives it up like the others (torch: EngineWork.give_up). A receive
+still waiting for its envelope when the program ends gives
+up (nobody is left to read it, and Python joins the lane's thread before the
+atexit hook that destroys the groups; see work.program_ending). A message over MAX_DRAIN_BYTES that does
+not fit is left on the channel, where it would be matched by the next receive
+of that peer and tag (Gloo then aborts the process); so that (peer, tag) is
+closed: every later receive on it fails at once, saying why.
+
 Every rank must set PARATRAIN_DEBUG alike: a receiver without it never takes the
-envelope, and the sender waits for it until the timeout.
+envelope, and on torch the sender waits for it until the timeout (on MPI the
+32-byte envelopes go out eagerly and wait unmatched, unnoticed).
 """
 import time
 
@@ -37,12 +49,12 @@ from . import wire
 from .algorithms import TAG as INTERNAL_TAG
 from .errors import CommError, FrameError, MismatchError, PeerError
 from .ops import CODE_TORCH, NUMPY_CODE
-from .work import Work
+from .work import Work, program_ending
 
 ENVELOPE_TAG = 2 * INTERNAL_TAG   # above the user's tags and the algorithms' own
 MAX_DRAIN_BYTES = 64 << 20       # a message that does not fit, up to this size, is received and dropped
+EXIT_CHECK_SECONDS = 0.2         # how often a receive waiting for its envelope looks for the program's end
 _BYTE = NUMPY_CODE[np.dtype(np.uint8)]
-
 
 def _kind(nbytes, code):
     """'24 bytes (float32 x 6)'"""
@@ -87,6 +99,8 @@ class AllOf(Work):
                 w.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except CommError as e:
                 raise (_named(e, self.what) if i == 0 else e) from e
+            except TimeoutError:   # said of the user's call, not of its envelope
+                raise TimeoutError(f"{self.what} not finished after {timeout}s") from None
         return True
 
     def is_completed(self):
@@ -117,21 +131,41 @@ def post_recv(group, buf, code, src, tag, what):
     env = np.zeros(wire.HEADER_SIZE, np.uint8)
     first = group._post_recv(env, _BYTE, src, ENVELOPE_TAG + tag)
     me, peer = group.ranks[group.rank], group.ranks[src]
+    closed = group._closed_channels   # (src, tag) -> why: a refused message too large to drain is still there
 
     def receive():
-        try:
-            first.wait()   # fails at once if the group is destroyed meanwhile (EngineWork.give_up on torch)
-        except CommError as e:
-            raise _named(e, what) from e
+        if (src, tag) in closed:
+            raise MismatchError(f"rank {me}: {what}: {closed[src, tag]}")
+        _wait_for_envelope(first, what)
         sent_code, nbytes = read_envelope(env, tag, what)
         if (sent_code, nbytes) == (code, buf.nbytes):
-            group._recv(buf, code, src, tag)
+            group._post_recv(buf, code, src, tag).wait()
             return
-        if nbytes <= max(buf.nbytes, MAX_DRAIN_BYTES):
-            group._recv(np.empty(nbytes, np.uint8), _BYTE, src, tag)
         differs = "size" if nbytes != buf.nbytes else "dtype"
-        raise MismatchError(
-            f"rank {me}: {what}: rank {peer} sent {_kind(nbytes, sent_code)} but the receive buffer holds "
-            f"{_kind(buf.nbytes, code)}: the two ranks disagree on the message's {differs} (checked because "
-            "PARATRAIN_DEBUG is set)")
+        error = (f"rank {me}: {what}: rank {peer} sent {_kind(nbytes, sent_code)} but the receive buffer holds "
+                 f"{_kind(buf.nbytes, code)}: the two ranks disagree on the message's {differs} (checked because "
+                 "PARATRAIN_DEBUG is set)")
+        if nbytes <= max(buf.nbytes, MAX_DRAIN_BYTES):
+            group._post_recv(np.empty(nbytes, np.uint8), _BYTE, src, tag).wait()
+        else:
+            closed[src, tag] = (f"an earlier message of {nbytes} bytes from rank {peer} with tag {tag} did not fit "
+                                f"its receive and, larger than {MAX_DRAIN_BYTES} bytes, was left undrained ahead of "
+                                "every later one: receives from that rank with that tag cannot go on")
+            error += "; the message, too large to drain, is left on the channel, which is closed to later receives"
+        raise MismatchError(error)
     return group._lanes.submit(f"checked-recv-{src}-{tag}", receive, what, reap=True)
+
+
+def _wait_for_envelope(first, what):
+    """Wait for the envelope; fails at once if the group is destroyed meanwhile
+    (EngineWork.give_up on torch), and gives up once the program is ending
+    (nobody is left to read the receive, and the exit waits for this thread)."""
+    while True:
+        try:
+            first.wait(EXIT_CHECK_SECONDS)
+            return
+        except TimeoutError:
+            if program_ending.is_set():
+                raise CommError(f"{what}: the program ended with this receive still waiting") from None
+        except CommError as e:
+            raise _named(e, what) from e

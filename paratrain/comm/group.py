@@ -100,6 +100,7 @@ class ProcessGroup:
         self._seq = 0
         self._debug = debug_checks()
         self._envelopes = self._debug and not self.messages_carry_dtype   # envelopes.py
+        self._closed_channels = {}   # envelopes.py: (src, tag) left with an undrained message, and why
         self._env_algo = os.environ.get("PARATRAIN_ALGO") or None
         self._destroyed = False
 

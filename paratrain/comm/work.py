@@ -12,8 +12,19 @@ receive the backend posts at once (shm, mpi) has a Work of its own future
 """
 import concurrent.futures
 import threading
+from concurrent.futures import ThreadPoolExecutor   # now, so its exit hook registers before ours
 
 from .errors import CommError
+
+# The program's end, as the lanes' threads can see it. Python joins the threads of
+# every ThreadPoolExecutor (our lanes) in a hook of threading's own, which runs
+# after the main thread has returned but while it still counts as alive, and
+# before atexit, where the groups are destroyed. threading runs its hooks last
+# registered first, so this flag is set before that join, and a lane job that
+# waits in slices (envelopes.py) can give up instead of holding the exit until its
+# timeout. (threading._register_atexit is what concurrent.futures itself uses.)
+program_ending = threading.Event()
+getattr(threading, "_register_atexit", lambda fn: None)(program_ending.set)
 
 
 class Work:
@@ -221,7 +232,7 @@ class Lanes:
         with self._lock:
             ex = self._lanes.get(lane)
             if ex is None:
-                ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self._prefix}-{lane}")
+                ex = ThreadPoolExecutor(1, thread_name_prefix=f"{self._prefix}-{lane}")
                 self._lanes[lane] = ex
             fut = ex.submit(fn)
             self._last[lane] = fut

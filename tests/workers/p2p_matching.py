@@ -24,7 +24,9 @@ built, and the script raises (exits non-zero) on the first wrong one.
    receiving process on such a message, with PARATRAIN_DEBUG=1: envelopes.py).
    A message of another dtype but the same size fails the same way on shm
    always, and with PARATRAIN_DEBUG=1 everywhere (MPI knows only bytes); checked
-   with a blocking recv and with an irecv.
+   with a blocking recv and with an irecv. With PARATRAIN_DEBUG on torch and
+   hierarchical, a message too large to drain (envelopes.MAX_DRAIN_BYTES) closes
+   its peer and tag: every later receive there fails at once, saying why.
 5. Tags outside 0 .. 2**24-1, and a message to oneself, are refused before
    anything is sent.
 6. ``wait(timeout)`` on an irecv whose message has not been sent raises
@@ -34,7 +36,9 @@ built, and the script raises (exits non-zero) on the first wrong one.
    all_to_all, all_gather, gather, scatter) may be read-only numpy arrays; the
    results are right and the inputs unchanged.
 9. A receive pending at ``pt.destroy()`` fails with CommError, at once (on torch
-   within half a second), whether it is waited for after the destroy or a thread
+   within half a second), a second one of the same peer and tag too (with
+   PARATRAIN_DEBUG queued behind the first: destroy() once hung there), whether
+   it is waited for after the destroy or a thread
    is already waiting for it (on torch, inside Gloo's wait: that thread left
    there would also abort the process at its exit); an isend that finished before
    the destroy, waited for after it, succeeds.
@@ -165,6 +169,22 @@ def main():
             after = np.zeros(5, np.int32)
             g.recv(after, 1, tag=9)
             check(after, np.full(5, 7, np.int32), "the message after a wrong-dtype one")
+    left_behind = []
+    if debug and backend in ("torch", "hierarchical"):
+        # a message that does not fit and is too large to drain stays ahead of every
+        # later one of its peer and tag: those receives fail at once, saying why
+        # (Gloo aborted the process on the next one); the isends are given up at destroy
+        from paratrain.comm.envelopes import MAX_DRAIN_BYTES
+        if me == 1:
+            left_behind = [g.isend(np.ones(MAX_DRAIN_BYTES + 4, np.uint8), 0, tag=24),
+                           g.isend(np.full(2, 3, np.uint8), 0, tag=24)]
+        elif me == 0:
+            for words in ("left on the channel", "cannot go on"):
+                try:
+                    g.recv(np.zeros(2, np.uint8), 1, tag=24)
+                    raise AssertionError("a receive went on behind an undrained message")
+                except pt.MismatchError as e:
+                    assert words in str(e) and str(MAX_DRAIN_BYTES + 4) in str(e), e
 
     # 5. tags outside the user's range
     for bad in (-1, 1 << 24, 2.0):
@@ -270,6 +290,7 @@ def main():
     check(got, np.full(3, (me - 1) % P, np.float32), "the message of an isend waited after destroy")
     g.barrier()
     pending = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16)
+    queued = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=16)   # with debug: behind it on its lane
     blocked, outcome = g.irecv(np.zeros(1, np.float32), (me + 1) % P, tag=23), []
 
     def wait_blocked():
@@ -287,12 +308,13 @@ def main():
         f"a wait under way at destroy(): {outcome or 'still waiting after 5 s'}"
     finished.wait()
     start = time.monotonic()
-    try:
-        pending.wait()
-        raise AssertionError("a receive pending at destroy() completed")
-    except pt.CommError as e:
-        assert "destroyed" in str(e), e
-    assert time.monotonic() - start < 5, "the pending receive waited for its timeout"
+    for work in [pending, queued] + left_behind:
+        try:
+            work.wait()
+            raise AssertionError(f"{work.what}, pending at destroy(), completed")
+        except pt.CommError as e:
+            assert "destroyed" in str(e), e
+    assert time.monotonic() - start < 5, "a receive pending at destroy() waited for its timeout"
     print(f"p2p matching checks passed on {backend}", flush=True)
 
 
