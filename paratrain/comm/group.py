@@ -207,7 +207,7 @@ class ProcessGroup:
         return self._post_recv(buf, code, src, tag)
 
     def _p2p_what(self, name, buf, direction, peer, tag):
-        """'irecv of 16 bytes from rank 2 (tag 5)', as the Work labels say."""
+        """'irecv of 16 bytes from rank 2 (tag 5)': a point-to-point call as Work labels and errors name it."""
         return f"{name} of {buf.nbytes} bytes {direction} rank {self.ranks[peer]} (tag {tag})"
 
     def _p2p_args(self, tensor, peer, tag, what, writable=True):
@@ -236,12 +236,12 @@ class ProcessGroup:
         blocking ``_send``. A backend whose engine has its own nonblocking send
         overrides this (torch_backend.py, mpi_backend.py)."""
         return self._lanes.submit(f"send-{dst}", lambda: self._send(buf, code, dst, tag),
-                                  f"isend of {buf.nbytes} bytes to rank {self.ranks[dst]} (tag {tag})")
+                                  self._p2p_what("isend", buf, "to", dst, tag))
 
     def _post_recv(self, buf, code, src, tag):
         """Start a receive and return its Work (see _post_send)."""
         return self._lanes.submit(f"recv-{src}", lambda: self._recv(buf, code, src, tag),
-                                  f"irecv of {buf.nbytes} bytes from rank {self.ranks[src]} (tag {tag})")
+                                  self._p2p_what("irecv", buf, "from", src, tag))
 
     def _send(self, buf, code, dst, tag):
         raise NotImplementedError

@@ -96,23 +96,21 @@ class TorchGroup(ProcessGroup):
 
     # point to point: torch uses global ranks
     def _send(self, buf, code, dst, tag):
-        with self._engine_errors(f"send of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})", dst):
+        with self._engine_errors(self._p2p_what("send", buf, "to", dst, tag), dst):
             dist.send(ops.torch_view(buf, code), self._global(dst), group=self.pg, tag=tag)
 
     def _recv(self, buf, code, src, tag):
-        with self._engine_errors(f"recv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})", src):
+        with self._engine_errors(self._p2p_what("recv", buf, "from", src, tag), src):
             dist.recv(ops.torch_view(buf, code), self._global(src), group=self.pg, tag=tag)
 
     # isend/irecv are torch's own: Gloo sends only once the receiver has posted a
     # receive with that tag, so sends queued on one lane thread (the base class's
     # way) would deadlock a receiver that takes a later tag first.
     def _post_send(self, buf, code, dst, tag):
-        return self._post(dist.isend, f"isend of {buf.nbytes} bytes to rank {self._global(dst)} (tag {tag})",
-                          buf, code, dst, tag)
+        return self._post(dist.isend, self._p2p_what("isend", buf, "to", dst, tag), buf, code, dst, tag)
 
     def _post_recv(self, buf, code, src, tag):
-        return self._post(dist.irecv, f"irecv of {buf.nbytes} bytes from rank {self._global(src)} (tag {tag})",
-                          buf, code, src, tag)
+        return self._post(dist.irecv, self._p2p_what("irecv", buf, "from", src, tag), buf, code, src, tag)
 
     def _post(self, start, what, buf, code, peer, tag):
         """start (dist.isend or dist.irecv) on buf, as an EngineWork whose errors name the peer."""

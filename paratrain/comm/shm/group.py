@@ -329,7 +329,7 @@ class ShmGroup(ProcessGroup):
             raise req.error
 
     def _post_recv(self, buf, code, src, tag):
-        what = f"irecv of {buf.nbytes} bytes from rank {self.ranks[src]} (tag {tag})"
+        what = self._p2p_what("irecv", buf, "from", src, tag)
         req = self._posted(buf, code, src, tag, concurrent.futures.Future())
         deadline = time.time() + self.timeout   # from posting, not from its lane job's turn
         return posted_work(self._lanes, f"recv-{src}", req.future,
