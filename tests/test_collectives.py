@@ -33,12 +33,12 @@ def test_debug_receive_left_pending_does_not_hold_the_exit(tmp_path):
         "    ended = time.monotonic()\n"
         "    atexit.register(lambda: print(f'exit held {time.monotonic() - ended:.1f}s', flush=True))\n"
         "else:\n"
-        "    time.sleep(12)\n")
+        "    time.sleep(7)\n")
     res = launch(2, str(script), env={"PARATRAIN_DEBUG": "1", "PARATRAIN_TIMEOUT": "30"})
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     held = [float(l.rsplit(" ", 1)[1].rstrip("s")) for l in res.stdout.splitlines() if "exit held" in l]
-    assert len(held) == 1 and held[0] < 5, out[-3000:]   # without the fix: until rank 1 left, 12 s
+    assert len(held) == 1 and held[0] < 3, out[-3000:]   # without the fix: until rank 1 left, 7 s
 
 
 @pytest.mark.timeout(90)
@@ -180,7 +180,7 @@ def test_shm_large_all_reduce_fetches_reduced_slices_from_private_memory(n, cma,
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [1, 2, 5])   # 5: odd, not a power of two, a 3-rank sub-group
 def test_torch_gloo_backend(n):
     res = launch(n, "collectives.py", "--backend", "torch", "--algorithms", ",ring,tree",
                  "--dtypes", ALL_DTYPES, "--subgroup")
