@@ -30,11 +30,11 @@ per (peer, tag) with receives pending, not one per tag ever used.
 
 The message's own receive is posted like any irecv (``_post_recv``), so
 destroy() gives it up like the others (torch: EngineWork.give_up). A receive
-still waiting for its envelope when the program ends gives
-up (nobody is left to read it, and Python joins the lane's thread before the
-atexit hook that destroys the groups; see work.program_ending). A message over MAX_DRAIN_BYTES that does
-not fit is left on the channel, where it would be matched by the next receive
-of that peer and tag (Gloo then aborts the process); so that (peer, tag) is
+still waiting for its envelope when the program ends gives up: nobody is left
+to read it, and Python joins the lane's thread before the atexit hook that
+destroys the groups (work.program_ending). A message over MAX_DRAIN_BYTES that
+does not fit is left on the channel, where the next receive of that peer and
+tag would match it (and Gloo abort the process), so that (peer, tag) is
 closed: every later receive on it fails at once, saying why.
 
 Every rank must set PARATRAIN_DEBUG alike: a receiver without it never takes the
@@ -55,6 +55,7 @@ ENVELOPE_TAG = 2 * INTERNAL_TAG   # above the user's tags and the algorithms' ow
 MAX_DRAIN_BYTES = 64 << 20       # a message that does not fit, up to this size, is received and dropped
 EXIT_CHECK_SECONDS = 0.2         # how often a receive waiting for its envelope looks for the program's end
 _BYTE = NUMPY_CODE[np.dtype(np.uint8)]
+
 
 def _kind(nbytes, code):
     """'24 bytes (float32 x 6)'"""
