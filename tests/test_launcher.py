@@ -333,7 +333,8 @@ def start_sleepers(tmp_path, n, **popen_kw):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129),
+                                       (signal.SIGQUIT, 131)])
 def test_signal_to_launcher_stops_all_workers(tmp_path, sig, code):
     launcher, pids = start_sleepers(tmp_path, 3, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -376,12 +377,50 @@ def test_missing_script(tmp_path, capfd):
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
     (["--bogus"], "unrecognized"),
     (["--bind-to", "socket"], "invalid choice"),
+    (["--timeout", "inf"], "--timeout must be"),
+    (["--timeout", "nan"], "--timeout must be"),
+    (["-n", "4611686018427387904"], "more workers than one machine"),
 ])
 def test_bad_options(tmp_path, capfd, opts, needle):
     s = script(tmp_path, "print('should not run')\n")
     assert main([*opts, s]) == 2
     cap = capfd.readouterr()
     assert needle in cap.err and "should not run" not in cap.out
+
+
+@pytest.mark.timeout(30)
+def test_what_python_runs_runs_and_the_rest_is_named(tmp_path, capfd, monkeypatch):
+    """A directory with a __main__.py runs as `python DIR` runs it; a script whose
+    name starts with '-' runs (Python read it as options); a directory without
+    __main__.py and a device are refused for what they are, not as 'not found'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("import os\nprint('app', os.environ['RANK'])\n")
+    (tmp_path / "-dash.py").write_text("print('dash')\n")
+    (tmp_path / "empty").mkdir()
+    assert main(["-n", "1", "app"]) == 0
+    assert main(["-n", "1", "--", "-dash.py"]) == 0
+    assert capfd.readouterr().out.splitlines() == ["[rank 0] app 0", "[rank 0] dash"]
+    assert main(["-n", "1", "empty"]) == 2
+    assert "directory without a __main__.py" in capfd.readouterr().err
+    assert main(["-n", "1", "/dev/null"]) == 2
+    assert "not a regular file" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_finished_job_leaves_no_child_of_its_workers(tmp_path, capfd):
+    """Every worker exits 0 but left a child (in its process group) that holds the
+    output pipes: the launcher ends it, as it does when the job fails, and returns
+    without waiting for it."""
+    s = script(tmp_path, """
+        import subprocess
+        child = subprocess.Popen(["sleep", "300"])   # inherits stdout/stderr: the launcher's pipes
+        print("child", child.pid, flush=True)
+    """)
+    assert main(["-n", "2", s]) == 0
+    pids = [int(line.split()[-1]) for line in capfd.readouterr().out.splitlines() if "child" in line]
+    assert len(pids) == 2
+    assert wait_until(lambda: not any(alive(p) for p in pids), 5), "a worker's child outlived the job"
 
 
 @pytest.mark.timeout(30)

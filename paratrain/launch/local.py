@@ -29,6 +29,8 @@ from .worker import Worker
 
 DEFAULT_MULTINODE_PORT = 29500  # torchrun's default
 SHM_DIR = "/dev/shm"
+MAX_LOCAL_WORKERS = 1024   # -n above it is a typo, not a job (and would exhaust memory before the first spawn)
+MAX_TIMEOUT = 365 * 86400.0   # a year; far beyond, the engines overflow (1e30 s: "too large to convert to C int")
 
 
 def free_port(host="127.0.0.1"):
@@ -179,10 +181,14 @@ def _check(args):
     for name, value in (("-n/--nproc-per-node", args.nproc), ("--nnodes", args.nnodes), ("--threads", args.threads)):
         if value < 1:
             return f"{name} must be at least 1, got {value}"
+    if args.nproc > MAX_LOCAL_WORKERS:
+        return (f"-n/--nproc-per-node {args.nproc} is more workers than one machine can run "
+                f"(at most {MAX_LOCAL_WORKERS}); start a launcher on each machine with --nnodes")
     if not 0 <= args.node_rank < args.nnodes:
         return f"--node-rank must be between 0 and --nnodes - 1 = {args.nnodes - 1}, got {args.node_rank}"
-    if args.timeout is not None and args.timeout <= 0:
-        return f"--timeout must be a positive number of seconds, got {args.timeout:g}"
+    if args.timeout is not None and not 0 < args.timeout <= MAX_TIMEOUT:   # also refuses nan and inf
+        return (f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT:g} (a year), "
+                f"got {args.timeout:g}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master-port must be between 1 and 65535, got {args.master_port}"
     return _check_servers(args) or _check_script(args)
@@ -206,9 +212,17 @@ def _check_servers(args):
 
 
 def _check_script(args):
-    if not args.module and not os.path.isfile(args.script):
-        where = "" if os.path.isabs(args.script) else f" (looked in {os.getcwd()})"
+    if args.module:
+        return None
+    where = "" if os.path.isabs(args.script) else f" (looked in {os.getcwd()})"
+    if os.path.isdir(args.script):
+        if os.path.isfile(os.path.join(args.script, "__main__.py")):
+            return None   # python runs a directory's __main__.py, and so do we
+        return f"{args.script!r} is a directory without a __main__.py{where}: name the script inside it"
+    if not os.path.exists(args.script):
         return f"script {args.script!r} not found{where}"
+    if not os.path.isfile(args.script):
+        return f"{args.script!r} is not a regular file{where}: name a Python script"
     return None
 
 
@@ -245,7 +259,9 @@ def main(argv=None, on_line=None):
             "workers on other machines cannot reach that; pass the address of node 0")
 
     job_id = f"{os.getpid():x}{secrets.token_hex(3)}"
-    target = ["-m", args.script] if args.module else [args.script]
+    # "./-x.py", not "-x.py", which Python would read as its own options
+    target = ["-m", args.script] if args.module else [os.path.join(os.curdir, args.script)
+                                                       if args.script.startswith("-") else args.script]
     cmd = [sys.executable, *target, *args.args]
     base = dict(os.environ)
     addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)

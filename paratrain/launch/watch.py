@@ -49,8 +49,14 @@ def describe_exit(rc, hint=True):
     return f"was killed by {name}{oom}"
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # a closed terminal or ssh: HUP
+
+
 class LauncherSignals:
-    """Turns SIGINT/SIGTERM to the launcher into flags the watch loop reads.
+    """Turns SIGINT/SIGTERM (and SIGHUP, SIGQUIT, as torchrun) to the launcher
+    into flags the watch loop reads, so the job is stopped the same way whatever
+    ended the launcher (only SIGKILL cannot be: the workers then end by their
+    PDEATHSIG, but not children they started).
 
     Handlers can only be installed from the main thread; elsewhere (main() run
     from a thread) the launcher simply relies on the caller."""
@@ -68,7 +74,7 @@ class LauncherSignals:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
+            for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
         return self
 
@@ -197,15 +203,15 @@ def supervise(workers, grace=GRACE, poll=POLL, servers=(), policy=None):
                 break
             time.sleep(poll)  # a signal runs its handler, then the sleep resumes (PEP 475)
         everyone = workers + servers
-        if failed is not None or signals.received is not None:
-            stop(everyone, signals, grace)
-        else:
+        if failed is None and signals.received is None:
             for t in filter(None, lost.values()):
                 t.join()  # bounded by the farewell's timeout; else it would fail against stopped servers
-            stop(servers, signals, grace)
+        # Every worker has ended here unless the job is being stopped; either way what
+        # they left behind in their process groups goes too (their output pipes with it)
+        stop(everyone, signals, grace)
     deadline = time.monotonic() + READER_JOIN
     for w in everyone:
-        w.join_output(max(0.0, deadline - time.monotonic()))
+        w.join_output(deadline)
     if signals.received is not None and failed is None:
         name = signal.Signals(signals.received).name
         say(f"{policy.command}: got {name}; stopped {_count(workers, servers)}.")

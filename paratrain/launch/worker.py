@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from . import binding
 
@@ -154,11 +155,12 @@ class Worker:
                            f"({type(e).__name__}: {e}); showing its lines unchanged\n".encode())
             return False
 
-    def join_output(self, timeout):
-        """Wait for the readers to reach end-of-file. A grandchild that inherited
-        the pipe can hold it open forever, hence the timeout."""
+    def join_output(self, deadline):
+        """Wait for the readers to reach end-of-file, until ``deadline`` (time.monotonic()).
+        A grandchild that inherited the pipe can hold it open forever, hence the bound,
+        one for both readers (each had the whole of it)."""
         for t in self._readers:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def poll(self):
         return self.proc.poll()
