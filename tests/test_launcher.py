@@ -82,17 +82,20 @@ def read_pids(piddir, n):
 
 
 @pytest.mark.timeout(30)
-def test_env_for_three_workers(tmp_path, capfd):
+def test_env_for_three_workers(tmp_path, capfd, monkeypatch):
+    """What each worker is told, and nothing of an outer torchrun job's left behind."""
+    for stale, value in (("GROUP_WORLD_SIZE", "7"), ("ROLE_RANK", "5"), ("TORCHELASTIC_RUN_ID", "outer")):
+        monkeypatch.setenv(stale, value)
     s = script(tmp_path, """
         import os
-        keys = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK OMP_NUM_THREADS MKL_NUM_THREADS PARATRAIN_THREADS PYTHONUNBUFFERED"
-        print(" ".join(os.environ[k] for k in keys.split()))
+        keys = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE OMP_NUM_THREADS MKL_NUM_THREADS PARATRAIN_THREADS PYTHONUNBUFFERED"
+        print(" ".join(os.environ[k] for k in keys.split()), "ROLE_RANK" in os.environ, "TORCHELASTIC_RUN_ID" in os.environ)
         print(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["PARATRAIN_JOB_ID"])
     """)
     assert main(["-n", "3", s]) == 0
     out = capfd.readouterr().out.splitlines()
     env_lines = {line for line in out if "127.0.0.1" not in line}
-    assert env_lines == {f"[rank {r}] {r} {r} 3 3 0 1 1 1 1" for r in range(3)}
+    assert env_lines == {f"[rank {r}] {r} {r} 3 3 0 1 1 1 1 1 False False" for r in range(3)}
     master = [line.split("] ", 1) for line in out if "127.0.0.1" in line]
     assert sorted(prefix for prefix, _ in master) == ["[rank 0", "[rank 1", "[rank 2"]
     assert len({rest for _, rest in master}) == 1  # one port, one job id for all

@@ -137,7 +137,10 @@ def split_argv(parser, argv):
 
 
 def worker_env(base, args, local_rank, port, job_id):
-    env = dict(base)
+    """The launcher's environment, with the job's own variables set. What an outer
+    torchrun left that this job does not set (ROLE_*, TORCHELASTIC_*) is dropped,
+    so a worker never sees another job's values beside this one's."""
+    env = {k: v for k, v in base.items() if not k.startswith(("ROLE_", "TORCHELASTIC_"))}
     threads = str(args.threads)
     env.update({
         "RANK": str(args.node_rank * args.nproc + local_rank),
@@ -145,6 +148,7 @@ def worker_env(base, args, local_rank, port, job_id):
         "WORLD_SIZE": str(args.nnodes * args.nproc),
         "LOCAL_WORLD_SIZE": str(args.nproc),
         "GROUP_RANK": str(args.node_rank),
+        "GROUP_WORLD_SIZE": str(args.nnodes),   # torchrun's names for the node's index and the node count
         "MASTER_ADDR": args.master_addr,
         "MASTER_PORT": str(port),
         "PARATRAIN_JOB_ID": job_id,
