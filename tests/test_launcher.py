@@ -233,6 +233,23 @@ def test_two_launchers_as_two_nodes_meet_and_all_reduce(tmp_path, backend):
         [f"[rank {r}] sum 10 on {backend}" for r in range(4)]
 
 
+@pytest.mark.timeout(60)
+def test_two_nodes_given_different_n_are_told_so(tmp_path):
+    """Node 0 with -n 1, node 1 with -n 2: the world sizes differ (2 and 4), so
+    ranks go missing; both launchers fail and the ranks' errors name the cause."""
+    s = script(tmp_path, "import paratrain as pt\npt.init()\nprint('should not get here')\n")
+    port = str(free_port())
+    env = dict(os.environ, PARATRAIN_TIMEOUT="4")
+    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(k),
+                               "--master-addr", "127.0.0.1", "--master-port", port, "-n", n, s],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, n in ((0, "1"), (1, "2"))]
+    outs = outputs(nodes, 45)
+    assert all(p.returncode != 0 for p in nodes), outs
+    for out in outs:
+        assert "the same -n on every node" in out and "should not get here" not in out, out[-3000:]
+
+
 @pytest.mark.timeout(30)
 def test_script_args_pass_through_unchanged(tmp_path, capfd):
     s = script(tmp_path, """

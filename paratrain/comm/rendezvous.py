@@ -135,7 +135,8 @@ def wait_for_ranks(store, rank, world_size, timeout, prefix="rdzv"):
     wrong = {r: s for r, s in sizes.items() if s != world_size}
     if wrong:
         raise RendezvousError(f"ranks disagree on the world size: this rank has {world_size}, ranks {wrong} "
-                              "say otherwise. Start every rank with the same WORLD_SIZE.")
+                              "say otherwise. Start every rank with the same WORLD_SIZE (with `paratrain run "
+                              "--nnodes`: the same -n on every node).")
 
 
 def _lost(rank, what, hint=""):
@@ -152,13 +153,14 @@ def _not_all_arrived(store, rank, world_size, keys, timeout):
     except Exception:   # the store's server, on rank 0, is gone
         return _lost(rank, f"the rendezvous of a world of {world_size}",
                      " If rank 0 and the ranks it waited for had another WORLD_SIZE than this rank, they "
-                     "went on without it: start every rank with the same WORLD_SIZE.")
+                     "went on without it: start every rank with the same WORLD_SIZE (with `paratrain run "
+                     "--nnodes`: the same -n on every node).")
     missing = [r for r in range(world_size) if r not in present]
     hint = f" Ranks disagree on the world size: {sorted(sizes)}." if len(sizes) > 1 else ""
     return RendezvousError(
         f"only {len(present)} of {world_size} ranks arrived at the rendezvous within {timeout:g}s; "
         f"missing ranks {missing}.{hint} Check that every rank was started with the same WORLD_SIZE "
-        "and backend (a rank on backend='mpi' does not come here), and that none crashed on start-up.")
+        "(with `paratrain run --nnodes`: the same -n on every node) and backend (a rank on backend='mpi' does not come here), and that none crashed on start-up.")
 
 
 def wait_keys(store, keys, owners, rank, timeout, what, procs=None):
