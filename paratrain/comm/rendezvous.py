@@ -160,7 +160,8 @@ def _not_all_arrived(store, rank, world_size, keys, timeout):
     return RendezvousError(
         f"only {len(present)} of {world_size} ranks arrived at the rendezvous within {timeout:g}s; "
         f"missing ranks {missing}.{hint} Check that every rank was started with the same WORLD_SIZE "
-        "(with `paratrain run --nnodes`: the same -n on every node) and backend (a rank on backend='mpi' does not come here), and that none crashed on start-up.")
+        "(with `paratrain run --nnodes`: the same -n on every node) and backend (a rank on backend='mpi' "
+        "does not come here), and that none crashed on start-up.")
 
 
 def wait_keys(store, keys, owners, rank, timeout, what, procs=None):
