@@ -205,6 +205,16 @@ def test_multinode_arithmetic(tmp_path, capfd):
     assert out == {"[rank 2] 2 0 4 1 29500", "[rank 3] 3 1 4 1 29500"}
 
 
+def start_two_nodes(s, env, nprocs):
+    """`paratrain run --nnodes 2 --node-rank K -n nprocs[K] s` twice, as on two
+    machines (here one), meeting at a free port; output of each in one pipe."""
+    port = str(free_port())
+    return [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(k),
+                              "--master-addr", "127.0.0.1", "--master-port", port, "-n", n, s],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for k, n in enumerate(nprocs)]
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["shm", "hierarchical"])
 def test_two_launchers_as_two_nodes_meet_and_all_reduce(tmp_path, backend):
@@ -220,13 +230,9 @@ def test_two_launchers_as_two_nodes_meet_and_all_reduce(tmp_path, backend):
         assert torch.equal(x, torch.full((1001,), 10.0)), x[:4]
         print("sum", int(x[0]), "on", g.backend)
     """)
-    port = str(free_port())
     env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_BACKEND=backend,
                **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}))
-    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(k),
-                               "--master-addr", "127.0.0.1", "--master-port", port, "-n", "2", s],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k in (0, 1)]
+    nodes = start_two_nodes(s, env, ("2", "2"))
     outs = outputs(nodes, 75)
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert sorted(l for o in outs for l in o.splitlines() if "sum" in l) == \
@@ -238,12 +244,7 @@ def test_two_nodes_given_different_n_are_told_so(tmp_path):
     """Node 0 with -n 1, node 1 with -n 2: the world sizes differ (2 and 4), so
     ranks go missing; both launchers fail and the ranks' errors name the cause."""
     s = script(tmp_path, "import paratrain as pt\npt.init()\nprint('should not get here')\n")
-    port = str(free_port())
-    env = dict(os.environ, PARATRAIN_TIMEOUT="4")
-    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(k),
-                               "--master-addr", "127.0.0.1", "--master-port", port, "-n", n, s],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, n in ((0, "1"), (1, "2"))]
+    nodes = start_two_nodes(s, dict(os.environ, PARATRAIN_TIMEOUT="4"), ("1", "2"))
     outs = outputs(nodes, 45)
     assert all(p.returncode != 0 for p in nodes), outs
     for out in outs:

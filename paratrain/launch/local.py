@@ -263,9 +263,8 @@ def main(argv=None, on_line=None):
             "workers on other machines cannot reach that; pass the address of node 0")
 
     job_id = f"{os.getpid():x}{secrets.token_hex(3)}"
-    # "./-x.py", not "-x.py", which Python would read as its own options
-    target = ["-m", args.script] if args.module else [os.path.join(os.curdir, args.script)
-                                                       if args.script.startswith("-") else args.script]
+    script = os.path.join(os.curdir, args.script) if args.script.startswith("-") else args.script   # not options
+    target = ["-m", args.script] if args.module else [script]
     cmd = [sys.executable, *target, *args.args]
     base = dict(os.environ)
     addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)
