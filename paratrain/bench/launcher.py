@@ -21,6 +21,7 @@ import sys
 import time
 
 from ..launch import binding
+from ..launch.local import BOOTSTRAP
 
 # Variables that would make paratrain believe it was started by torchrun; under
 # mpirun the ranks must come from OMPI_COMM_WORLD_* instead.
@@ -88,11 +89,13 @@ def worker_env(master_port, extra=None, host="127.0.0.1"):
 
 
 def _command(module_args, module):
-    return [sys.executable, "-m", module, "--worker", *module_args]
+    """The worker runs through the launcher's bootstrap, as ``paratrain run``'s do,
+    so a finished worker is not turned into a failure by torch's teardown."""
+    return [sys.executable, "-m", BOOTSTRAP, "-m", module, "--worker", *module_args]
 
 
 def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives", bind_to="none"):
-    """Start the workers (``python -m MODULE --worker ARGS``); returns the Popen objects
+    """Start the workers (``python -m MODULE --worker ARGS``, through the bootstrap); returns the Popen objects
     (one mpirun, or one per rank).
 
     bind_to "core" pins rank i to CPU i (wrapping when ranks outnumber CPUs):

@@ -4,8 +4,17 @@
 
 local.py turns the command line into one environment per worker, worker.py
 starts a worker and carries its output, watch.py stops the whole job when one
-worker fails or the launcher is interrupted.
-"""
-from .local import free_port, main
+worker fails or the launcher is interrupted, bootstrap.py runs the worker's
+script and ends the process without the interpreter's teardown.
 
+``main`` and ``free_port`` are imported on first use, so a worker starting
+through ``python -m paratrain.launch.bootstrap`` does not import the launcher.
+"""
 __all__ = ["main", "free_port"]
+
+
+def __getattr__(name):
+    if name not in __all__:
+        raise AttributeError(f"module 'paratrain.launch' has no attribute {name!r}")
+    from . import local
+    return getattr(local, name)

@@ -30,6 +30,7 @@ from .worker import Worker
 DEFAULT_MULTINODE_PORT = 29500  # torchrun's default
 SHM_DIR = "/dev/shm"
 MAX_LOCAL_WORKERS = 1024   # -n above it is a typo, not a job (and would exhaust memory before the first spawn)
+BOOTSTRAP = "paratrain.launch.bootstrap"   # runs the script, then exits without the interpreter's teardown
 MAX_TIMEOUT = 365 * 86400.0   # a year; far beyond, the engines overflow (1e30 s: "too large to convert to C int")
 
 
@@ -265,7 +266,7 @@ def main(argv=None, on_line=None):
     job_id = f"{os.getpid():x}{secrets.token_hex(3)}"
     script = os.path.join(os.curdir, args.script) if args.script.startswith("-") else args.script   # not options
     target = ["-m", args.script] if args.module else [script]
-    cmd = [sys.executable, *target, *args.args]
+    cmd = [sys.executable, "-m", BOOTSTRAP, *target, *args.args]
     base = dict(os.environ)
     addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)
     if addrs:

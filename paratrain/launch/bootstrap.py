@@ -1,0 +1,176 @@
+"""Run a worker's script as ``python`` would, then end the process without
+the interpreter's own teardown, so a script that has finished stays finished.
+
+    python -m paratrain.launch.bootstrap script.py args...
+    python -m paratrain.launch.bootstrap -m package.module args...
+
+Why: a finished torch.distributed script can still die at exit. Gloo's worker
+thread (``ProcessGroupGloo::runLoop``) may drop the last reference to a
+finished Work after the main thread has entered ``Py_FinalizeEx``; the Work's
+destructor decrefs its tensors' Python objects, which needs the GIL, and a
+thread that asks for the GIL during finalization is ended by CPython with
+``pthread_exit``. That forced unwind crosses a ``noexcept`` destructor, so
+C++ calls ``std::terminate`` ("terminate called without an active
+exception") and the whole process gets SIGABRT after the script printed its
+result (docs/exit-abort.md has the backtrace). torchrun has the same crash.
+
+So once the script is over we do what the interpreter's exit does that a
+user can see, in the same order, and stop short of finalization:
+non-daemon threads joined (and ``threading``'s own exit hooks), ``atexit``
+handlers run, every open writable stream flushed, then ``os._exit``. Nothing
+is finalized, so no thread can be ended mid-destructor.
+
+What a script sees is what ``python script.py`` gives it: ``sys.argv``,
+``sys.path[0]`` (the script's directory; the working directory with ``-m``),
+``__main__`` with ``__file__``, a directory or zip with ``__main__.py``, and
+``runpy``'s own ``-m`` semantics. How it ends is reported as Python reports
+it: the exit code of ``sys.exit``, a traceback and exit 1 for an exception
+(without this file's frames), death by SIGINT for an unhandled Ctrl-C.
+"""
+import atexit
+import gc
+import io
+import os
+import runpy
+import signal
+import sys
+import threading
+import types
+from importlib.machinery import SourceFileLoader
+
+USAGE = "usage: python -m paratrain.launch.bootstrap (SCRIPT | -m MODULE) [ARGS...]"
+
+
+def main(argv):
+    if not argv or argv[0] == "-m" and len(argv) < 2:
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "-m":
+            run_module(argv[1], argv[2:])
+        else:
+            run_script(argv[0], argv[1:])
+    except SystemExit as e:
+        return exit_code(e.code)
+    except KeyboardInterrupt as e:
+        report(e)
+        return -signal.SIGINT
+    except BaseException as e:  # noqa: BLE001 - reported as the interpreter reports it
+        report(e)
+        return 1
+    return 0
+
+
+def run_script(path, args):
+    """``python path args``: a file runs in a fresh ``__main__``; a directory or
+    zip runs its ``__main__.py`` as a module, with itself first on sys.path."""
+    sys.argv = [path, *args]
+    if os.path.isdir(path) or not path.endswith(".py") and _is_zip(path):
+        sys.path[0] = os.path.abspath(path)
+        _run_main_module("__main__", alter_argv=False)
+        return
+    filename = os.path.abspath(path)       # Python 3.9+: __main__.__file__ is absolute
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    main_module = _fresh_main(filename)
+    try:
+        with io.open_code(filename) as f:
+            code = compile(f.read(), filename, "exec")
+        exec(code, main_module.__dict__)
+    except SystemExit:
+        raise   # CPython exits from inside the run here, leaving __file__ in place
+    except BaseException:
+        _forget_file(main_module)
+        raise
+    _forget_file(main_module)
+
+
+def _forget_file(module):
+    """CPython deletes __main__'s __file__ and __cached__ once the script is over."""
+    module.__dict__.pop("__file__", None)
+    module.__dict__.pop("__cached__", None)
+
+
+def run_module(name, args):
+    """``python -m name args``: sys.path[0] is already the working directory,
+    as ``python -m`` sets it; sys.argv[0] becomes the module's file."""
+    sys.argv = ["-m", *args]
+    _fresh_main(None)
+    _run_main_module(name, alter_argv=True)
+
+
+def _fresh_main(filename):
+    """A new ``__main__`` module in sys.modules (ours stays alive in _OURS)."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__builtins__=__builtins__, __cached__=None, __spec__=None)
+    if filename is not None:
+        module.__file__ = filename
+        module.__loader__ = SourceFileLoader("__main__", filename)
+    sys.modules["__main__"] = module
+    return module
+
+
+def _run_main_module(name, alter_argv):
+    """What ``python -m`` itself calls: the module runs in ``sys.modules['__main__']``,
+    not in a temporary module, so ``__main__`` is still it when atexit runs."""
+    return runpy._run_module_as_main(name, alter_argv)
+
+
+def _is_zip(path):
+    import zipfile
+    return os.path.isfile(path) and zipfile.is_zipfile(path)
+
+
+def exit_code(code):
+    """sys.exit's argument as Python turns it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def report(exc):
+    """Print the traceback through sys.excepthook, starting at the script's own frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
+        tb = tb.tb_next
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)   # the default hook prints exc.__traceback__
+
+
+def finish(status):
+    """End the process as the interpreter's exit would, minus finalization (see
+    the module docstring): threads joined, atexit handlers, streams flushed,
+    then os._exit. A negative status is death by that signal, as Python dies of
+    an unhandled KeyboardInterrupt."""
+    try:
+        threading._shutdown()   # threading's exit hooks, then non-daemon threads joined
+    except KeyboardInterrupt:
+        status = -signal.SIGINT
+    atexit._run_exitfuncs()
+    flush_open_streams()
+    if status < 0:
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    os._exit(status)
+
+
+def flush_open_streams():
+    """Flush sys.stdout/stderr and every other open writable buffered file, as
+    finalization does when it frees them (a file the script never closed keeps
+    what was written to it)."""
+    streams = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    streams += [o for o in gc.get_objects() if isinstance(o, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper))]
+    for stream in streams:
+        try:
+            if stream is not None and not stream.closed and stream.writable():
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe or a broken file; the rest still get flushed
+            pass
+
+
+_OWN_FILES = {__file__, runpy.__file__, "<frozen runpy>"}
+_OURS = sys.modules.get(__name__)
+
+if __name__ == "__main__":
+    finish(main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""launch/bootstrap.py: a worker's script runs as under ``python``, and once it
+has finished, a crash in the interpreter's teardown cannot turn it into a failure.
+
+Each case runs the same script under plain ``python`` and under the bootstrap
+and compares exit status and output, so the reference is Python itself.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from paratrain.launch import main as launch
+
+pytestmark = pytest.mark.timeout(60)
+
+# Everything a script can observe about how it was started, and how it ends.
+PROBE = """
+    import atexit, os, sys, threading, time
+    import __main__
+    print("argv", sys.argv)
+    print("path0", sys.path[0])
+    print("file", __file__, __main__.__file__ == __file__, __name__, __spec__, type(__loader__).__name__)
+    out = open(os.path.join(os.path.dirname(__file__), "unclosed.txt"), "w")
+    out.write("written, never closed")       # kept: finalization would flush it, so must we
+    def slow():
+        time.sleep(0.3)
+        print("non-daemon thread done")      # joined before the atexit handlers, as Python does
+    threading.Thread(target=slow).start()
+    atexit.register(lambda: print("atexit, main has __file__:", hasattr(sys.modules["__main__"], "__file__")))
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    def fail():
+        raise ValueError("boom")
+    if mode == "exit3":
+        sys.exit(3)
+    if mode == "exit-text":
+        sys.exit("a message instead of a code")
+    if mode == "exit-negative":
+        sys.exit(-1)
+    if mode == "raise":
+        fail()
+    if mode == "interrupt":
+        raise KeyboardInterrupt
+"""
+
+
+def run(cmd, cwd):
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30)
+    return p.returncode, p.stdout, p.stderr
+
+
+def both(tmp_path, target, *args, cwd=None):
+    """(python's result, the bootstrap's result) for ``target args``."""
+    cwd = cwd or tmp_path
+    plain = run([sys.executable, *target, *args], cwd)
+    unlink(tmp_path / "unclosed.txt")
+    boot = run([sys.executable, "-m", "paratrain.launch.bootstrap", *target, *args], cwd)
+    return plain, boot
+
+
+def unlink(path):
+    if path.exists():
+        path.unlink()
+
+
+@pytest.mark.parametrize("mode", ["", "exit3", "exit-text", "exit-negative", "raise", "interrupt"])
+def test_a_script_starts_and_ends_as_under_python(tmp_path, mode):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "probe.py"
+    path.write_text(textwrap.dedent(PROBE))
+    plain, boot = both(tmp_path / "sub", ["sub/probe.py"], *([mode] if mode else []), cwd=tmp_path)
+    assert boot == plain
+    assert (tmp_path / "sub" / "unclosed.txt").read_text() == "written, never closed"
+    expected = {"": 0, "exit3": 3, "exit-text": 1, "exit-negative": 255, "raise": 1,
+                "interrupt": -signal.SIGINT}[mode]
+    assert boot[0] == expected
+    if mode == "raise":
+        assert "bootstrap" not in boot[2] and 'raise ValueError("boom")' in boot[2]
+
+
+def test_a_module_a_directory_and_a_zip_run_as_under_python(tmp_path):
+    pkg = tmp_path / "pkg" / "app"
+    pkg.mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import sys\nprint(sys.argv, sys.path[0], __name__, __file__)\n")
+    for target in (["-m", "pkg.app"], ["pkg/app"]):
+        plain, boot = both(tmp_path, target, "x", "--flag")
+        assert boot == plain and boot[0] == 0, target
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as z:
+        z.write(pkg / "__main__.py", "__main__.py")
+    plain, boot = both(tmp_path, ["app.zip"], "y")
+    assert boot == plain and boot[0] == 0
+    plain, boot = both(tmp_path, ["-m", "no_such_module_here"])
+    assert boot == plain and boot[0] == 1 and "No module named no_such_module_here" in boot[2]
+
+
+# A crash in the interpreter's teardown, after the script has printed its
+# result: what Gloo's worker thread does now and then (docs/exit-abort.md),
+# made certain. Finalization frees the module's globals and runs __del__.
+CRASHES_IN_TEARDOWN = """
+    import os
+    class FreedAtFinalization:
+        def __del__(self):
+            os.abort()
+    keep = FreedAtFinalization()
+    print("result", os.environ.get("RANK", "-"))
+"""
+
+
+def test_a_crash_in_teardown_does_not_fail_a_finished_script(tmp_path):
+    path = tmp_path / "teardown.py"
+    path.write_text(textwrap.dedent(CRASHES_IN_TEARDOWN))
+    plain, boot = both(tmp_path, [str(path)])
+    assert plain[0] == -signal.SIGABRT, "the control: plain python dies in teardown"
+    assert boot[0] == 0 and boot[1] == plain[1] == "result -\n"
+
+
+def test_paratrain_run_reports_a_finished_job_as_success(tmp_path, capfd):
+    path = tmp_path / "teardown.py"
+    path.write_text(textwrap.dedent(CRASHES_IN_TEARDOWN))
+    assert launch(["-n", "2", str(path)]) == 0
+    out = capfd.readouterr().out
+    assert "[rank 0] result 0" in out and "[rank 1] result 1" in out
+
+
+def test_paratrain_run_still_reports_a_failure_inside_the_script(tmp_path, capfd):
+    path = tmp_path / "fails.py"
+    path.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    raise RuntimeError('rank 1 broke')\n")
+    assert launch(["-n", "2", str(path)]) == 1
+    err = capfd.readouterr().err
+    assert "RuntimeError: rank 1 broke" in err and "rank 1" in err and "bootstrap" not in err
