@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from . import strategies
 from .options import build_parser
 
 
@@ -24,32 +25,11 @@ def new_run_dir(root, model):
     return path
 
 
-def worker_failure(args):
-    """Launcher options for a worker that dies. Under ASP and SSP no worker waits for
-    another, so the others go on and take its share of the batches (coordination.py);
-    under BSP and all-reduce they would block on it, so the launcher stops the job.
-    Passed only when this launcher knows the option (it came with the launcher's
-    parameter-server support). Rank 0 is the exception: it hosts the job's store
-    and writes the summary, so when it dies the job cannot continue."""
-    if args.strategy != "ps" or args.consistency == "bsp":
-        return []
-    from ..launch.local import build_parser
-    if "--worker-failure" not in build_parser().format_help():
-        return []
-    return ["--worker-failure", "continue"]
-
-
 def check(args):
     """A message for what is wrong with the options, or None."""
-    if args.strategy == "ps" and args.resume:
-        return "--resume with --strategy ps is not available yet (the optimizer state lives on the servers)"
-    if args.consistency == "ssp" and (args.staleness is None or args.staleness < 0):
-        return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp, inf like asp)"
-    if args.strategy != "ps" and (args.consistency != "bsp" or args.staleness is not None):
-        return "--consistency and --staleness are for --strategy ps"
-    if getattr(args, "predict_weights", False) and (args.strategy != "ps" or args.consistency == "bsp"
-                                 or (args.consistency == "ssp" and args.staleness == 0)):
-        return "--predict-weights is for --strategy ps with --consistency asp or ssp (staleness > 0)"
+    problem = strategies.check(args)
+    if problem:
+        return problem
     if args.straggler and args.straggler[0] >= args.workers:
         return (f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: there is no rank {args.straggler[0]} "
                 f"among {args.workers} workers (ranks 0..{args.workers - 1})")
@@ -57,11 +37,10 @@ def check(args):
         from .checkpoint import load_checkpoint
         from .tasks import build_task
         try:
-            load_checkpoint(args.resume, expect_config=build_task(args.model, seed=args.seed, sparse=args.strategy == "ps").config)
+            task = build_task(args.model, seed=args.seed, sparse=strategies.STRATEGIES[args.strategy].SPARSE)
+            load_checkpoint(args.resume, expect_config=task.config)
         except (FileNotFoundError, ValueError) as e:
             return str(e)
-    if args.algorithm and args.strategy == "allreduce" and args.algorithm not in ("direct", "ring", "tree", "naive"):
-        return f"unknown --algorithm {args.algorithm!r}; choose direct, ring, tree or naive"
     return None
 
 
@@ -80,9 +59,8 @@ def main(argv=None):
     from ..launch.local import main as launch
     from .metrics import render_summary
     from .progress import ProgressDisplay
-    servers = ["--servers", str(args.servers)] if args.strategy == "ps" else []
     launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to,
-                *servers, *worker_failure(args),
+                *strategies.STRATEGIES[args.strategy].launcher_args(args),
                 "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
           flush=True)

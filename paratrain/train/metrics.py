@@ -241,7 +241,7 @@ def _share(summary, s):
 
 
 # key -> (label, format(value, summary)), in the order the table shows them.
-# The keys are those trainer.run() writes to summary.json.
+# The keys are those trainer.run() writes to summary.json, the strategies' SUMMARY fields among them.
 ROWS = {
     "model": ("model", None),
     "strategy": ("strategy", None),

@@ -1,24 +1,15 @@
 """The options of ``paratrain train``, shared by the front-end (which checks them
-before starting anything) and the workers (which receive the same words)."""
+before starting anything) and the workers (which receive the same words).
+
+The options every strategy shares are here; each strategy adds its own
+(strategies/, one argument group each), and --strategy offers the names in
+strategies.STRATEGIES."""
 import argparse
-import math
 
 from ..launch import binding
 from .slowdown import jitter_spec, straggler_spec
 
-STRATEGIES = ("allreduce", "allreduce-naive", "ps")
 OPTIMIZERS = ("sgd", "adam")
-COMPRESSIONS = ("none", "fp16", "bf16")
-
-
-def staleness_bound(text):
-    """--staleness: a whole number of clocks, or inf (no bound: SSP then behaves like ASP)."""
-    if text.strip().lower() in ("inf", "infinity"):
-        return math.inf
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of clocks or inf, got {text!r}") from None
 
 
 def positive_int(text):
@@ -42,6 +33,7 @@ def positive_float(text):
 
 
 def build_parser():
+    from .strategies import DEFAULT, STRATEGIES, modules
     from .tasks import TASKS
     p = argparse.ArgumentParser(
         prog="paratrain train", allow_abbrev=False,
@@ -55,19 +47,8 @@ def build_parser():
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step")
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default: the task's)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the task's")
-    p.add_argument("--strategy", choices=STRATEGIES, default="allreduce",
-                   help="allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
-                        "all-reduced after backward (DataParallelNaive); ps: parameter server (optimizer on the servers)")
-    p.add_argument("--servers", type=positive_int, default=1, help="parameter servers (--strategy ps; default 1)")
-    p.add_argument("--consistency", choices=("bsp", "asp", "ssp"), default="bsp",
-                   help="--strategy ps: bsp (synchronous), asp (asynchronous), ssp (bounded staleness)")
-    p.add_argument("--staleness", type=staleness_bound, default=None,
-                   help="--consistency ssp: how many clocks ahead a worker may run of the slowest (0 behaves like "
-                        "bsp, inf like asp)")
-    p.add_argument("--predict-weights", action="store_true",
-                   help="--consistency asp/ssp: workers compute on the weights their push will most likely meet, "
-                        "extrapolated along the last update, a momentum step further (SpecTrain's weight "
-                        "prediction with Nesterov's look-ahead; ps/shard.py)")
+    p.add_argument("--strategy", choices=list(STRATEGIES), default=DEFAULT,
+                   help="; ".join(module.HELP for module in modules()))
     p.add_argument("--straggler", type=straggler_spec, default=None, metavar="RANK:FACTOR",
                    help="make worker RANK compute FACTOR times slower on every step (a persistently slow "
                         "machine): it sleeps (FACTOR - 1) x its measured forward+backward time")
@@ -76,12 +57,6 @@ def build_parser():
                         "hiccups), drawn from a generator seeded by --seed and the rank")
     p.add_argument("--target-loss", type=positive_float, default=None, metavar="X",
                    help="report in the summary when the loss first reached X (time to a fixed loss)")
-    p.add_argument("--algorithm", default=None,
-                   help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
-                        "and back)")
-    p.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (default 25)")
-    p.add_argument("--compression", choices=COMPRESSIONS, default="none",
-                   help="cast buckets to fp16/bf16 for the all-reduce")
     p.add_argument("--backend", default=None, choices=("shm", "torch"),
                    help="communication engine (default: shm on one host)")
     p.add_argument("--threads", type=positive_int, default=1, help="compute threads per worker (default 1)")
@@ -96,4 +71,6 @@ def build_parser():
                    help="continue from a checkpoint, e.g. runs/<id>/checkpoint.pt")
     p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
+    for module in modules():   # each strategy's own flags, in a group of its own after these
+        module.add_options(p)
     return p

@@ -1,11 +1,12 @@
 """The training loop every worker of ``paratrain train`` runs.
 
 Each worker builds the same task (tasks.py: model, data, loss), hands the model
-to the chosen strategy (a step object: AllReduceStep here, or
-ParameterServerStep in ps_strategy.py), reads its own shard of every epoch
-through DistributedSampler, and steps. Rank 0 alone writes: one JSON line per step
-(metrics.jsonl), the progress lines the front-end turns into a bar, periodic
-checkpoints (atomic), and at the end summary.json and a plot.
+to the chosen strategy (its step object, strategies/: what is communicated,
+how the workers meet, what is checkpointed, its summary fields), reads its
+own shard of every epoch through DistributedSampler, and steps. Rank 0 alone
+writes: one JSON line per step (metrics.jsonl), the progress lines the
+front-end turns into a bar, periodic checkpoints (atomic), and at the end
+summary.json and a plot.
 
 How many batches each worker takes, and how the workers' own numbers reach
 rank 0 for the summary, is coordination.py's job; the deliberate slowdowns of
@@ -27,67 +28,12 @@ import torch
 import paratrain as pt
 
 from . import checkpoint as ckpt
+from . import strategies
 from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
 from .progress import ProgressReporter
 from .slowdown import Slowdown
 from .summary import job_numbers
 from .tasks import build_task
-
-
-def make_optimizer(name, params, lr):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
-
-
-class AllReduceStep:
-    """DataParallel (or the naive version) with an optimizer in every worker: the
-    gradients are averaged during backward, then each worker steps alike."""
-
-    def __init__(self, module, args, group, optimizer, lr):
-        if args.strategy == "allreduce":
-            self.model = pt.DataParallel(module, group=group, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
-                                         compression=None if args.compression == "none" else args.compression)
-        else:
-            self.model = pt.DataParallelNaive(module, group=group, algorithm=args.algorithm)
-        self.group = group
-        self.opt = make_optimizer(optimizer, self.model.parameters(), lr)
-        self.stats = self.model.stats
-        self._loss = torch.zeros(1, dtype=torch.float64)
-
-    def before_step(self):
-        pass
-
-    def after_backward(self):
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
-
-    def logged_loss(self, loss):
-        self._loss[0] = loss.item()
-        t0 = time.perf_counter()
-        self.group.all_reduce(self._loss, op="avg")  # the loss over every worker's batch, not rank 0's alone
-        # Counted as waiting: when a worker is slower after backward (a --straggler sleeps
-        # there, slowdown.py), this is where the others wait for it.
-        dt = time.perf_counter() - t0
-        self.stats.wait_seconds += dt
-        self.stats.comm_seconds += dt
-        return float(self._loss[0])
-
-    def finish(self):
-        pass
-
-
-def make_step(task, args, s):
-    """(the strategy's step object, rank, world size)."""
-    if args.strategy == "ps":
-        from .ps_strategy import ParameterServerStep
-        step = ParameterServerStep(task.model, s.optimizer, s.lr, args.consistency, args.staleness,
-                                   getattr(args, "predict_weights", False))
-        return step, step.ps.worker, step.ps.workers
-    group = pt.init(backend=args.backend)
-    return AllReduceStep(task.model, args, group, s.optimizer, s.lr), group.rank, group.world_size
 
 
 class Settings:
@@ -121,18 +67,6 @@ def batches_from(task, sampler, batch_size, start_step, steps_per_epoch):
             step += 1
 
 
-def make_board(args, strategy, me, P, s, start):
-    """(board, pool): how the workers meet (coordination.py), and how many batches this one takes."""
-    from ..comm.group import timeout_from_env
-    from .coordination import GroupBoard, Lockstep, SharedPool, StoreBoard
-    if args.strategy != "ps":
-        return GroupBoard(strategy.group), Lockstep(s.steps, start)
-    board = StoreBoard.connect(me, P, timeout_from_env())
-    if args.consistency == "bsp":  # lockstep clocks: a shared pool could run dry mid-round and deadlock
-        return board, Lockstep(s.steps, start)
-    return board, SharedPool(board.store, s.steps * P)
-
-
 def run(args):
     """Train as one worker of the job; returns the summary dict (rank 0) or None.
 
@@ -140,22 +74,24 @@ def run(args):
     compute (forward and backward, less any communication waited for inside
     backward), and the slowdown the options ask for (slowdown.py), which sleeps
     after backward and before the gradients leave, as a slower machine would."""
-    task = build_task(args.model, seed=args.seed, sparse=args.strategy == "ps")
+    chosen = strategies.STRATEGIES[args.strategy]
+    task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
     P = int(os.environ.get("WORLD_SIZE", 1))
     s = Settings(task, args, P)
-    strategy, me, P = make_step(task, args, s)
+    strategy = chosen.make_step(task, args, s)
+    me, P = strategy.rank, strategy.world_size
     lead = me == 0
-    model = strategy.model  # what the loss calls: the DataParallel wrapper, or the bare model (ps)
+    model = strategy.model  # what the loss calls: a wrapper (DataParallel), or the bare model
     start = 0
     if args.resume:
         state = ckpt.load_checkpoint(args.resume, expect_config=task.config)
         task.model.load_state_dict(state["model"])
-        strategy.opt.load_state_dict(state["optimizer"])
+        strategy.load_state_dict(state)
         start = int(state["step"])
         if start >= s.steps:
             raise ValueError(f"the checkpoint {args.resume} is already at step {start}; ask for more --steps "
                              f"than that (got {s.steps})")
-    board, pool = make_board(args, strategy, me, P, s, start)
+    board, pool = strategy.coordination(s, start)
     slow = Slowdown.from_args(args, me)
     sampler = pt.DistributedSampler(task.train_set, num_replicas=P, rank=me, seed=args.seed, drop_last=True)
     run_dir = args.run_dir
@@ -169,8 +105,7 @@ def run(args):
         if lead:
             ckpt.save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
                 "config": task.config, "model_name": task.name, "step": step,
-                "model": task.model.state_dict(),
-                "optimizer": strategy.opt.state_dict() if hasattr(strategy, "opt") else {}})
+                "model": task.model.state_dict(), **strategy.state_dict()})
 
     board.start()
     t_start = time.perf_counter()
@@ -212,8 +147,8 @@ def run(args):
     loop_seconds = time.perf_counter() - t_start
     strategy.finish()
     board.beat(pool.taken, loop_seconds, force=True)
-    if lead and args.strategy == "ps":
-        last_eval = task.evaluate(task.model)  # the servers' final weights
+    if lead and strategy.finish_changes_weights:
+        last_eval = task.evaluate(task.model)  # e.g. the servers' final weights
     save(s.steps)
     report = {"rank": me, "batches": pool.taken, "compute_s": slow.compute_s, "slowdown_s": slow.slept_s,
               "slowed_steps": slow.slowed_steps, "comm_wait_s": strategy.stats.wait_seconds,
@@ -228,22 +163,18 @@ def run(args):
     plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"),
                      f"{task.name}: {args.strategy}, {P} workers")
     st = strategy.stats
+    total_s = time.perf_counter() - t_start   # (before the strategy's fields, which may ask the network)
     summary = {
-        "model": task.name, "strategy": args.strategy,
-        "backend": f"zeromq, {args.servers} servers, {args.consistency}"
-                   + (f" s={args.staleness}" if args.consistency == "ssp" else "")
-                   + (", weight prediction" if getattr(args, "predict_weights", False) else "") if args.strategy == "ps"
-        else strategy.group.backend,
-        "algorithm": args.algorithm or "default", "workers": P, "steps": s.steps, "resumed_from": start or None,
+        "model": task.name, "strategy": args.strategy, **strategies.summary_fields(args, strategy),
+        "workers": P, "steps": s.steps, "resumed_from": start or None,
         "batch_per_worker": s.batch_size, "final_loss": loss_value, **last_eval,
-        **job_numbers(reports, lost, s.batch_size, mean_loss=args.strategy == "ps"),
-        "time_total_s": time.perf_counter() - t_start, "time_training_s": train_seconds,
+        **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss),
+        "time_total_s": total_s, "time_training_s": train_seconds,
         "time_compute_s": slow.compute_s, "time_slowdown_s": slow.slept_s if slow.active else None,
         "time_comm_wait_s": st.wait_seconds,
         "time_comm_s": st.comm_seconds, "bytes_communicated": st.bytes,
         "straggler": f"{args.straggler[0]}:{args.straggler[1]:g}" if args.straggler else None,
         "jitter": f"{args.jitter[0]:g}:{args.jitter[1]:g}" if args.jitter else None,
-        "staleness_histogram": strategy.staleness_histogram() if args.strategy == "ps" else None,
         **(time_to_target(read_metrics(log.path), args.target_loss) if args.target_loss else {}),
         "run_dir": run_dir, "plot": plot, "checkpoint": os.path.join(run_dir, "checkpoint.pt"),
     }
