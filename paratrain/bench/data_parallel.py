@@ -28,7 +28,9 @@ from . import launcher
 
 MODELS = {"small": [784, 512, 512, 10], "large": [784, 3072, 3072, 3072, 10]}
 QUICK_MODELS = {"small": [64, 128, 10], "large": [64, 512, 512, 10]}
-ENGINES = ["paratrain", "ddp", "paratrain+overlap", "paratrain/ring", "paratrain/naive"]
+ENGINES = ["paratrain", "ddp", "paratrain+overlap", "paratrain/ring", "paratrain/naive",
+           "compute-only", "allreduce-only"]
+PHASES = ("forward", "backward", "averaging", "optimizer")
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -64,13 +66,15 @@ def run_one(model, sizes, nproc, engines, args, tmp):
 
 def summarize(raw, batch):
     """rows: one per (model, workers, engine) with the median step time and samples/s,
-    the ratio to DDP in the same run, and the scaling efficiency against one worker."""
+    the ratio to DDP in the same run, the scaling efficiency against one worker, and
+    the median time of each phase of a step on rank 0 (ms)."""
     rows = []
-    for (model, n), engines in raw.items():
-        for engine, times in engines.items():
+    for (model, n), result in raw.items():
+        for engine, times in result["times"].items():
             step = statistics.median(times)
+            phases = {f"{p}_ms": statistics.median(v) * 1e3 for p, v in result["phases"][engine].items()}
             rows.append(dict(model=model, workers=n, engine=engine, step_ms=step * 1e3,
-                             samples_per_s=batch * n / step, rounds=len(times)))
+                             samples_per_s=batch * n / step, rounds=len(times), **phases))
     by = {(r["model"], r["workers"], r["engine"]): r for r in rows}
     for r in rows:
         ddp = by.get((r["model"], r["workers"], "ddp"))
@@ -87,9 +91,25 @@ def table(rows):
     for c in ("model", "workers", "engine", "step ms", "samples/s", "vs DDP", "vs 1 worker", "efficiency"):
         t.add_column(c, justify="left" if c in ("model", "engine") else "right")
     for r in rows:
+        if r["engine"] == "allreduce-only":
+            continue   # not a training step: it is in the phase table only
         f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
         t.add_row(r["model"], str(r["workers"]), r["engine"], f"{r['step_ms']:.1f}", f"{r['samples_per_s']:.0f}",
                   f(r["vs_ddp"], "{:.2f}x"), f(r["vs_single"], "{:.2f}x"), f(r["efficiency"], "{:.0%}"))
+    return t
+
+
+def phase_table(rows):
+    """Where a step's time goes, per engine: the question 'compute slowed by sharing the
+    machine, the all-reduce itself, or waiting?' answered by compute-only (no averaging,
+    all workers at once) and allreduce-only (the collective alone) beside the engines."""
+    from rich.table import Table
+    t = Table(title="Where a step goes (ms, medians; rank 0's phases, the step is the slowest rank's)")
+    for c in ("model", "workers", "engine", *PHASES, "step"):
+        t.add_column(c, justify="left" if c in ("model", "engine") else "right")
+    for r in rows:
+        t.add_row(r["model"], str(r["workers"]), r["engine"], *(f"{r[p + '_ms']:.1f}" for p in PHASES),
+                  f"{r['step_ms']:.1f}")
     return t
 
 
@@ -101,7 +121,7 @@ def plot(path, rows):
     FigureCanvasAgg(fig)
     for ax, m in zip(fig.subplots(1, len(models), squeeze=False)[0], models):
         mine = [r for r in rows if r["model"] == m]
-        engines = sorted({r["engine"] for r in mine if r["workers"] > 1})
+        engines = sorted({r["engine"] for r in mine if r["workers"] > 1 and r["engine"] != "allreduce-only"})
         workers = sorted({r["workers"] for r in mine if r["workers"] > 1})
         width = 0.8 / max(1, len(engines))
         for i, e in enumerate(engines):
@@ -143,6 +163,7 @@ def main(argv=None):
     if not console.is_terminal:
         console = Console(width=130)
     console.print(table(rows))
+    console.print(phase_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(batch_per_worker=args.batch, rounds=args.rounds, cpu_count=os.cpu_count(),

@@ -12,7 +12,16 @@ same batch on this rank, SGD) under a different way of averaging gradients:
   there, sent back); ``paratrain+overlap``: reducing buckets during backward on
   a communication thread even where DataParallel would not choose to;
 - ``ddp``: PyTorch's DistributedDataParallel over Gloo (its defaults: 25 MB
-  buckets, overlap with backward).
+  buckets, overlap with backward);
+- ``compute-only``: every worker trains its own model at the same time with no
+  averaging at all: what sharing the machine's cores and memory bandwidth
+  costs a step, apart from any communication;
+- ``allreduce-only``: the all-reduce of one step's gradient bytes on a shared
+  buffer, nothing else: what the collective costs when no rank is late.
+
+Each step is timed by phase (forward, backward, gradient averaging, optimizer)
+so the output says where a step's time goes; for DataParallel the averaging
+is the time its CommStats count (the all-reduces backward waited for).
 
 Rounds are interleaved: each round times ``steps`` steps of every engine, in an
 order that rotates by one each round, after that engine's own barrier; a
@@ -34,15 +43,46 @@ def build_model(sizes):
     return MLP(sizes)
 
 
+PHASES = ("forward", "backward", "averaging", "optimizer")
+
+
 class Engine:
+    """One training step of a model, timed by phase (seconds summed in self.phases)."""
+
     def __init__(self, name, model, barrier):
         self.name, self.model, self.barrier = name, model, barrier
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.stats = getattr(model, "stats", None)   # DataParallel's CommStats
+        self.phases = dict.fromkeys(PHASES, 0.0)
 
     def step(self, x, y):
-        F.cross_entropy(self.model(x), y).backward()
+        waited = self.stats.wait_seconds if self.stats is not None else 0.0
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(self.model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
+        t3 = time.perf_counter()
+        averaging = (self.stats.wait_seconds - waited) if self.stats is not None else 0.0
+        for phase, dt in zip(PHASES, (t1 - t0, t2 - t1 - averaging, averaging, t3 - t2)):
+            self.phases[phase] += dt
+
+
+class AllReduceOnly(Engine):
+    """The collective alone: a step's gradient bytes all-reduced in a shared buffer."""
+
+    def __init__(self, numel, group):
+        self.name, self.barrier, self.group = "allreduce-only", group.barrier, group
+        self.flat = group.empty_shared(numel, torch.float32)
+        self.flat.fill_(1.0)
+        self.phases = dict.fromkeys(PHASES, 0.0)
+
+    def step(self, x, y):
+        t0 = time.perf_counter()
+        self.group.all_reduce(self.flat, op="avg")
+        self.phases["averaging"] += time.perf_counter() - t0
 
 
 def make_engines(names, sizes, group, port, timeout):
@@ -51,6 +91,10 @@ def make_engines(names, sizes, group, port, timeout):
     for name in names:
         if name == "single":
             engines.append(Engine(name, build_model(sizes), lambda: None))
+        elif name == "compute-only":
+            engines.append(Engine(name, build_model(sizes), group.barrier))
+        elif name == "allreduce-only":
+            engines.append(AllReduceOnly(sum(p.numel() for p in build_model(sizes).parameters()), group))
         elif name.startswith("paratrain"):
             base, _, overlap = name.partition("+")
             algo = base.split("/", 1)[1] if "/" in base else None
@@ -84,21 +128,25 @@ def main(cfg_path):
         for _ in range(cfg["warmup"]):
             e.step(x, y)
     times = {e.name: [] for e in engines}
+    phases = {e.name: {p: [] for p in PHASES} for e in engines}
     for r in range(cfg["rounds"]):
         k = r % len(engines)
         for e in engines[k:] + engines[:k]:
+            e.phases = dict.fromkeys(PHASES, 0.0)
             e.barrier()
             t0 = time.perf_counter()
             for _ in range(cfg["steps"]):
                 e.step(x, y)
             times[e.name].append((time.perf_counter() - t0) / cfg["steps"])
-    # a round lasts as long as its slowest rank
+            for p in PHASES:
+                phases[e.name][p].append(e.phases[p] / cfg["steps"])
+    # a round lasts as long as its slowest rank; its phases are rank 0's
     flat = torch.tensor([t for e in engines for t in times[e.name]], dtype=torch.float64)
     group.all_reduce(flat, op="max")
     if group.rank == 0:
         per = flat.view(len(engines), -1).tolist()
         with open(cfg["result"], "w") as f:
-            json.dump({e.name: per[i] for i, e in enumerate(engines)}, f)
+            json.dump({"times": {e.name: per[i] for i, e in enumerate(engines)}, "phases": phases}, f)
     group.barrier()
     pt.destroy()
     release_ddp(engines)
