@@ -28,7 +28,7 @@ the lane is retired when it has nothing left to do (a program that uses a tag
 per micro-batch would otherwise keep a thread per tag), so there is one thread
 per (peer, tag) with receives pending, not one per tag ever used.
 
-The message's own receive is posted like any irecv (``_post_recv``), so
+The message's own receive is posted like any irecv (the transport's), so
 destroy() gives it up like the others (torch: EngineWork.give_up). A receive
 still waiting for its envelope when the program ends gives up: nobody is left
 to read it, and Python joins the lane's thread before the atexit hook that
@@ -120,19 +120,22 @@ class AllOf(Work):
         self.wait(timeout)
 
 
-def post_send(group, buf, code, dst, tag, what):
-    """isend of the envelope, then of buf, both started now; one Work for the two."""
-    first = group._post_send(envelope(buf, code, tag), _BYTE, dst, ENVELOPE_TAG + tag)
-    return AllOf(first, group._post_send(buf, code, dst, tag), what)
+def post_send(transport, buf, code, dst, tag, what):
+    """isend of the envelope, then of buf, both started now over the group's
+    transport (comm/transport.py); one Work for the two."""
+    first = transport.isend(envelope(buf, code, tag), _BYTE, dst, ENVELOPE_TAG + tag)
+    return AllOf(first, transport.isend(buf, code, dst, tag), what)
 
 
-def post_recv(group, buf, code, src, tag, what):
+def post_recv(transport, buf, code, src, tag, what, ranks, lanes, closed):
     """irecv of the envelope now; the message's own receive once the envelope is in,
-    on the lane of (src, tag); a message that does not fit is drained and refused."""
+    on the lane of (src, tag) of ``lanes`` (the group's work.Lanes); a message that
+    does not fit is drained and refused. ranks: the group's global ranks, for naming
+    the two sides; closed: the group's (src, tag) -> why, for a refused message too
+    large to drain, which is still on the channel."""
     env = np.zeros(wire.HEADER_SIZE, np.uint8)
-    first = group._post_recv(env, _BYTE, src, ENVELOPE_TAG + tag)
-    me, peer = group.ranks[group.rank], group.ranks[src]
-    closed = group._closed_channels   # (src, tag) -> why: a refused message too large to drain is still there
+    first = transport.irecv(env, _BYTE, src, ENVELOPE_TAG + tag)
+    me, peer = ranks[transport.rank], ranks[src]
 
     def receive():
         if (src, tag) in closed:
@@ -140,21 +143,21 @@ def post_recv(group, buf, code, src, tag, what):
         _wait_for_envelope(first, what)
         sent_code, nbytes = read_envelope(env, tag, what)
         if (sent_code, nbytes) == (code, buf.nbytes):
-            group._post_recv(buf, code, src, tag).wait()
+            transport.irecv(buf, code, src, tag).wait()
             return
         differs = "size" if nbytes != buf.nbytes else "dtype"
         error = (f"rank {me}: {what}: rank {peer} sent {_kind(nbytes, sent_code)} but the receive buffer holds "
                  f"{_kind(buf.nbytes, code)}: the two ranks disagree on the message's {differs} (checked because "
                  "PARATRAIN_DEBUG is set)")
         if nbytes <= max(buf.nbytes, MAX_DRAIN_BYTES):
-            group._post_recv(np.empty(nbytes, np.uint8), _BYTE, src, tag).wait()
+            transport.irecv(np.empty(nbytes, np.uint8), _BYTE, src, tag).wait()
         else:
             closed[src, tag] = (f"an earlier message of {nbytes} bytes from rank {peer} with tag {tag} did not fit "
                                 f"its receive and, larger than {MAX_DRAIN_BYTES} bytes, was left undrained ahead of "
                                 "every later one: receives from that rank with that tag cannot go on")
             error += "; the message, too large to drain, is left on the channel, which is closed to later receives"
         raise MismatchError(error)
-    return group._lanes.submit(f"checked-recv-{src}-{tag}", receive, what, reap=True)
+    return lanes.submit(f"checked-recv-{src}-{tag}", receive, what, reap=True)
 
 
 def _wait_for_envelope(first, what):

@@ -10,7 +10,8 @@ thing, and the choice of algorithm. A backend provides point-to-point
 ``_send``/``_recv`` of flat buffers and may override any ``_<collective>``
 with a faster native version; every collective also has a portable version
 built from point-to-point in ``comm/algorithms/``, so a new backend works as
-soon as it can send and receive.
+soon as it can send and receive. The algorithms see the backend only through
+``self.transport`` (comm/transport.py), built here from those methods.
 """
 import os
 
@@ -19,6 +20,7 @@ import numpy as np
 from . import envelopes, ops
 from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
+from .transport import Transport
 from .work import Lanes
 
 DEFAULT_TIMEOUT = 300.0
@@ -97,6 +99,9 @@ class ProcessGroup:
         self.ranks = list(ranks) if ranks is not None else list(range(world_size))  # global ranks
         self.timeout = timeout_from_env() if timeout is None else float(timeout)
         self._lanes = Lanes(f"paratrain-{self.backend}")
+        # What the collective algorithms may use of this group, and all they may use.
+        self.transport = Transport(rank, world_size, self._send, self._recv, self._sendrecv,
+                                   self._post_send, self._post_recv)
         self._seq = 0
         self._debug = debug_checks()
         self._envelopes = self._debug and not self.messages_carry_dtype   # envelopes.py
@@ -179,7 +184,7 @@ class ProcessGroup:
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send", writable=False)
         if self._envelopes:
             self._check_alive(f"send to {dst}")
-            envelopes.post_send(self, buf, code, dst, tag, self._p2p_what("send", buf, "to", dst, tag)).wait()
+            envelopes.post_send(self.transport, buf, code, dst, tag, self._p2p_what("send", buf, "to", dst, tag)).wait()
             return
         self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
 
@@ -187,7 +192,7 @@ class ProcessGroup:
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "recv")
         self._check_alive(f"recv from {src}")
         if self._envelopes:
-            envelopes.post_recv(self, buf, code, src, tag, self._p2p_what("recv", buf, "from", src, tag)).wait()
+            self._checked_recv(buf, code, src, tag, "recv").wait()
         else:
             self._blocking_recv(buf, code, src, tag)
         return src
@@ -196,15 +201,21 @@ class ProcessGroup:
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "isend", writable=False)
         self._check_alive(f"isend to {dst}")
         if self._envelopes:
-            return envelopes.post_send(self, buf, code, dst, tag, self._p2p_what("isend", buf, "to", dst, tag))
+            return envelopes.post_send(self.transport, buf, code, dst, tag,
+                                       self._p2p_what("isend", buf, "to", dst, tag))
         return self._post_send(buf, code, dst, tag)
 
     def irecv(self, tensor, src, tag=0):
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "irecv")
         self._check_alive(f"irecv from {src}")
         if self._envelopes:
-            return envelopes.post_recv(self, buf, code, src, tag, self._p2p_what("irecv", buf, "from", src, tag))
+            return self._checked_recv(buf, code, src, tag, "irecv")
         return self._post_recv(buf, code, src, tag)
+
+    def _checked_recv(self, buf, code, src, tag, name):
+        """A receive behind its envelope (PARATRAIN_DEBUG, envelopes.py)."""
+        return envelopes.post_recv(self.transport, buf, code, src, tag, self._p2p_what(name, buf, "from", src, tag),
+                                   self.ranks, self._lanes, self._closed_channels)
 
     def _p2p_what(self, name, buf, direction, peer, tag):
         """'irecv of 16 bytes from rank 2 (tag 5)': a point-to-point call as Work labels and errors name it."""
@@ -421,12 +432,6 @@ class ProcessGroup:
                             f"({ops.CODE_TORCH[ocode]} vs {ops.CODE_TORCH[code]})")
         return pieces
 
-    def _inner(self, coll, fn, *args, code=0, op=None, numel=0, root=0):
-        """Run a collective on flat buffers from inside another group's algorithm
-        (the hierarchical one): no argument parsing, no async, same checks."""
-        self._lanes.drain("coll")
-        self._checked(self._descriptor(coll, code, op, numel, root), fn, *args)
-
     def _checked(self, desc, fn, *args):
         self._agree(desc)
         self._current = desc
@@ -439,38 +444,38 @@ class ProcessGroup:
         if algo is None:
             self._all_reduce(buf, code, op)
         else:
-            algo.all_reduce(self, buf, code, op)
+            algo.all_reduce(self.transport, buf, code, op)
 
     def _all_reduce(self, buf, code, op):
-        ring.all_reduce(self, buf, code, op)
+        ring.all_reduce(self.transport, buf, code, op)
 
     def _barrier(self):
-        tree.all_reduce(self, np.zeros(1, np.uint8), ops.UINT8, "max")
+        tree.all_reduce(self.transport, np.zeros(1, np.uint8), ops.UINT8, "max")
 
     def _broadcast(self, buf, code, src):
-        tree.broadcast(self, buf, code, src)
+        tree.broadcast(self.transport, buf, code, src)
 
     def _reduce(self, buf, code, op, dst):
-        tree.reduce(self, buf, code, op, dst)
+        tree.reduce(self.transport, buf, code, op, dst)
 
     def _all_gather_into(self, out, buf, code):
-        naive.all_gather(self, out, buf, code)
+        naive.all_gather(self.transport, out, buf, code)
 
     def _all_gather(self, out_flat, buf, code):
         n = buf.size
         self._all_gather_into([out_flat[i * n:(i + 1) * n] for i in range(self.world_size)], buf, code)
 
     def _reduce_scatter(self, out, inp, code, op):
-        naive.reduce_scatter(self, out, inp, code, op)
+        naive.reduce_scatter(self.transport, out, inp, code, op)
 
     def _gather(self, out, buf, code, dst):
-        naive.gather(self, out, buf, code, dst)
+        naive.gather(self.transport, out, buf, code, dst)
 
     def _scatter(self, buf, inp, code, src):
-        naive.scatter(self, buf, inp, code, src)
+        naive.scatter(self.transport, buf, inp, code, src)
 
     def _all_to_all(self, out, inp, code, even):
-        naive.all_to_all(self, out, inp, code)
+        naive.all_to_all(self.transport, out, inp, code)
 
     def destroy(self):
         """Release the group's threads; any later call on it raises instead of talking

@@ -48,7 +48,7 @@ from .envelopes import MAX_DRAIN_BYTES   # a message that does not fit, up to th
 from .errors import CommError, CommTimeout, MismatchError
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
 from .mpi_receives import PostedReceives
-from .mpi_support import _datatype, _mpi, _poll, _same, _sending, _spin_seconds, _unpack
+from .mpi_support import datatype, mpi, poll, same, sending, spin_seconds, unpack
 from .work import EngineWork, posted_work
 
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
@@ -64,7 +64,7 @@ class MpiGroup(ProcessGroup):
 
     def __init__(self, comm, ranks, timeout=None):
         """comm: an mpi4py intracommunicator; ranks: the global rank of each of its members."""
-        MPI = self._MPI = _mpi()
+        MPI = self._MPI = mpi()
         super().__init__(comm.Get_rank(), comm.Get_size(), ranks, timeout)
         if len(self.ranks) != self.world_size:
             raise ValueError(f"MpiGroup: {len(self.ranks)} global ranks given for a communicator of "
@@ -74,7 +74,7 @@ class MpiGroup(ProcessGroup):
         # Lanes call MPI from several threads; below THREAD_MULTIPLE, one call at a time.
         self._lock = (contextlib.nullcontext() if MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                       else threading.Lock())
-        self._spin_s = _spin_seconds()
+        self._spin_s = spin_seconds()
         self._abandoned = []  # requests given up on: kept, with their buffers, in case MPI completes them
         self._posted = PostedReceives()
         self._current = self._agreeing = None
@@ -145,7 +145,7 @@ class MpiGroup(ProcessGroup):
         finished = False
         timeout = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            _poll(live, timeout, on_timeout, self._spin_s)
+            poll(live, timeout, on_timeout, self._spin_s)
             finished = True
         except MPI.Exception as e:
             raise self._error(e, what) from e
@@ -167,7 +167,7 @@ class MpiGroup(ProcessGroup):
     # ---- point to point (group-local ranks) ------------------------------------------
 
     def _buf(self, buf, code):
-        return [buf, _datatype(self._MPI, code)]
+        return [buf, datatype(self._MPI, code)]
 
     def _check_tag(self, tag):
         if not 0 <= tag <= self._tag_ub:
@@ -224,7 +224,9 @@ class MpiGroup(ProcessGroup):
         self._check_tag(tag)
         what = f"isend to rank {self.ranks[dst]} (tag {tag})"
         req = self._call(what, lambda: self.comm.Isend(self._buf(buf, code), dst, tag))
-        return EngineWork(_Request(self, req, what, dst), what, contextlib.nullcontext, keep=(buf,))
+        handle = _Request(lambda: self._wait(self._tester(req), what, lambda: [dst], keep=lambda: [req],
+                                             request_only=True))
+        return EngineWork(handle, what, contextlib.nullcontext, keep=(buf,))
 
     # Receives go through PostedReceives (mpi_receives.py): each is posted when it is
     # called, and any thread waiting for one probes them all, so a receive posted
@@ -246,12 +248,12 @@ class MpiGroup(ProcessGroup):
     def _posted_receive(self, buf, code, src, tag, what, future=None):
         receive, started = self._receiver(buf, code, src, tag, what)
 
-        def poll():   # run by whichever thread progresses it: MPI's errors made ours there
+        def progress():   # run by whichever thread progresses it: MPI's errors made ours there
             try:
                 return receive()
             except self._MPI.Exception as e:
                 raise self._error(e, what) from e
-        return self._posted.post(src, tag, poll, future), started
+        return self._posted.post(src, tag, progress, future), started
 
     def _await(self, entry, started, src, what, deadline=None):
         """Advance every posted receive until ``entry`` is done; at the deadline (default:
@@ -312,7 +314,7 @@ class MpiGroup(ProcessGroup):
         counts = [b[q + 1] - b[q] for q in range(self.world_size)]
         name = "all_reduce" if dst is None else "reduce"
         acc = self._exchange_and_combine(buf, counts, b[:-1], code, op, name)
-        T = _datatype(self._MPI, code)
+        T = datatype(self._MPI, code)
         if dst is None:
             self._coll(name, lambda: self.comm.Iallgatherv([acc, T], [buf, (counts, b[:-1]), T]))
         else:
@@ -322,7 +324,7 @@ class MpiGroup(ProcessGroup):
     def _exchange_and_combine(self, send, counts, displs, code, op, name):
         """Piece q of ``send`` (counts[q] elements at displs[q]) goes to rank q; returns this
         rank's piece reduced over all ranks, combined in rank order 0..P-1."""
-        P, n, T = self.world_size, counts[self.rank], _datatype(self._MPI, code)
+        P, n, T = self.world_size, counts[self.rank], datatype(self._MPI, code)
         recv = np.empty(P * n, send.dtype)
         self._coll(name, lambda: self.comm.Ialltoallv([send, (counts, displs), T],
                                                       [recv, ([n] * P, [q * n for q in range(P)]), T]))
@@ -349,39 +351,39 @@ class MpiGroup(ProcessGroup):
         return np.empty(sum(p.size for p in pieces), like.dtype) if span is None else span, span
 
     def _all_gather_into(self, out, buf, code):
-        n, T = buf.size, _datatype(self._MPI, code)
+        n, T = buf.size, datatype(self._MPI, code)
         recv, span = self._landing(out, buf)
         # In place (ZeRO gathers its shards so) our piece is already there, unless MPI lands in scratch.
-        if recv is not span or not _same(buf, out[self.rank]):
+        if recv is not span or not same(buf, out[self.rank]):
             recv[self.rank * n:(self.rank + 1) * n] = buf
         self._coll("all_gather", lambda: self.comm.Iallgather(self._MPI.IN_PLACE, [recv, T]))
         if recv is not span:
-            _unpack(recv, out)
+            unpack(recv, out)
 
     def _gather(self, out, buf, code, dst):
-        n, T = buf.size, _datatype(self._MPI, code)
+        n, T = buf.size, datatype(self._MPI, code)
         if self.rank != dst:
             self._coll("gather", lambda: self.comm.Igather([buf, T], None, dst))
             return
         recv, span = self._landing(out, buf)
-        if recv is not span or not _same(buf, out[dst]):
+        if recv is not span or not same(buf, out[dst]):
             recv[dst * n:(dst + 1) * n] = buf
         self._coll("gather", lambda: self.comm.Igather(self._MPI.IN_PLACE, [recv, T], dst))
         if recv is not span:
-            _unpack(recv, out)
+            unpack(recv, out)
 
     def _scatter(self, buf, inp, code, src):
-        T = _datatype(self._MPI, code)
+        T = datatype(self._MPI, code)
         if self.rank != src:
             self._coll("scatter", lambda: self.comm.Iscatter(None, [buf, T], src))
             return
-        send = _sending(inp)
+        send = sending(inp)
         self._coll("scatter", lambda: self.comm.Iscatter([send, T], self._MPI.IN_PLACE, src))
-        if not _same(buf, inp[src]):
+        if not same(buf, inp[src]):
             buf[...] = inp[src]  # numpy copes if they overlap
 
     def _reduce_scatter(self, out, inp, code, op):
-        n, T, send = out.size, _datatype(self._MPI, code), _sending(inp)
+        n, T, send = out.size, datatype(self._MPI, code), sending(inp)
         if code in _HALF:
             out[...] = self._exchange_and_combine(send, [n] * self.world_size,
                                                   [q * n for q in range(self.world_size)],
@@ -397,7 +399,7 @@ class MpiGroup(ProcessGroup):
             ops.finish_avg(out, self.world_size, code)
 
     def _all_to_all(self, out, inp, code, even):
-        T, send = _datatype(self._MPI, code), _sending(inp)
+        T, send = datatype(self._MPI, code), sending(inp)
         recv, span = self._landing(out, send)
         if np.may_share_memory(recv, send):
             recv = np.empty_like(recv)
@@ -409,7 +411,31 @@ class MpiGroup(ProcessGroup):
                 return [buf, (counts, [int(d) for d in np.cumsum([0] + counts[:-1])]), T]
             self._coll("all_to_all", lambda: self.comm.Ialltoallv(spec(send, inp), spec(recv, out)))
         if recv is not span:
-            _unpack(recv, out)
+            unpack(recv, out)
+
+    def split(self, ranks, what):
+        """A group over ``ranks`` (global ranks) split from this one's communicator, rank i
+        of it being ranks[i]; None on non-members. Every rank of this group calls it.
+        MPI's Split blocks with no timeout, so every rank first shows up and agrees on
+        the list in an all-gather that does time out; once that completed, the Split
+        has everyone it waits for."""
+        self._lanes.drain("coll")  # a pending async collective on the same communicator comes first
+        if len(set(ranks)) != len(ranks) or min(ranks, default=-1) < 0:
+            raise ValueError(f"{what}: ranks {ranks} must be distinct global ranks")
+        MPI, me = self._MPI, self._me()
+        row = np.array([len(ranks), zlib.crc32(np.array(ranks, np.int64).tobytes())], np.int64)
+        rows = np.empty(2 * self.world_size, np.int64)
+        self._coll("all_gather", lambda: self.comm.Iallgather([row, MPI.INT64_T], [rows, MPI.INT64_T]),
+                   f"{what} (agreeing on its ranks {ranks})")
+        rows = rows.reshape(-1, 2)
+        bad = [self.ranks[i] for i in range(len(rows)) if not np.array_equal(rows[i], row)]
+        if bad:
+            raise MismatchError(f"{what}: rank {me} asked for a group of ranks {ranks}, but ranks {bad} "
+                                "asked for a different list; every rank must pass the same ranks")
+        member = me in ranks
+        with self._lock:
+            comm = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(me) if member else 0)
+        return MpiGroup(comm, ranks, self.timeout) if member else None
 
     def destroy(self):
         super().destroy()
@@ -425,7 +451,7 @@ class MpiGroup(ProcessGroup):
 
 def mpi_world(timeout=None):
     """The group of every process mpirun started, over a private duplicate of COMM_WORLD."""
-    MPI = _mpi()
+    MPI = mpi()
     timeout = timeout_from_env() if timeout is None else float(timeout)
     world = MPI.COMM_WORLD
     me, size = world.Get_rank(), world.Get_size()
@@ -439,7 +465,7 @@ def mpi_world(timeout=None):
             "python -m mpi4py script.py`, or keep this launcher and choose another backend (the default, "
             "or 'torch')")
     comm, req = world.Idup()
-    _poll(req.Test, timeout, lambda: CommTimeout(
+    poll(req.Test, timeout, lambda: CommTimeout(
         f"rank {me} timed out after {timeout:g}s in pt.init(backend='mpi'): not all {size} processes "
         "started by mpirun called it", [r for r in range(size) if r != me]))
     return MpiGroup(comm, list(range(size)), timeout)
@@ -448,18 +474,14 @@ def mpi_world(timeout=None):
 def mpi_new_group(world_group, ranks):
     """A group over ``ranks`` (global ranks) split from the world group; None on non-members.
     Every rank of the world must call it with the same list."""
-    world_group._lanes.drain("coll")  # a pending async collective on the same communicator comes first
-    ranks = [int(r) for r in ranks]
-    me = world_group.ranks[world_group.rank]
-    comm = _split(world_group.comm, ranks, me, world_group, "new_group")
-    return MpiGroup(comm, ranks, world_group.timeout) if comm is not None else None
+    return world_group.split([int(r) for r in ranks], "new_group")
 
 
 def mpi_subgroup(global_ranks, me, timeout=None):
     """A group over ``global_ranks`` split from COMM_WORLD (the leaders of a hierarchical
     group); None on non-members. Every process of COMM_WORLD must call it. Needs the
     job to be started by mpirun, so that paratrain's global ranks are the MPI ranks."""
-    MPI = _mpi()
+    MPI = mpi()
     world = MPI.COMM_WORLD
     ranks = [int(r) for r in global_ranks]
     if world.Get_rank() != me or max(ranks) >= world.Get_size():
@@ -467,41 +489,15 @@ def mpi_subgroup(global_ranks, me, timeout=None):
             f"mpi_subgroup: paratrain rank {me} is MPI rank {world.Get_rank()} of {world.Get_size()}; "
             "the MPI cross-host engine needs the job started by mpirun so the two agree "
             "(or set PARATRAIN_CROSS_BACKEND=torch)")
-    helper = MpiGroup(world, list(range(world.Get_size())), timeout)
-    comm = _split(world, ranks, me, helper, "mpi_subgroup")
-    return MpiGroup(comm, ranks, helper.timeout) if comm is not None else None
-
-
-def _split(parent, ranks, me, via, what):
-    """Split ``parent`` so rank i of the new communicator is ranks[i]. MPI's Split blocks with
-    no timeout, so every rank first shows up and agrees on the list in an all-gather that does
-    time out; once that completed, the Split has everyone it waits for."""
-    if len(set(ranks)) != len(ranks) or min(ranks, default=-1) < 0:
-        raise ValueError(f"{what}: ranks {ranks} must be distinct global ranks")
-    MPI = via._MPI
-    row = np.array([len(ranks), zlib.crc32(np.array(ranks, np.int64).tobytes())], np.int64)
-    rows = np.empty(2 * via.world_size, np.int64)
-    via._coll("all_gather", lambda: parent.Iallgather([row, MPI.INT64_T], [rows, MPI.INT64_T]),
-              f"{what} (agreeing on its ranks {ranks})")
-    rows = rows.reshape(-1, 2)
-    bad = [via.ranks[i] for i in range(len(rows)) if not np.array_equal(rows[i], row)]
-    if bad:
-        raise MismatchError(f"{what}: rank {me} asked for a group of ranks {ranks}, but ranks {bad} "
-                            "asked for a different list; every rank must pass the same ranks")
-    member = me in ranks
-    with via._lock:
-        comm = parent.Split(0 if member else MPI.UNDEFINED, ranks.index(me) if member else 0)
-    return comm if member else None
+    return MpiGroup(world, list(range(world.Get_size())), timeout).split(ranks, "mpi_subgroup")
 
 
 class _Request:
-    """An MPI request as EngineWork's handle: ``wait`` polls it with the group's
-    timeout, which raises paratrain's errors itself (hence EngineWork's ``errors``
-    is a no-op, contextlib.nullcontext)."""
+    """An MPI request as EngineWork's handle: ``wait`` is the group's poll of it with
+    the group's timeout, which raises paratrain's errors itself (hence EngineWork's
+    ``errors`` is a no-op, contextlib.nullcontext)."""
 
-    def __init__(self, group, req, what, peer):
-        self._group, self._req, self._what, self._peer = group, req, what, peer
+    __slots__ = ("wait",)
 
-    def wait(self):
-        self._group._wait(self._group._tester(self._req), self._what, lambda: [self._peer],
-                          keep=lambda: [self._req], request_only=True)
+    def __init__(self, wait):
+        self.wait = wait

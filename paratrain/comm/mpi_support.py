@@ -1,7 +1,7 @@
 """What the MPI backend needs around mpi4py: datatypes, buffer spans, and waiting.
 
 MPI's blocking calls cannot time out, so MpiGroup issues nonblocking ones and
-completes them with ``_poll``: a few Tests at once (a small message is often
+completes them with ``poll``: a few Tests at once (a small message is often
 already there), then up to 200 us of testing if the host has a core per rank,
 then sleeps doubling from 20 us to 1 ms, until the deadline. Polling is also
 what moves a nonblocking collective along: MPI progresses it only inside MPI
@@ -15,12 +15,12 @@ import numpy as np
 from . import ops
 
 SPIN_TESTS = 32          # Test() calls at once: a small message is often there by then
-SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (_spin_seconds) ...
+SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (spin_seconds) ...
 SLEEP_FIRST = 20e-6      # ... then sleep, doubling from 20 us ...
 SLEEP_MAX = 1e-3         # ... to 1 ms: worst added latency 1 ms, and an idle rank costs ~nothing
 
 
-def _mpi():
+def mpi():
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -29,30 +29,30 @@ def _mpi():
     return MPI
 
 
-def _datatype(MPI, code):
+def datatype(MPI, code):
     """The MPI datatype a buffer of dtype ``code`` travels as (16-bit floats as raw uint16)."""
     return {1: MPI.UINT16_T, 2: MPI.UINT16_T, 3: MPI.FLOAT, 4: MPI.DOUBLE,
             5: MPI.INT32_T, 6: MPI.INT64_T, 7: MPI.UINT8_T}[code]
 
 
-def _same(a, b):
+def same(a, b):
     return a.size == b.size and ops.address(a) == ops.address(b)
 
 
-def _sending(pieces):
+def sending(pieces):
     """The pieces as one buffer MPI can read: themselves if they lie end to end, else a copy."""
     span = ops.span(pieces)
     return np.concatenate(pieces) if span is None else span
 
 
-def _unpack(flat, pieces):
+def unpack(flat, pieces):
     off = 0
     for p in pieces:
         p[...] = flat[off:off + p.size]
         off += p.size
 
 
-def _spin_seconds():
+def spin_seconds():
     """How long a waiting rank polls before it starts sleeping: 200 us (as ShmGroup spins)
     unless this host runs more ranks than it has cores, where spinning steals the core the
     awaited peer needs. PARATRAIN_MPI_SPIN_US overrides."""
@@ -63,7 +63,7 @@ def _spin_seconds():
     return 0.0 if int(local) > len(os.sched_getaffinity(0)) else SPIN_S
 
 
-def _poll(done, timeout, on_timeout, spin_s=0.0):
+def poll(done, timeout, on_timeout, spin_s=0.0):
     """Call done() until it returns True (see the module docstring); past ``timeout``
     seconds raise on_timeout(). MPI's nonblocking collectives advance only inside MPI
     calls, so the polling Tests are also what makes progress."""

@@ -30,7 +30,7 @@ CODE_NUMPY = {c: n for c, _, n in _DTYPES}
 NUMPY_CODE = {np.dtype(n): c for c, t, n in _DTYPES if t is not torch.bfloat16}
 _HALF_CODES = {1, 2}
 _INT_CODES = {5, 6, 7}
-INT64, UINT8 = 6, 7
+BFLOAT16, INT64, UINT8 = 2, 6, 7
 REDUCE_CODE = {name: i + 1 for i, name in enumerate(REDUCE_OPS)}
 
 

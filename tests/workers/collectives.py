@@ -230,10 +230,10 @@ class PointToPointOnly(ProcessGroup):
         self.inner = inner
 
     def _send(self, buf, code, dst, tag):
-        self.inner._send(buf, code, dst, tag)
+        self.inner.transport.send(buf, code, dst, tag)
 
     def _recv(self, buf, code, src, tag):
-        self.inner._recv(buf, code, src, tag)
+        self.inner.transport.recv(buf, code, src, tag)
 
 
 def big_all_reduce(g, dtypes, n, algorithms=(None,)):

@@ -1,10 +1,12 @@
 """How each collective is built from sends, receives, reads and writes.
 
 One file per algorithm, each behind the same functions
-(``all_reduce(group, buf, code, op)`` and friends, on flat numpy buffers),
+(``all_reduce(transport, buf, code, op)`` and friends, on flat numpy buffers),
 so a new algorithm is a new file, not a new branch in a big ``if`` (as Gloo
-keeps its algorithms). Costs are given in the alpha-beta model: a message of
-n bytes costs alpha + n*beta; P is the world size.
+keeps its algorithms). An algorithm uses only the transport's documented
+send, recv, sendrecv and isend (comm/transport.py), never the group behind it,
+so it runs unchanged on every backend. Costs are given in the alpha-beta
+model: a message of n bytes costs alpha + n*beta; P is the world size.
 """
 import numpy as np
 

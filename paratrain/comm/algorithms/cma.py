@@ -48,7 +48,7 @@ import numpy as np
 from .. import ops
 from ..errors import PeerError
 from . import scratch
-from .direct import _reduce_parts, _rounds, copy_in
+from .direct import copy_in, reduce_parts, rounds_of
 
 # Per input; below it the two-copy path through the slots (direct.all_gather) is
 # faster: its 1 MiB rounds copy within the cache, where process_vm_readv pins each
@@ -97,33 +97,29 @@ def read(pid, dst, remote_address, rank=None):
 
 
 def usable(G):
-    """Can every rank of G read every peer's memory? Decided once per group, with one
-    probe round that every rank takes part in, so all agree (a rank that cannot read
-    would otherwise be left with half an output). Called by every rank at the same
-    point of the same collective, as the collectives themselves are."""
-    ok = getattr(G, "_cma_ok", None)
-    if ok is not None:
-        return ok
+    """Can every rank of G read every peer's memory? One probe round that every rank
+    takes part in, so all agree (a rank that cannot read would otherwise be left
+    with half an output). Called by every rank at the same point of the same
+    collective, as the collectives themselves are; the group keeps the answer."""
     P, me = G.world_size, G.rank
     willing = _readv is not None and os.environ.get("PARATRAIN_CMA", "1") != "0"
     probe = np.array([_PROBE], dtype=np.int64)
-    slots = G._next_words()
+    slots = G.next_words()
     slots[me][0] = ops.address(probe) if willing else 0
-    G._sync()
+    G.sync()
     mine = willing
     got = np.zeros(1, dtype=np.int64)
     for q in range(P):
         if q != me and mine:
             try:
-                read(int(G._pids[q]), got, int(slots[q][0]), G.ranks[q])
+                read(int(G.pids[q]), got, int(slots[q][0]), G.ranks[q])
                 mine = int(slots[q][0]) != 0 and got[0] == _PROBE
             except OSError:
                 mine = False
-    flags = G._next_words()
+    flags = G.next_words()
     flags[me][0] = int(bool(mine))
-    G._sync()   # the probe reads are over (probe may go), and every flag is written
-    G._cma_ok = all(int(flags[q][0]) == 1 for q in range(P))
-    return G._cma_ok
+    G.sync()   # the probe reads are over (probe may go), and every flag is written
+    return all(int(flags[q][0]) == 1 for q in range(P))
 
 
 def all_gather(G, out, buf):
@@ -136,10 +132,10 @@ def all_gather(G, out, buf):
     input first, then the peers (Open MPI's order, and ours before), measured
     0.4-6.4% slower in five paired runs at 16 MiB, 2 ranks."""
     P, me = G.world_size, G.rank
-    views, mine = G._next_words(), ops.address(buf)
+    views, mine = G.next_words(), ops.address(buf)
     views[me][0] = mine
     views[me][1] = buf.nbytes
-    G._sync()
+    G.sync()
     for q in range(P):
         if q == me:
             if ops.address(out[me]) != mine:
@@ -148,8 +144,8 @@ def all_gather(G, out, buf):
         if int(views[q][1]) != out[q].nbytes:   # the descriptor check makes this unreachable
             raise ValueError(f"rank {G.ranks[q]} gathers {int(views[q][1])} bytes, this rank "
                              f"expects {out[q].nbytes}")
-        read(int(G._pids[q]), out[q], int(views[q][0]), G.ranks[q])
-    G._sync()
+        read(int(G.pids[q]), out[q], int(views[q][0]), G.ranks[q])
+    G.sync()
 
 
 MIN_ALL_REDUCE_BYTES = 32 << 20   # below, the buffers stay in the L3 (32 MiB here) and the two-copy path wins
@@ -183,15 +179,15 @@ def all_reduce(G, buf, code, op):
     MIN_ALL_REDUCE_BYTES.
     """
     P, me = G.world_size, G.rank
-    addresses = G._next_words()
+    addresses = G.next_words()
     addresses[me][0] = ops.address(buf)
-    rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
+    rounds = rounds_of(buf.size, G.slot_bytes // buf.itemsize)
     R = len(rounds)
     acc = None if P == 2 else scratch(buf, G.slot_bytes // buf.itemsize)
     state, peers = [], None   # per round: (x, slots, bounds); peers: (q, pid, address of q's buf, rank)
     for k in range(R + 2):
         if k == 1:
-            peers = [(q, int(G._pids[q]), int(addresses[q][0]), G.ranks[q]) for q in range(P) if q != me]
+            peers = [(q, int(G.pids[q]), int(addresses[q][0]), G.ranks[q]) for q in range(P) if q != me]
         if 1 <= k <= R:
             _reduce_own_slice(state[k - 1], me, P, op, code, acc)
         if k >= 2:
@@ -202,7 +198,7 @@ def all_reduce(G, buf, code, op):
             state[k - 2] = None
         if k < R:
             state.append(copy_in(G, buf, *rounds[k]))
-        G._sync()
+        G.sync()
 
 
 def _reduce_own_slice(round_state, me, P, op, code, acc):
@@ -210,7 +206,7 @@ def _reduce_own_slice(round_state, me, P, op, code, acc):
     s0, s1 = b[me], b[me + 1]
     parts = [x[s0:s1] if q == me else slots[q][s0:s1] for q in range(P)]
     if acc is None:   # P = 2: a + b elementwise, safe in place
-        _reduce_parts(x[s0:s1], parts, op, code, P)
+        reduce_parts(x[s0:s1], parts, op, code, P)
     else:
-        _reduce_parts(acc[:s1 - s0], parts, op, code, P)
+        reduce_parts(acc[:s1 - s0], parts, op, code, P)
         ops.copy(x[s0:s1], acc[:s1 - s0])

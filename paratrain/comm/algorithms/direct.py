@@ -42,14 +42,14 @@ from . import scratch, split_bounds
 SMALL_BYTES = 512 * 1024
 
 
-def _rounds(n, per_round):
+def rounds_of(n, per_round):
     """(lo, hi) element ranges of each round; at least one round so that even a
     zero-length call meets the others at a barrier (and the mismatch check)."""
     per_round = max(1, per_round)
     return [(lo, min(n, lo + per_round)) for lo in range(0, n, per_round)] or [(0, 0)]
 
 
-def _reduce_parts(acc, parts, op, code, P):
+def reduce_parts(acc, parts, op, code, P):
     """acc = parts[0] op parts[1] op ... in rank order. acc may alias parts[0] or
     parts[1] (read by the first combine), not a later part, which the first combine
     would overwrite before it is read: reduce_scatter in place goes through a scratch."""
@@ -73,7 +73,7 @@ def all_reduce(G, buf, code, op, dst=None):
         return _all_reduce_small(G, buf, code, op, dst)
     P, me = G.world_size, G.rank
     keep = dst is None or dst == me
-    rounds = _rounds(buf.size, G.slot_bytes // buf.itemsize)
+    rounds = rounds_of(buf.size, G.slot_bytes // buf.itemsize)
     R = len(rounds)
     state = []  # per round: (x, slots, bounds)
     for k in range(R + 1):
@@ -81,14 +81,14 @@ def all_reduce(G, buf, code, op, dst=None):
             x, slots, b = state[k - 1]
             s0, s1 = b[me], b[me + 1]
             acc = slots[me][s0:s1]  # no input lives here: copy-in skipped our own part
-            _reduce_parts(acc, [x[s0:s1] if q == me else slots[q][s0:s1] for q in range(P)], op, code, P)
+            reduce_parts(acc, [x[s0:s1] if q == me else slots[q][s0:s1] for q in range(P)], op, code, P)
             if keep:
                 ops.copy(x[s0:s1], acc)
         if k >= 2 and keep:  # copy out round k-2: reduced before barrier k-1
             _copy_out(state[k - 2], me, P)
         if k < R:
             state.append(copy_in(G, buf, *rounds[k]))
-        G._sync()
+        G.sync()
         if k >= 2:
             state[k - 2] = None
     if keep:
@@ -101,7 +101,7 @@ def copy_in(G, buf, lo, hi):
     (the round's part of buf, every rank's slot for it, the slices' bounds)."""
     P, me = G.world_size, G.rank
     x = buf[lo:hi]
-    slots = [sl.view(buf.dtype) for sl in G._next_slots()]
+    slots = [sl.view(buf.dtype) for sl in G.next_slots()]
     b = split_bounds(hi - lo, P)
     for q in range(P):
         if q != me:
@@ -120,21 +120,21 @@ def _all_reduce_small(G, buf, code, op, dst):
     """The whole buffer copied in, one barrier, every rank reduces all P inputs:
     alpha_barrier + n beta_memcpy + P n beta_reduce."""
     P, me = G.world_size, G.rank
-    slots = [sl.view(buf.dtype)[:buf.size] for sl in G._next_slots()]
+    slots = [sl.view(buf.dtype)[:buf.size] for sl in G.next_slots()]
     ops.copy(slots[me], buf)
-    G._sync()
+    G.sync()
     if dst is None or dst == me:
-        _reduce_parts(buf, slots, op, code, P)
+        reduce_parts(buf, slots, op, code, P)
 
 
 def broadcast(G, buf, code, src):
     """Root writes a round, barrier, everyone else copies it: alpha + 2 m beta per round."""
     me = G.rank
-    for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
-        slot = G._next_slots()[src].view(buf.dtype)
+    for lo, hi in rounds_of(buf.size, G.slot_bytes // buf.itemsize):
+        slot = G.next_slots()[src].view(buf.dtype)
         if me == src:
             ops.copy(slot[:hi - lo], buf[lo:hi])
-        G._sync()
+        G.sync()
         if me != src:
             ops.copy(buf[lo:hi], slot[:hi - lo])
 
@@ -145,10 +145,10 @@ def all_gather(G, out, buf, code):
     R alpha_barrier + (P + 1) m beta (own piece, copy-in, P-1 copies out)."""
     P, me = G.world_size, G.rank
     ops.copy(out[me], buf)
-    for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
-        slots = [s.view(buf.dtype) for s in G._next_slots()]
+    for lo, hi in rounds_of(buf.size, G.slot_bytes // buf.itemsize):
+        slots = [s.view(buf.dtype) for s in G.next_slots()]
         ops.copy(slots[me][:hi - lo], buf[lo:hi])
-        G._sync()
+        G.sync()
         for q in range(P):
             if q != me:
                 ops.copy(out[q][lo:hi], slots[q][:hi - lo])
@@ -160,11 +160,11 @@ def gather(G, out, buf, code, dst):
     P, me = G.world_size, G.rank
     if me == dst:
         ops.copy(out[me], buf)
-    for lo, hi in _rounds(buf.size, G.slot_bytes // buf.itemsize):
-        slots = [s.view(buf.dtype) for s in G._next_slots()]
+    for lo, hi in rounds_of(buf.size, G.slot_bytes // buf.itemsize):
+        slots = [s.view(buf.dtype) for s in G.next_slots()]
         if me != dst:
             ops.copy(slots[me][:hi - lo], buf[lo:hi])
-        G._sync()
+        G.sync()
         if me == dst:
             for q in range(P):
                 if q != me:
@@ -180,13 +180,13 @@ def scatter(G, buf, inp, code, src):
     if me == src:
         ops.copy(buf, inp[me])
     per = G.slot_bytes // buf.itemsize // P
-    for lo, hi in _rounds(buf.size, per):
-        slot = G._next_slots()[src].view(buf.dtype)
+    for lo, hi in rounds_of(buf.size, per):
+        slot = G.next_slots()[src].view(buf.dtype)
         if me == src:
             for q in range(P):
                 if q != me:
                     ops.copy(slot[q * per:q * per + hi - lo], inp[q][lo:hi])
-        G._sync()
+        G.sync()
         if me != src:
             ops.copy(buf[lo:hi], slot[me * per:me * per + hi - lo])
 
@@ -199,12 +199,12 @@ def all_to_all(G, out, inp, code):
     ops.copy(out[me], inp[me])
     n = inp[0].size
     per = G.slot_bytes // inp[0].itemsize // P
-    for lo, hi in _rounds(n, per):
-        slots = [s.view(inp[0].dtype) for s in G._next_slots()]
+    for lo, hi in rounds_of(n, per):
+        slots = [s.view(inp[0].dtype) for s in G.next_slots()]
         for q in range(P):
             if q != me:
                 ops.copy(slots[me][q * per:q * per + hi - lo], inp[q][lo:hi])
-        G._sync()
+        G.sync()
         for q in range(P):
             if q != me:
                 ops.copy(out[q][lo:hi], slots[q][me * per:me * per + hi - lo])
@@ -231,12 +231,12 @@ def reduce_scatter(G, out, inp, code, op):
 def _reduce_scatter(G, out, inp, code, op):
     P, me, dt = G.world_size, G.rank, out.dtype
     per = G.slot_bytes // out.itemsize // P
-    for lo, hi in _rounds(out.size, per):
-        slots = [s.view(dt) for s in G._next_slots()]
+    for lo, hi in rounds_of(out.size, per):
+        slots = [s.view(dt) for s in G.next_slots()]
         m = hi - lo
         for q in range(P):
             if q != me:
                 ops.copy(slots[me][q * per:q * per + m], inp[q][lo:hi])
-        G._sync()
+        G.sync()
         parts = [inp[me][lo:hi] if q == me else slots[q][me * per:me * per + m] for q in range(P)]
-        _reduce_parts(out[lo:hi], parts, op, code, P)
+        reduce_parts(out[lo:hi], parts, op, code, P)

@@ -65,68 +65,76 @@ class HierarchicalGroup(ProcessGroup):
         except PeerError as e:
             raise type(e)(f"{e}; in this rank's {describe(desc)} on the hierarchical backend", e.ranks) from e
 
+    # Point to point goes over the cross-host engine, through its transport (comm/transport.py).
+
     def _send(self, buf, code, dst, tag):
-        self.flat._send(buf, code, dst, tag)
+        self.flat.transport.send(buf, code, dst, tag)
 
     def _recv(self, buf, code, src, tag):
-        self.flat._recv(buf, code, src, tag)
+        self.flat.transport.recv(buf, code, src, tag)
 
     def _sendrecv(self, send_buf, dst, recv_buf, src, code, tag):
-        self.flat._sendrecv(send_buf, dst, recv_buf, src, code, tag)
+        self.flat.transport.sendrecv(send_buf, dst, recv_buf, src, code, tag)
 
     def _post_send(self, buf, code, dst, tag):
-        return self.flat._post_send(buf, code, dst, tag)
+        return self.flat.transport.isend(buf, code, dst, tag)
 
     def _post_recv(self, buf, code, src, tag):
-        return self.flat._post_recv(buf, code, src, tag)
+        return self.flat.transport.irecv(buf, code, src, tag)
+
+    # Collectives: each step is a collective of a sub-group, called through its public
+    # API (blocking, with that group's own checks), on views of the caller's buffers.
 
     def _all_reduce(self, buf, code, op):
         """Reduce to the host leader over shm, all-reduce among leaders, broadcast over shm."""
         inner = "sum" if op == "avg" else op
-        _reduce(self.local, buf, code, inner, 0)
+        t = _tensor(buf, code)
+        self.local.reduce(t, dst=0, op=inner)
         if self.leaders is not None:
             # The leaders' engine's own default: PARATRAIN_ALGO (or algorithm=) chose this
             # whole algorithm, and "hierarchical" means nothing to the leaders' group.
-            g = self.leaders
-            algo = g._algorithm(g.default_algorithm(buf.nbytes), buf.nbytes)
-            g._inner("all_reduce", g._all_reduce_with, algo, buf, code, inner, code=code, op=inner, numel=buf.size)
+            self.leaders.all_reduce(t, op=inner, algorithm=self.leaders.default_algorithm(buf.nbytes))
             if op == "avg":
                 ops.finish_avg(buf, self.world_size, code)
-        _broadcast(self.local, buf, code, 0)
+        self.local.broadcast(t, src=0)
 
     def _barrier(self):
-        self.local._inner("barrier", self.local._barrier)
+        self.local.barrier()
         if self.leaders is not None:
-            self.leaders._inner("barrier", self.leaders._barrier)
-        self.local._inner("barrier", self.local._barrier)
+            self.leaders.barrier()
+        self.local.barrier()
 
     def _broadcast(self, buf, code, src):
         src_host = self._host_of[src]
         my_host = self._host_of[self.rank]
+        t = _tensor(buf, code)
         if my_host == src_host:
-            _broadcast(self.local, buf, code, self.local.ranks.index(self.ranks[src]))
+            self.local.broadcast(t, src=self.local.ranks.index(self.ranks[src]))
         if self.leaders is not None:
-            _broadcast(self.leaders, buf, code, sorted(self._leader_of_host).index(src_host))
+            self.leaders.broadcast(t, src=sorted(self._leader_of_host).index(src_host))
         if my_host != src_host:
-            _broadcast(self.local, buf, code, 0)
+            self.local.broadcast(t, src=0)
 
     def _reduce(self, buf, code, op, dst):
         self._all_reduce(buf if self.rank == dst else buf.copy(), code, op)
 
     def _all_gather_into(self, out, buf, code):
-        self.flat._all_gather_into(out, buf, code)
+        self.flat.all_gather(_tensors(out, code), _tensor(buf, code))
 
     def _reduce_scatter(self, out, inp, code, op):
-        self.flat._reduce_scatter(out, inp, code, op)
+        self.flat.reduce_scatter(_tensor(out, code), _tensors(inp, code), op=op)
 
     def _gather(self, out, buf, code, dst):
-        self.flat._gather(out, buf, code, dst)
+        self.flat.gather(_tensor(buf, code), _tensors(out, code) if out is not None else None, dst=dst)
 
     def _scatter(self, buf, inp, code, src):
-        self.flat._scatter(buf, inp, code, src)
+        self.flat.scatter(_tensor(buf, code), _tensors(inp, code) if inp is not None else None, src=src)
 
     def _all_to_all(self, out, inp, code, even):
-        self.flat._all_to_all(out, inp, code, even)
+        if even:   # the pieces of two single tensors, split evenly: passed as those tensors again
+            self.flat.all_to_all(_tensor(ops.span(out), code), _tensor(ops.span(inp), code))
+        else:
+            self.flat.all_to_all(_tensors(out, code), _tensors(inp, code))
 
     def destroy(self):
         for g in (self.local, self.leaders, self.flat):
@@ -135,9 +143,11 @@ class HierarchicalGroup(ProcessGroup):
         super().destroy()
 
 
-def _reduce(g, buf, code, op, dst):
-    g._inner("reduce", g._reduce, buf, code, op, dst, code=code, op=op, numel=buf.size, root=dst)
+def _tensor(buf, code):
+    """A flat buffer as a group's public API takes it: the numpy array itself, but
+    bfloat16 (a uint16 array here, numpy has no bfloat16) as a torch view of it."""
+    return ops.torch_view(buf, code) if code == ops.BFLOAT16 else buf
 
 
-def _broadcast(g, buf, code, src):
-    g._inner("broadcast", g._broadcast, buf, code, src, code=code, numel=buf.size, root=src)
+def _tensors(pieces, code):
+    return [_tensor(p, code) for p in pieces]

@@ -14,80 +14,80 @@ from .. import ops
 from . import TAG, scratch
 
 
-def all_reduce(group, buf, code, op):
-    P, me = group.world_size, group.rank
+def all_reduce(transport, buf, code, op):
+    P, me = transport.world_size, transport.rank
     if P == 1:
         return
     if me == 0:
         tmp = scratch(buf)
         for q in range(1, P):
-            group._recv(tmp, code, q, TAG)
+            transport.recv(tmp, code, q, TAG)
             ops.combine(buf, buf, tmp, op, code)
         if op == "avg":
             ops.finish_avg(buf, P, code)
         for q in range(1, P):
-            group._send(buf, code, q, TAG)
+            transport.send(buf, code, q, TAG)
     else:
-        group._send(buf, code, 0, TAG)
-        group._recv(buf, code, 0, TAG)
+        transport.send(buf, code, 0, TAG)
+        transport.recv(buf, code, 0, TAG)
 
 
-def gather(group, out, buf, code, dst):
+def gather(transport, out, buf, code, dst):
     """out: list of P buffers on dst (None elsewhere). (P-1) alpha + (P-1) n beta at dst."""
-    if group.rank == dst:
-        for q in range(group.world_size):
+    if transport.rank == dst:
+        for q in range(transport.world_size):
             if q == dst:
                 out[q][...] = buf
             else:
-                group._recv(out[q], code, q, TAG)
+                transport.recv(out[q], code, q, TAG)
     else:
-        group._send(buf, code, dst, TAG)
+        transport.send(buf, code, dst, TAG)
 
 
-def scatter(group, buf, inp, code, src):
-    if group.rank == src:
-        for q in range(group.world_size):
+def scatter(transport, buf, inp, code, src):
+    if transport.rank == src:
+        for q in range(transport.world_size):
             if q == src:
                 buf[...] = inp[q]
             else:
-                group._send(inp[q], code, q, TAG)
+                transport.send(inp[q], code, q, TAG)
     else:
-        group._recv(buf, code, src, TAG)
+        transport.recv(buf, code, src, TAG)
 
 
-def all_gather(group, out, buf, code):
+def all_gather(transport, out, buf, code):
     """Pairwise exchange: in step s, send to rank+s and receive from rank-s.
     (P-1) alpha + (P-1) n beta, with no root bottleneck."""
-    P, me = group.world_size, group.rank
+    P, me = transport.world_size, transport.rank
     out[me][...] = buf
     for s in range(1, P):
         dst, src = (me + s) % P, (me - s) % P
-        group._sendrecv(buf, dst, out[src], src, code, TAG)
+        transport.sendrecv(buf, dst, out[src], src, code, TAG)
 
 
-def all_to_all(group, out, inp, code):
+def all_to_all(transport, out, inp, code):
     """Pairwise exchange of piece j with rank j; pieces may differ in size.
 
     In place (output pieces sharing memory with input pieces, as torch and MPI
     allow), the piece received at step s lands where an input sent only at step
     P - s still lies, so the input is copied aside first: + n beta."""
-    P, me = group.world_size, group.rank
+    P, me = transport.world_size, transport.rank
     if any(ops.overlaps(o, inp) for o in out):
         inp = [p.copy() for p in inp]
     out[me][...] = inp[me]
     for s in range(1, P):
         dst, src = (me + s) % P, (me - s) % P
-        group._sendrecv(inp[dst], dst, out[src], src, code, TAG)
+        transport.sendrecv(inp[dst], dst, out[src], src, code, TAG)
 
 
-def reduce_scatter(group, out, inp, code, op):
+def reduce_scatter(transport, out, inp, code, op):
     """Each rank receives piece r from every other rank and reduces it: (P-1)(alpha + n beta)."""
-    P, me = group.world_size, group.rank
+    P, me = transport.world_size, transport.rank
     out[...] = inp[me]
     tmp = scratch(out)
     for s in range(1, P):
         dst, src = (me + s) % P, (me - s) % P
-        group._sendrecv(inp[dst], dst, tmp, src, code, TAG)
+        transport.sendrecv(inp[dst], dst, tmp, src, code, TAG)
         ops.combine(out, out, tmp, op, code)
     if op == "avg":
         ops.finish_avg(out, P, code)

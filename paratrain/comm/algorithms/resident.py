@@ -32,7 +32,7 @@ one pass over the peers' inputs between two barriers.
 """
 from .. import ops
 from . import scratch, split_bounds
-from .direct import _reduce_parts
+from .direct import reduce_parts
 
 ROUND_BYTES = 1 << 20
 
@@ -43,13 +43,13 @@ def all_reduce(G, region, offset, buf, code, op, round_bytes=ROUND_BYTES):
     per = max(1, round_bytes // buf.itemsize)
     rounds = [(lo, min(buf.size, lo + per)) for lo in range(0, buf.size, per)]
     bounds = [split_bounds(hi - lo, P) for lo, hi in rounds]
-    G._sync()  # everyone's input is in place
+    G.sync()  # everyone's input is in place
     for k in range(len(rounds) + 1):
         if k < len(rounds):
             _reduce_slice(views, rounds[k][0], bounds[k], me, P, op, code)
         if k >= 1:
             _gather_round(views, rounds[k - 1][0], bounds[k - 1], me, P)
-        G._sync()
+        G.sync()
 
 
 def _reduce_slice(views, lo, b, me, P, op, code):
@@ -81,14 +81,14 @@ def all_gather(G, region, offset, out, buf):
     transport in MPI would do, but without a system call per message."""
     P, me = G.world_size, G.rank
     views = region.views(offset, buf.size, buf.dtype)
-    G._sync()
+    G.sync()
     for q in range(P):
         if q == me:
             if ops.address(out[me]) != ops.address(buf):
                 ops.copy(out[me], buf)
         else:
             ops.copy(out[q], views[q])
-    G._sync()
+    G.sync()
 
 
 def reduce_scatter(G, region, offset, out, inp, code, op):
@@ -102,13 +102,13 @@ def reduce_scatter(G, region, offset, out, inp, code, op):
     P, me, n = G.world_size, G.rank, out.size
     views = region.views(offset, n * P, out.dtype)
     parts = [views[q][me * n:(me + 1) * n] for q in range(P)]
-    G._sync()
+    G.sync()
     if ops.overlaps(out, inp):
         tmp = scratch(out)
-        _reduce_parts(tmp, parts, op, code, P)
-        G._sync()
+        reduce_parts(tmp, parts, op, code, P)
+        G.sync()
         ops.copy(out, tmp)
         return
-    _reduce_parts(out, parts, op, code, P)
-    G._sync()
+    reduce_parts(out, parts, op, code, P)
+    G.sync()
 

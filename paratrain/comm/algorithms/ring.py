@@ -27,8 +27,8 @@ def _chunks(lo, hi, step):
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)] or [(lo, hi)]
 
 
-def all_reduce(group, buf, code, op):
-    P, me = group.world_size, group.rank
+def all_reduce(transport, buf, code, op):
+    P, me = transport.world_size, transport.rank
     if P == 1:
         return
     right, left = (me + 1) % P, (me - 1) % P
@@ -42,18 +42,17 @@ def all_reduce(group, buf, code, op):
         if max(seg[send_i + 1] - seg[send_i], seg[recv_i + 1] - seg[recv_i]) <= step:
             # One chunk each way: a plain exchange, no helper thread to wake per step.
             a, b = seg[recv_i], seg[recv_i + 1]
-            group._sendrecv(buf[seg[send_i]:seg[send_i + 1]], right, tmp[:b - a], left, code, TAG + s)
+            transport.sendrecv(buf[seg[send_i]:seg[send_i + 1]], right, tmp[:b - a], left, code, TAG + s)
             ops.combine(buf[a:b], buf[a:b], tmp[:b - a], op, code)
             continue
-        send_parts = _chunks(seg[send_i], seg[send_i + 1], step)
-        work = group._lanes.submit(
-            "send", lambda parts=send_parts, tag=TAG + s: [group._send(buf[a:b], code, right, tag) for a, b in parts],
-            "ring send")
+        sends = [transport.isend(buf[a:b], code, right, TAG + s)
+                 for a, b in _chunks(seg[send_i], seg[send_i + 1], step)]
         for a, b in _chunks(seg[recv_i], seg[recv_i + 1], step):
             t = tmp[:b - a]
-            group._recv(t, code, left, TAG + s)
+            transport.recv(t, code, left, TAG + s)
             ops.combine(buf[a:b], buf[a:b], t, op, code)  # overlaps the next chunk's arrival
-        work.wait()
+        for work in sends:
+            work.wait()
 
     own = (me + 1) % P
     if op == "avg":
@@ -62,5 +61,5 @@ def all_reduce(group, buf, code, op):
     # All-gather: P-1 steps passing the reduced segments around.
     for s in range(P - 1):
         send_i, recv_i = (me + 1 - s) % P, (me - s) % P
-        group._sendrecv(buf[seg[send_i]:seg[send_i + 1]], right,
-                        buf[seg[recv_i]:seg[recv_i + 1]], left, code, TAG + P + s)
+        transport.sendrecv(buf[seg[send_i]:seg[send_i + 1]], right,
+                           buf[seg[recv_i]:seg[recv_i + 1]], left, code, TAG + P + s)

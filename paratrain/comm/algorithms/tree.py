@@ -19,8 +19,8 @@ from .. import ops
 from . import TAG, scratch
 
 
-def all_reduce(group, buf, code, op):
-    P, me = group.world_size, group.rank
+def all_reduce(transport, buf, code, op):
+    P, me = transport.world_size, transport.rank
     if P == 1:
         return
     p2 = 1 << (P.bit_length() - 1)  # largest power of two <= P
@@ -28,16 +28,16 @@ def all_reduce(group, buf, code, op):
     tmp = scratch(buf)
     # Fold: ranks p2.. send to rank - p2, which absorbs them.
     if me >= p2:
-        group._send(buf, code, me - p2, TAG)
-        group._recv(buf, code, me - p2, TAG + 1)
+        transport.send(buf, code, me - p2, TAG)
+        transport.recv(buf, code, me - p2, TAG + 1)
         return
     if me < extra:
-        group._recv(tmp, code, me + p2, TAG)
+        transport.recv(tmp, code, me + p2, TAG)
         ops.combine(buf, buf, tmp, op, code)
     k = 1
     while k < p2:
         partner = me ^ k
-        group._sendrecv(buf, partner, tmp, partner, code, TAG + 2 + k)
+        transport.sendrecv(buf, partner, tmp, partner, code, TAG + 2 + k)
         # Same operand order on both partners (lower rank first) keeps results identical.
         if me < partner:
             ops.combine(buf, buf, tmp, op, code)
@@ -47,36 +47,36 @@ def all_reduce(group, buf, code, op):
     if op == "avg":
         ops.finish_avg(buf, P, code)
     if me < extra:
-        group._send(buf, code, me + p2, TAG + 1)
+        transport.send(buf, code, me + p2, TAG + 1)
 
 
-def broadcast(group, buf, code, src):
+def broadcast(transport, buf, code, src):
     """Binomial tree: in round k, every rank that has the data sends it 2^k ranks further."""
-    P = group.world_size
-    rel = (group.rank - src) % P
+    P = transport.world_size
+    rel = (transport.rank - src) % P
     mask = 1
     while mask < P:
         if rel < mask:
             if rel + mask < P:
-                group._send(buf, code, (rel + mask + src) % P, TAG)
+                transport.send(buf, code, (rel + mask + src) % P, TAG)
         elif rel < 2 * mask:
-            group._recv(buf, code, (rel - mask + src) % P, TAG)
+            transport.recv(buf, code, (rel - mask + src) % P, TAG)
         mask <<= 1
 
 
-def reduce(group, buf, code, op, dst):
+def reduce(transport, buf, code, op, dst):
     """Binomial tree towards dst; non-root buffers are left unchanged (the sum is built in a copy)."""
-    P = group.world_size
-    rel = (group.rank - dst) % P
+    P = transport.world_size
+    rel = (transport.rank - dst) % P
     acc = buf if rel == 0 else buf.copy()
     tmp = scratch(buf)
     mask = 1
     while mask < P:
         if rel & mask:
-            group._send(acc, code, (rel - mask + dst) % P, TAG)
+            transport.send(acc, code, (rel - mask + dst) % P, TAG)
             return
         if rel + mask < P:
-            group._recv(tmp, code, (rel + mask + dst) % P, TAG)
+            transport.recv(tmp, code, (rel + mask + dst) % P, TAG)
             ops.combine(acc, acc, tmp, op, code)
         mask <<= 1
     if op == "avg":

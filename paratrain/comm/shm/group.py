@@ -42,6 +42,7 @@ from ..wire import HEADER_SIZE, decode_header, encode_header
 from . import segment
 from .semaphore import SEM_STRIDE, Semaphore
 from .matching import Mailbox, PostedReceive
+from .rounds import Rounds
 from .shared import SharedBuffers
 
 MAGIC = 0x7061726174726E31  # "paratrn1"
@@ -128,7 +129,7 @@ class ShmGroup(ProcessGroup):
             raise FrameError(f"shared-memory segment of group {key} has header {list(self._meta[:4])}, expected "
                              f"{header}: ranks disagree on PARATRAIN_SHM_* settings or paratrain versions")
         self._pids[rank] = os.getpid()
-        self._shared = SharedBuffers(self)
+        self._shared = SharedBuffers(store, key, rank, self.ranks, self.timeout)
         self._epoch = 0
         self._round = 0
         self._send_seq = [0] * P
@@ -139,6 +140,10 @@ class ShmGroup(ProcessGroup):
         self._boxes = [Mailbox() for _ in range(P)]   # incoming channels: matching by tag
         self._need_check = False
         self._current = None
+        self._cma_ok = None   # can every rank read its peers' memory (cma.usable)? Asked once, on first need
+        # What the shared-memory algorithms may use of this group, and all they may use.
+        self.rounds = Rounds(rank, P, self.ranks, self.slot_bytes, self._pids, self._sync, self._next_slots,
+                             self._next_words)
         self._barrier_raw(lambda: "group set-up")
 
     # ---- mapping ------------------------------------------------------------------
@@ -469,54 +474,62 @@ class ShmGroup(ProcessGroup):
         descriptor (every rank's agrees, or the first barrier raises); None: private."""
         return self._shared.decode(int(self._current[6]))
 
+    def _cma_usable(self):
+        """Single copy (cma.py) where the kernel lets every rank read its peers: probed
+        once, by every rank at the same point of the same collective, and kept."""
+        if self._cma_ok is None:
+            self._cma_ok = cma.usable(self.rounds)
+        return self._cma_ok
+
     def _all_reduce_with(self, algo, buf, code, op):
+        R = self.rounds
         if algo is None:
             loc = self._resident()
             if loc is None and buf.nbytes >= cma.MIN_ALL_REDUCE_BYTES and self.world_size > 1 \
-                    and cma.usable(self):
-                cma.all_reduce(self, buf, code, op)   # the reduced slices fetched from their owners' buffers
-            elif loc is None or direct.takes_small_path(self, buf):
-                direct.all_reduce(self, buf, code, op)
+                    and self._cma_usable():
+                cma.all_reduce(R, buf, code, op)   # the reduced slices fetched from their owners' buffers
+            elif loc is None or direct.takes_small_path(R, buf):
+                direct.all_reduce(R, buf, code, op)
             else:
-                resident.all_reduce(self, *loc, buf, code, op)
+                resident.all_reduce(R, *loc, buf, code, op)
         else:
             self._sync()  # the always-on check, before the point-to-point algorithm starts
-            algo.all_reduce(self, buf, code, op)
+            algo.all_reduce(self.transport, buf, code, op)
 
     def _barrier(self):
         self._sync()
 
     def _broadcast(self, buf, code, src):
-        direct.broadcast(self, buf, code, src)
+        direct.broadcast(self.rounds, buf, code, src)
 
     def _reduce(self, buf, code, op, dst):
-        direct.all_reduce(self, buf, code, op, dst=dst)
+        direct.all_reduce(self.rounds, buf, code, op, dst=dst)
 
     def _all_gather_into(self, out, buf, code):
         loc = self._resident()
         if loc is not None:
-            resident.all_gather(self, *loc, out, buf)
-        elif buf.nbytes >= cma.MIN_BYTES and self.world_size > 1 and cma.usable(self):
-            cma.all_gather(self, out, buf)   # one copy from each peer's private memory
+            resident.all_gather(self.rounds, *loc, out, buf)
+        elif buf.nbytes >= cma.MIN_BYTES and self.world_size > 1 and self._cma_usable():
+            cma.all_gather(self.rounds, out, buf)   # one copy from each peer's private memory
         else:
-            direct.all_gather(self, out, buf, code)
+            direct.all_gather(self.rounds, out, buf, code)
 
     def _reduce_scatter(self, out, inp, code, op):
         loc = self._resident()
         if loc is None:
-            direct.reduce_scatter(self, out, inp, code, op)
+            direct.reduce_scatter(self.rounds, out, inp, code, op)
         else:
-            resident.reduce_scatter(self, *loc, out, inp, code, op)
+            resident.reduce_scatter(self.rounds, *loc, out, inp, code, op)
 
     def _gather(self, out, buf, code, dst):
-        direct.gather(self, out, buf, code, dst)
+        direct.gather(self.rounds, out, buf, code, dst)
 
     def _scatter(self, buf, inp, code, src):
-        direct.scatter(self, buf, inp, code, src)
+        direct.scatter(self.rounds, buf, inp, code, src)
 
     def _all_to_all(self, out, inp, code, even):
         if even:
-            direct.all_to_all(self, out, inp, code)
+            direct.all_to_all(self.rounds, out, inp, code)
         else:
             self._sync()
-            naive.all_to_all(self, out, inp, code)
+            naive.all_to_all(self.transport, out, inp, code)

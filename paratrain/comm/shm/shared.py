@@ -49,14 +49,14 @@ class SharedBuffers:
     """The shared allocations of one ShmGroup, and the lookup that tells a
     collective whether its buffer is one of them."""
 
-    def __init__(self, group):
-        self._group = group
+    def __init__(self, store, key, rank, ranks, timeout):
+        """The group's rendezvous store and key, this rank, every member's global rank."""
+        self._store, self._key, self._rank, self._ranks, self._timeout = store, key, rank, ranks, timeout
         self._regions = []  # in allocation order: region.index is the position here
         self._by_address = []  # this rank's parts sorted by address, for a bisect per call
         self._starts = []
 
     def allocate(self, numel, dtype):
-        G = self._group
         code = ops.DTYPE_CODE.get(dtype)
         if code is None:
             raise TypeError(f"empty_shared: dtype {dtype} is not supported; use one of {ops.supported_dtypes()}")
@@ -67,14 +67,15 @@ class SharedBuffers:
         nbytes = numel * np.dtype(np_dtype).itemsize
         part = max(PAGE, -(-nbytes // PAGE) * PAGE)
         index = len(self._regions)
-        mm = segment.open_shared(G._store, f"{G._key}/shared{index}", G.rank, G.ranks, part * G.world_size,
-                                 timedelta(seconds=G.timeout))
-        region = SharedRegion(index, mm, part, G.world_size, G.rank)
+        P, me = len(self._ranks), self._rank
+        mm = segment.open_shared(self._store, f"{self._key}/shared{index}", me, self._ranks, part * P,
+                                 timedelta(seconds=self._timeout))
+        region = SharedRegion(index, mm, part, P, me)
         self._regions.append(region)
         at = bisect.bisect(self._starts, region.lo)
         self._starts.insert(at, region.lo)
         self._by_address.insert(at, region)
-        return ops.torch_view(region.parts[G.rank][:nbytes].view(np_dtype), code)
+        return ops.torch_view(region.parts[me][:nbytes].view(np_dtype), code)
 
     def locate(self, buf):
         """(region, byte offset) if the flat buffer, or a list of pieces that follow one
