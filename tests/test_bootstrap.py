@@ -97,6 +97,25 @@ def test_a_module_a_directory_and_a_zip_run_as_under_python(tmp_path):
     assert boot == plain and boot[0] == 1 and "No module named no_such_module_here" in boot[2]
 
 
+# A library object whose every attribute lookup warns, as torch.distributed.reduce_op
+# does: the exit must not look it up (isinstance would, through __class__).
+DEPRECATED = """
+    import warnings
+    class Deprecated:
+        def __getattribute__(self, name):
+            warnings.warn(f"{name} is deprecated", FutureWarning)
+            return object.__getattribute__(self, name)
+    reduce_op = Deprecated()
+"""
+
+
+def test_the_exit_does_not_look_up_attributes_of_a_librarys_objects(tmp_path):
+    (tmp_path / "deprecated.py").write_text(textwrap.dedent(DEPRECATED))
+    (tmp_path / "uses.py").write_text("import deprecated\nprint('done')\n")
+    plain, boot = both(tmp_path, ["uses.py"])
+    assert boot == plain == (0, "done\n", "")
+
+
 # A crash in the interpreter's teardown, after the script has printed its
 # result: what Gloo's worker thread does now and then (docs/exit-abort.md),
 # made certain. Finalization frees the module's globals and runs __del__.

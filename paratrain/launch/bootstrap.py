@@ -160,7 +160,10 @@ def flush_open_streams():
     finalization does when it frees them (a file the script never closed keeps
     what was written to it)."""
     streams = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
-    streams += [o for o in gc.get_objects() if isinstance(o, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper))]
+    files = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
+    # type(o), not isinstance(o, files): isinstance falls back to looking up o.__class__,
+    # which runs code on proxies (torch.distributed.reduce_op warns on every exit)
+    streams += [o for o in gc.get_objects() if issubclass(type(o), files)]
     for stream in streams:
         try:
             if stream is not None and not stream.closed and stream.writable():
