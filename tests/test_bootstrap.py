@@ -46,17 +46,17 @@ PROBE = """
 """
 
 
-def run(cmd, cwd):
-    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30)
+def run(cmd, cwd, env=None):
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
     return p.returncode, p.stdout, p.stderr
 
 
-def both(tmp_path, target, *args, cwd=None):
+def both(tmp_path, target, *args, cwd=None, env=None):
     """(python's result, the bootstrap's result) for ``target args``."""
     cwd = cwd or tmp_path
-    plain = run([sys.executable, *target, *args], cwd)
+    plain = run([sys.executable, *target, *args], cwd, env)
     unlink(tmp_path / "unclosed.txt")
-    boot = run([sys.executable, "-m", "paratrain.launch.bootstrap", *target, *args], cwd)
+    boot = run([sys.executable, "-m", "paratrain.launch.bootstrap", *target, *args], cwd, env)
     return plain, boot
 
 
@@ -95,6 +95,28 @@ def test_a_module_a_directory_and_a_zip_run_as_under_python(tmp_path):
     assert boot == plain and boot[0] == 0
     plain, boot = both(tmp_path, ["-m", "no_such_module_here"])
     assert boot == plain and boot[0] == 1 and "No module named no_such_module_here" in boot[2]
+
+
+# stdout becomes a pipe nobody reads; what was printed is still in its buffer
+# when the script ends, so the flush at exit fails: Python says so, and exits 120.
+STDOUT_LOST = """
+    import os, sys
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(read_end)
+    print("never read")
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_output_that_cannot_be_flushed_at_exit_is_reported_as_under_python(tmp_path, code):
+    (tmp_path / "lost.py").write_text(textwrap.dedent(STDOUT_LOST))
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # as a plain shell gives
+    plain, boot = both(tmp_path, ["lost.py"], str(code), env=buffered)
+    assert boot == plain
+    assert boot[0] == 120 and "Exception ignored in: <_io.TextIOWrapper name='<stdout>'" in boot[2]
+    assert "BrokenPipeError" in boot[2]
 
 
 # A library object whose every attribute lookup warns, as torch.distributed.reduce_op

@@ -148,11 +148,39 @@ def finish(status):
     except KeyboardInterrupt:
         status = -signal.SIGINT
     atexit._run_exitfuncs()
+    if not flush_std_streams() and status >= 0:
+        status = 120   # Python's status when sys.stdout or sys.stderr cannot be flushed at exit
     flush_open_streams()
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     os._exit(status)
+
+
+def flush_std_streams():
+    """Flush sys.stdout then sys.stderr as Py_FinalizeEx does after the atexit
+    handlers; False if one failed (stdout a pipe whose reader is gone). A
+    failure of stdout is reported as Python reports an unraisable exception."""
+    flushed = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except Exception as exc:  # noqa: BLE001 - any error, as the interpreter's own flush
+            flushed = False
+            if stream is sys.stdout:
+                unraisable(exc, stream)
+    return flushed
+
+
+def unraisable(exc, obj):
+    """What sys.unraisablehook's default prints for exc raised in obj."""
+    import traceback
+    try:
+        print(f"Exception ignored in: {obj!r}", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, None, file=sys.stderr)
+    except Exception:  # noqa: BLE001 - stderr broken too: nothing can be said
+        pass
 
 
 def flush_open_streams():
