@@ -23,6 +23,7 @@ PROBE = """
     print("argv", sys.argv)
     print("path0", sys.path[0])
     print("file", __file__, __main__.__file__ == __file__, __name__, __spec__, type(__loader__).__name__)
+    print("globals", sorted(globals()))
     out = open(os.path.join(os.path.dirname(__file__), "unclosed.txt"), "w")
     out.write("written, never closed")       # kept: finalization would flush it, so must we
     def slow():
@@ -84,7 +85,7 @@ def test_a_module_a_directory_and_a_zip_run_as_under_python(tmp_path):
     pkg = tmp_path / "pkg" / "app"
     pkg.mkdir(parents=True)
     (tmp_path / "pkg" / "__init__.py").write_text("")
-    (pkg / "__main__.py").write_text("import sys\nprint(sys.argv, sys.path[0], __name__, __file__)\n")
+    (pkg / "__main__.py").write_text("import sys\nprint(sys.argv, sys.path[0], __name__, __file__, sorted(globals()))\n")
     for target in (["-m", "pkg.app"], ["pkg/app"]):
         plain, boot = both(tmp_path, target, "x", "--flag")
         assert boot == plain and boot[0] == 0, target

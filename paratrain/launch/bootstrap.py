@@ -67,6 +67,7 @@ def run_script(path, args):
     sys.argv = [path, *args]
     if os.path.isdir(path) or not path.endswith(".py") and _is_zip(path):
         sys.path[0] = os.path.abspath(path)
+        _fresh_main(None)   # not in ours: the script must neither see nor replace our globals
         _run_main_module("__main__", alter_argv=False)
         return
     filename = os.path.abspath(path)       # Python 3.9+: __main__.__file__ is absolute
@@ -101,7 +102,7 @@ def run_module(name, args):
 def _fresh_main(filename):
     """A new ``__main__`` module in sys.modules (ours stays alive in _OURS)."""
     module = types.ModuleType("__main__")
-    module.__dict__.update(__builtins__=__builtins__, __cached__=None, __spec__=None)
+    module.__dict__.update(__builtins__=__builtins__, __cached__=None, __spec__=None, __annotations__={})
     if filename is not None:
         module.__file__ = filename
         module.__loader__ = SourceFileLoader("__main__", filename)
