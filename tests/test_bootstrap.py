@@ -120,6 +120,73 @@ def test_output_that_cannot_be_flushed_at_exit_is_reported_as_under_python(tmp_p
     assert "BrokenPipeError" in boot[2]
 
 
+# What a script leaves open or alive when it ends: finalization frees its
+# globals, and their __del__ methods finish the work (a gzip trailer, a zip's
+# central directory, a NamedTemporaryFile removed, a last message).
+LEFT_OPEN = """
+    import gc, gzip, os, sys, tempfile, zipfile
+    if sys.argv[1:] == ["no-gc"]:
+        gc.disable()   # nothing reorders the objects before the exit's collection frees them
+    def helper():   # a function refers back to the globals: the cycle collector frees them
+        pass
+    class Goodbye:
+        def __del__(self):
+            print("goodbye from __del__, os is still", type(os).__name__)
+    scratch = tempfile.NamedTemporaryFile(dir=".", prefix="scratch")
+    goodbye = Goodbye()
+    archive = zipfile.ZipFile("archive.zip", "w")
+    archive.writestr("a.txt", "zip text")
+    text = open("plain.txt", "w")
+    text.write("plain text")
+    packed = gzip.open("packed.gz", "wt")
+    packed.write("gzip text")
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("args", [[], ["no-gc"]])
+def test_what_the_script_left_open_is_completed_at_exit_as_under_python(tmp_path, args):
+    import gzip
+    import zipfile
+    (tmp_path / "left_open.py").write_text(textwrap.dedent(LEFT_OPEN))
+    results = []
+    for cmd in ([sys.executable], [sys.executable, "-m", "paratrain.launch.bootstrap"]):
+        rc, out, err = run([*cmd, "left_open.py", *args], tmp_path)
+        files = ((tmp_path / "plain.txt").read_text(), gzip.open(tmp_path / "packed.gz", "rt").read(),
+                 zipfile.ZipFile(tmp_path / "archive.zip").read("a.txt"), sorted(tmp_path.glob("scratch*")))
+        results.append((rc, out, err, files))
+        for name in ("plain.txt", "packed.gz", "archive.zip"):
+            unlink(tmp_path / name)
+    plain, boot = results
+    assert boot == (0, "done\ngoodbye from __del__, os is still module\n", "",
+                    ("plain text", "gzip text", b"zip text", []))
+    if not args:
+        assert plain == boot
+    # else Python loses the text still in the wrappers' buffers; the bootstrap flushes them first
+
+
+# Once the exit has begun (here: a global's __del__ as the globals are freed),
+# Python has given every signal back its default action, so a SIGTERM from the
+# launcher or a Ctrl-C ends the process, whatever handler the script had set.
+SIGNALLED_AT_EXIT = """
+    import os, signal, sys
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))   # a training script's "save, then exit"
+    SIGNAL = getattr(signal, sys.argv[1])
+    class SignalsAtExit:
+        def __del__(self):
+            os.kill(os.getpid(), SIGNAL)
+    keep = SignalsAtExit()
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_exit_ends_the_process_as_under_python(tmp_path, name):
+    (tmp_path / "signalled.py").write_text(textwrap.dedent(SIGNALLED_AT_EXIT))
+    plain, boot = both(tmp_path, ["signalled.py"], name)
+    assert boot == plain == (-getattr(signal, name), "done\n", "")
+
+
 # A library object whose every attribute lookup warns, as torch.distributed.reduce_op
 # does: the exit must not look it up (isinstance would, through __class__).
 DEPRECATED = """
@@ -141,13 +208,15 @@ def test_the_exit_does_not_look_up_attributes_of_a_librarys_objects(tmp_path):
 
 # A crash in the interpreter's teardown, after the script has printed its
 # result: what Gloo's worker thread does now and then (docs/exit-abort.md),
-# made certain. Finalization frees the module's globals and runs __del__.
+# made certain. The object is held by a library module, as torch holds its
+# process groups: only finalization frees it (the script's own globals are
+# freed at exit under the bootstrap too, as under python).
 CRASHES_IN_TEARDOWN = """
-    import os
+    import json, os
     class FreedAtFinalization:
         def __del__(self):
             os.abort()
-    keep = FreedAtFinalization()
+    json.held_by_a_library = FreedAtFinalization()
     print("result", os.environ.get("RANK", "-"))
 """
 

@@ -17,8 +17,11 @@ result (docs/exit-abort.md has the backtrace). torchrun has the same crash.
 So once the script is over we do what the interpreter's exit does that a
 user can see, in the same order, and stop short of finalization:
 non-daemon threads joined (and ``threading``'s own exit hooks), ``atexit``
-handlers run, every open writable stream flushed, then ``os._exit``. Nothing
-is finalized, so no thread can be ended mid-destructor.
+handlers run, sys.stdout and sys.stderr flushed (exit 120 if that fails),
+signals back to their default actions, the script's own globals freed (their
+``__del__`` methods run), every open writable stream flushed, then
+``os._exit``. The interpreter and the libraries' state are never torn down,
+so no thread can be ended mid-destructor.
 
 What a script sees is what ``python script.py`` gives it: ``sys.argv``,
 ``sys.path[0]`` (the script's directory; the working directory with ``-m``),
@@ -151,7 +154,10 @@ def finish(status):
     atexit._run_exitfuncs()
     if not flush_std_streams() and status >= 0:
         status = 120   # Python's status when sys.stdout or sys.stderr cannot be flushed at exit
-    flush_open_streams()
+    default_signal_handlers()
+    flush_open_streams()   # first: the collector may free a file before the text wrapper over it
+    free_main()
+    flush_open_streams()   # then what their __del__ methods wrote
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
@@ -182,6 +188,25 @@ def unraisable(exc, obj):
         traceback.print_exception(type(exc), exc, None, file=sys.stderr)
     except Exception:  # noqa: BLE001 - stderr broken too: nothing can be said
         pass
+
+
+def default_signal_handlers():
+    """As finalization begins, Python gives every signal it handles back to the
+    default action: a SIGTERM or Ctrl-C from here on ends the process at once."""
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def free_main():
+    """Free the script's globals as finalization does, so that what their
+    __del__ methods do happens (an unclosed gzip or zip file is completed, a
+    NamedTemporaryFile removed): __main__ leaves sys.modules and is collected,
+    its finalizers seeing it whole. What something else still holds stays, as
+    under Python. Only __main__: the libraries' state (torch's process groups,
+    the threads that serve them) is what must not be torn down."""
+    sys.modules.pop("__main__", None)
+    gc.collect()
 
 
 def flush_open_streams():
