@@ -30,7 +30,8 @@ PROBE = """
         time.sleep(0.3)
         print("non-daemon thread done")      # joined before the atexit handlers, as Python does
     threading.Thread(target=slow).start()
-    atexit.register(lambda: print("atexit, main has __file__:", hasattr(sys.modules["__main__"], "__file__")))
+    atexit.register(lambda: print("atexit, main has __file__:", hasattr(sys.modules["__main__"], "__file__"),
+                                  "last exception:", repr(getattr(sys, "last_value", None))))
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     def fail():
         raise ValueError("boom")
@@ -40,6 +41,9 @@ PROBE = """
         sys.exit("a message instead of a code")
     if mode == "exit-negative":
         sys.exit(-1)
+    if mode == "exit-text-no-stderr":
+        sys.stderr = None
+        sys.exit("said on the process's stderr")
     if mode == "raise":
         fail()
     if mode == "interrupt":
@@ -66,7 +70,8 @@ def unlink(path):
         path.unlink()
 
 
-@pytest.mark.parametrize("mode", ["", "exit3", "exit-text", "exit-negative", "raise", "interrupt"])
+@pytest.mark.parametrize("mode", ["", "exit3", "exit-text", "exit-negative", "exit-text-no-stderr", "raise",
+                                  "interrupt"])
 def test_a_script_starts_and_ends_as_under_python(tmp_path, mode):
     (tmp_path / "sub").mkdir()
     path = tmp_path / "sub" / "probe.py"
@@ -74,7 +79,7 @@ def test_a_script_starts_and_ends_as_under_python(tmp_path, mode):
     plain, boot = both(tmp_path / "sub", ["sub/probe.py"], *([mode] if mode else []), cwd=tmp_path)
     assert boot == plain
     assert (tmp_path / "sub" / "unclosed.txt").read_text() == "written, never closed"
-    expected = {"": 0, "exit3": 3, "exit-text": 1, "exit-negative": 255, "raise": 1,
+    expected = {"": 0, "exit3": 3, "exit-text": 1, "exit-negative": 255, "exit-text-no-stderr": 1, "raise": 1,
                 "interrupt": -signal.SIGINT}[mode]
     assert boot[0] == expected
     if mode == "raise":
@@ -96,6 +101,8 @@ def test_a_module_a_directory_and_a_zip_run_as_under_python(tmp_path):
     assert boot == plain and boot[0] == 0
     plain, boot = both(tmp_path, ["-m", "no_such_module_here"])
     assert boot == plain and boot[0] == 1 and "No module named no_such_module_here" in boot[2]
+    plain, boot = both(tmp_path, ["no_such_script.py"])
+    assert boot == plain and boot[0] == 2 and "can't open file" in boot[2]
 
 
 # stdout becomes a pipe nobody reads; what was printed is still in its buffer
@@ -127,6 +134,8 @@ LEFT_OPEN = """
     import gc, gzip, os, sys, tempfile, zipfile
     if sys.argv[1:] == ["no-gc"]:
         gc.disable()   # nothing reorders the objects before the exit's collection frees them
+    def fail():
+        raise RuntimeError("the traceback holds this frame, and through it the globals")
     def helper():   # a function refers back to the globals: the cycle collector frees them
         pass
     class Goodbye:
@@ -141,10 +150,12 @@ LEFT_OPEN = """
     packed = gzip.open("packed.gz", "wt")
     packed.write("gzip text")
     print("done")
+    if sys.argv[1:] == ["raise"]:
+        fail()
 """
 
 
-@pytest.mark.parametrize("args", [[], ["no-gc"]])
+@pytest.mark.parametrize("args", [[], ["no-gc"], ["raise"]])
 def test_what_the_script_left_open_is_completed_at_exit_as_under_python(tmp_path, args):
     import gzip
     import zipfile
@@ -158,11 +169,11 @@ def test_what_the_script_left_open_is_completed_at_exit_as_under_python(tmp_path
         for name in ("plain.txt", "packed.gz", "archive.zip"):
             unlink(tmp_path / name)
     plain, boot = results
-    assert boot == (0, "done\ngoodbye from __del__, os is still module\n", "",
-                    ("plain text", "gzip text", b"zip text", []))
-    if not args:
+    assert boot[0] == (1 if args == ["raise"] else 0)
+    assert boot[1] == "done\ngoodbye from __del__, os is still module\n"
+    assert boot[3] == ("plain text", "gzip text", b"zip text", [])
+    if args != ["no-gc"]:   # there Python loses the text still in the wrappers; the bootstrap flushes it first
         assert plain == boot
-    # else Python loses the text still in the wrappers' buffers; the bootstrap flushes them first
 
 
 # Once the exit has begun (here: a global's __del__ as the globals are freed),
@@ -185,6 +196,33 @@ def test_a_signal_during_the_exit_ends_the_process_as_under_python(tmp_path, nam
     (tmp_path / "signalled.py").write_text(textwrap.dedent(SIGNALLED_AT_EXIT))
     plain, boot = both(tmp_path, ["signalled.py"], name)
     assert boot == plain == (-getattr(signal, name), "done\n", "")
+
+
+# A script's sys.excepthook that breaks, or ends the process itself. The library
+# object that aborts in teardown shows that the bootstrap still ends the process.
+HOOKED = """
+    import json, os, sys
+    class FreedAtFinalization:
+        def __del__(self):
+            os.abort()
+    json.held_by_a_library = FreedAtFinalization()
+    def hook(*exc_info):
+        if sys.argv[1] == "exits":
+            sys.exit(5)
+        raise RuntimeError("the hook broke")
+    sys.excepthook = hook
+    raise ValueError("the script broke")
+"""
+
+
+@pytest.mark.parametrize("mode", ["breaks", "exits"])
+def test_a_failing_excepthook_is_reported_as_under_python(tmp_path, mode):
+    (tmp_path / "hooked.py").write_text(textwrap.dedent(HOOKED))
+    plain, boot = both(tmp_path, ["hooked.py"], mode)
+    assert boot[1:] == plain[1:] and plain[0] == -signal.SIGABRT
+    assert boot[0] == {"breaks": 1, "exits": 5}[mode]
+    if mode == "breaks":
+        assert boot[2].startswith("Error in sys.excepthook:") and "Original exception was:" in boot[2]
 
 
 # A library object whose every attribute lookup warns, as torch.distributed.reduce_op

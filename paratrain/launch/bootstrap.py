@@ -55,13 +55,11 @@ def main(argv):
             run_script(argv[0], argv[1:])
     except SystemExit as e:
         return exit_code(e.code)
-    except KeyboardInterrupt as e:
-        report(e)
-        return -signal.SIGINT
     except BaseException as e:  # noqa: BLE001 - reported as the interpreter reports it
-        report(e)
-        return 1
-    return 0
+        error = e
+    else:
+        return 0
+    return report(error)   # out of the except block: an error in the hook is not chained to it
 
 
 def run_script(path, args):
@@ -74,12 +72,16 @@ def run_script(path, args):
         _run_main_module("__main__", alter_argv=False)
         return
     filename = os.path.abspath(path)       # Python 3.9+: __main__.__file__ is absolute
+    try:
+        with io.open_code(filename) as f:
+            source = f.read()
+    except OSError as e:
+        print(f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None   # Python's words and status for a script it cannot open
     sys.path[0] = os.path.dirname(os.path.realpath(path))
     main_module = _fresh_main(filename)
     try:
-        with io.open_code(filename) as f:
-            code = compile(f.read(), filename, "exec")
-        exec(code, main_module.__dict__)
+        exec(compile(source, filename, "exec"), main_module.__dict__)
     except SystemExit:
         raise   # CPython exits from inside the run here, leaving __file__ in place
     except BaseException:
@@ -130,16 +132,35 @@ def exit_code(code):
         return 0
     if isinstance(code, int):
         return code & 0xFF
-    print(code, file=sys.stderr)
+    try:   # Python writes to the process's stderr when sys.stderr is None
+        print(code, file=sys.stderr if sys.stderr is not None else sys.__stderr__)
+    except Exception:  # noqa: BLE001 - no stderr to write to: the status is still 1
+        pass
     return 1
 
 
 def report(exc):
-    """Print the traceback through sys.excepthook, starting at the script's own frames."""
+    """Report an exception the script did not catch as Python does, and return
+    the exit status: 1, or death by SIGINT for a KeyboardInterrupt. Its traceback
+    starts at the script's own frames and is kept in sys.last_*; sys.excepthook
+    prints it. A hook that fails has both printed by the default hook; a hook
+    that calls sys.exit decides the status."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
         tb = tb.tb_next
-    sys.excepthook(type(exc), exc.with_traceback(tb), tb)   # the default hook prints exc.__traceback__
+    exc = exc.with_traceback(tb)   # the default hook prints exc.__traceback__
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except SystemExit as e:
+        return exit_code(e.code)
+    except BaseException as hook_error:  # noqa: BLE001 - reported as the interpreter reports it
+        print("Error in sys.excepthook:", file=sys.stderr)
+        hook_tb = hook_error.__traceback__.tb_next   # from the hook's own frame
+        sys.__excepthook__(type(hook_error), hook_error.with_traceback(hook_tb), hook_tb)
+        print("\nOriginal exception was:", file=sys.stderr)
+        sys.__excepthook__(type(exc), exc, tb)
+    return -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
 
 
 def finish(status):
@@ -205,6 +226,7 @@ def free_main():
     its finalizers seeing it whole. What something else still holds stays, as
     under Python. Only __main__: the libraries' state (torch's process groups,
     the threads that serve them) is what must not be torn down."""
+    sys.last_type = sys.last_value = sys.last_traceback = None   # Python's first step: they hold frames
     sys.modules.pop("__main__", None)
     gc.collect()
 
