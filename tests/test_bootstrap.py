@@ -198,6 +198,30 @@ def test_a_signal_during_the_exit_ends_the_process_as_under_python(tmp_path, nam
     assert boot == plain == (-getattr(signal, name), "done\n", "")
 
 
+# A signal while the exit waits for the script's threads: what its handler
+# raises (SystemExit from a "save, then exit" handler; KeyboardInterrupt) is
+# reported as ignored and the exit goes on with the script's status, as Python does.
+SIGNALLED_WHILE_JOINING = """
+    import signal, sys, threading, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
+    def signal_main_once_it_joins():
+        while threading.main_thread().is_alive():   # until the script is over
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident, getattr(signal, sys.argv[1]))
+        threading.Event().wait()   # never ends: the exit must go on without this thread
+    threading.Thread(target=signal_main_once_it_joins).start()
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_threads_are_joined_is_reported_as_under_python(tmp_path, name):
+    (tmp_path / "joining.py").write_text(textwrap.dedent(SIGNALLED_WHILE_JOINING))
+    plain, boot = both(tmp_path, ["joining.py"], name)
+    assert boot == plain
+    assert boot[0] == 0 and boot[2].startswith("Exception ignored in: <module 'threading'")
+
+
 # A script's sys.excepthook that breaks, or ends the process itself. The library
 # object that aborts in teardown shows that the bootstrap still ends the process.
 HOOKED = """

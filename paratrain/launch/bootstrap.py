@@ -167,11 +167,11 @@ def finish(status):
     """End the process as the interpreter's exit would, minus finalization (see
     the module docstring): threads joined, atexit handlers, streams flushed,
     then os._exit. A negative status is death by that signal, as Python dies of
-    an unhandled KeyboardInterrupt."""
+    a KeyboardInterrupt the script did not catch."""
     try:
         threading._shutdown()   # threading's exit hooks, then non-daemon threads joined
-    except KeyboardInterrupt:
-        status = -signal.SIGINT
+    except BaseException as exc:  # noqa: BLE001 - a signal's exception while joining: Python says so, goes on
+        unraisable(exc.with_traceback(exc.__traceback__.tb_next), threading)
     atexit._run_exitfuncs()
     if not flush_std_streams() and status >= 0:
         status = 120   # Python's status when sys.stdout or sys.stderr cannot be flushed at exit
@@ -197,16 +197,19 @@ def flush_std_streams():
         except Exception as exc:  # noqa: BLE001 - any error, as the interpreter's own flush
             flushed = False
             if stream is sys.stdout:
-                unraisable(exc, stream)
+                unraisable(exc.with_traceback(None), stream)   # raised in C: no traceback
     return flushed
 
 
 def unraisable(exc, obj):
-    """What sys.unraisablehook's default prints for exc raised in obj."""
+    """Print exc, raised in obj, as sys.unraisablehook's default does."""
     import traceback
+    kind = type(exc).__qualname__
+    if type(exc).__module__ != "builtins":
+        kind = f"{type(exc).__module__}.{kind}"
+    tb = ["Traceback (most recent call last):\n", *traceback.format_tb(exc.__traceback__)] if exc.__traceback__ else []
     try:
-        print(f"Exception ignored in: {obj!r}", file=sys.stderr)
-        traceback.print_exception(type(exc), exc, None, file=sys.stderr)
+        sys.stderr.write("".join([f"Exception ignored in: {obj!r}\n", *tb, f"{kind}: {exc}\n"]))
     except Exception:  # noqa: BLE001 - stderr broken too: nothing can be said
         pass
 
