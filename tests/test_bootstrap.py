@@ -105,6 +105,20 @@ def test_a_module_a_directory_and_a_zip_run_as_under_python(tmp_path):
     assert boot == plain and boot[0] == 2 and "can't open file" in boot[2]
 
 
+def test_under_python_P_sys_path_is_as_under_python(tmp_path):
+    """-P (PYTHONSAFEPATH) keeps a script's directory off sys.path; a directory
+    or zip still goes first. Nothing of PYTHONPATH may be lost."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("import sys\nprint(sys.path)\n")
+    (tmp_path / "show_path.py").write_text("import sys\nprint(sys.path)\n")
+    libs = str(tmp_path / "libs")
+    env = {**os.environ, "PYTHONSAFEPATH": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [libs, os.environ.get("PYTHONPATH")]))}
+    for target in (["show_path.py"], ["app"]):
+        plain, boot = both(tmp_path, target, env=env)
+        assert boot == plain and boot[0] == 0 and libs in boot[1], target
+
+
 # stdout becomes a pipe nobody reads; what was printed is still in its buffer
 # when the script ends, so the flush at exit fails: Python says so, and exits 120.
 STDOUT_LOST = """

@@ -67,7 +67,7 @@ def run_script(path, args):
     zip runs its ``__main__.py`` as a module, with itself first on sys.path."""
     sys.argv = [path, *args]
     if os.path.isdir(path) or not path.endswith(".py") and _is_zip(path):
-        sys.path[0] = os.path.abspath(path)
+        _first_on_path(os.path.abspath(path))
         _fresh_main(None)   # not in ours: the script must neither see nor replace our globals
         _run_main_module("__main__", alter_argv=False)
         return
@@ -78,7 +78,8 @@ def run_script(path, args):
     except OSError as e:
         print(f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}", file=sys.stderr)
         raise SystemExit(2) from None   # Python's words and status for a script it cannot open
-    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    if not sys.flags.safe_path:   # python -P (PYTHONSAFEPATH) leaves the script's directory out
+        _first_on_path(os.path.dirname(os.path.realpath(path)))
     main_module = _fresh_main(filename)
     try:
         exec(compile(source, filename, "exec"), main_module.__dict__)
@@ -88,6 +89,16 @@ def run_script(path, args):
         _forget_file(main_module)
         raise
     _forget_file(main_module)
+
+
+def _first_on_path(entry):
+    """Put entry first on sys.path as python does for a script: in place of the
+    working directory our own -m put there, or ahead of all under -P, where
+    -m put nothing."""
+    if sys.flags.safe_path:
+        sys.path.insert(0, entry)
+    else:
+        sys.path[0] = entry
 
 
 def _forget_file(module):
