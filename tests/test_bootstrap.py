@@ -263,6 +263,33 @@ def test_a_failing_excepthook_is_reported_as_under_python(tmp_path, mode):
         assert boot[2].startswith("Error in sys.excepthook:") and "Original exception was:" in boot[2]
 
 
+# A script's own stand-in for sys.stdout and sys.stderr with no .closed, as
+# "tee to a log file" classes often are: Python's exit skips flushing them.
+TEE = """
+    import sys
+    class Tee:
+        def __init__(self, *streams):
+            self.streams = streams
+        def write(self, text):
+            for stream in self.streams:
+                stream.write(text)
+        def flush(self):
+            for stream in self.streams:
+                stream.flush()
+    log = open("tee.log", "w")
+    sys.stdout = Tee(sys.stdout, log)
+    sys.stderr = Tee(sys.stderr, log)
+    print("to the terminal and the log")
+"""
+
+
+def test_a_replaced_stdout_without_closed_ends_as_under_python(tmp_path):
+    (tmp_path / "tee.py").write_text(textwrap.dedent(TEE))
+    plain, boot = both(tmp_path, ["tee.py"])
+    assert boot == plain == (0, "to the terminal and the log\n", "")
+    assert (tmp_path / "tee.log").read_text() == "to the terminal and the log\n"
+
+
 # A library object whose every attribute lookup warns, as torch.distributed.reduce_op
 # does: the exit must not look it up (isinstance would, through __class__).
 DEPRECATED = """

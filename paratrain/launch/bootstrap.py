@@ -203,8 +203,12 @@ def flush_std_streams():
     flushed = True
     for stream in (sys.stdout, sys.stderr):
         try:
-            if stream is not None and not stream.closed:
-                stream.flush()
+            if stream is None or stream.closed:
+                continue
+        except Exception:  # noqa: BLE001 - no .closed (a script's own Tee object): Python skips it
+            continue
+        try:
+            stream.flush()
         except Exception as exc:  # noqa: BLE001 - any error, as the interpreter's own flush
             flushed = False
             if stream is sys.stdout:
