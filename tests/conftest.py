@@ -72,7 +72,7 @@ def cma_permitted():
     """Does this kernel let a process read a sibling's memory (process_vm_readv)?
     Containers with a strict seccomp profile or Yama ptrace_scope >= 1 do not."""
     import numpy as np
-    from paratrain.comm.algorithms import cma
+    from paratrain.comm.shm import cma
     p, addr, want = child_with_buffer()
     try:
         got = np.zeros(5, dtype=np.int64)

@@ -106,7 +106,7 @@ def test_numpy_arrays_default_slots(backend):
 @pytest.mark.parametrize("n,cma", [(2, "1"), (3, "1"), (3, "0")])
 def test_shm_all_gather_single_copy_from_private_memory(n, cma, no_leftover_segments):
     """Large all_gathers over private buffers read each peer's input with
-    process_vm_readv (algorithms/cma.py), which this machine's kernel allows;
+    process_vm_readv (shm/cma.py), which this machine's kernel allows;
     PARATRAIN_CMA=0 keeps the two-copy path. Both against numpy, odd sizes (the
     sizes between, below cma.MIN_BYTES, are test_shm_all_collectives')."""
     if cma == "1" and not cma_permitted():

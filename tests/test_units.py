@@ -205,9 +205,9 @@ def test_paratrain_algo_picks_the_algorithm_and_a_call_overrides_it(monkeypatch,
 
 
 def test_cma_reads_another_process_and_names_a_dead_one():
-    """algorithms/cma.py: process_vm_readv copies a live peer's memory; once the peer has
+    """shm/cma.py: process_vm_readv copies a live peer's memory; once the peer has
     exited, the read raises PeerError naming its rank, not garbage or a hang."""
-    from paratrain.comm.algorithms import cma
+    from paratrain.comm.shm import cma
     from paratrain.comm.errors import PeerError
     from conftest import child_with_buffer
     p, addr, want = child_with_buffer()
@@ -437,7 +437,7 @@ def test_default_algorithm_follows_message_size_and_world_size():
     the same 200 KiB takes it with 2 ranks and not with 4."""
     from types import SimpleNamespace
 
-    from paratrain.comm.algorithms import direct
+    from paratrain.comm.shm import direct
     from paratrain.comm.group import ProcessGroup
     portable = ProcessGroup(0, 2)
     assert [portable.default_algorithm(n) for n in (4, 64 * 1024, 64 * 1024 + 1, 64 << 20)] == \

@@ -233,7 +233,7 @@ def _make_group(ranks, global_rank, backend, timeout, world=False):
         from .shm.group import ShmGroup
         return ShmGroup(_S.store, key, ranks.index(global_rank), ranks, timeout) if member else None
     if backend == "hierarchical":
-        from .algorithms.hierarchical import HierarchicalGroup
+        from .hierarchical import HierarchicalGroup
         return HierarchicalGroup.build(ranks, global_rank, _S.hosts, _S.store, key, timeout, _make_group)
     raise ValueError(f"backend {backend!r} cannot make sub-groups here")
 

@@ -318,7 +318,7 @@ def main():
                     help="also run over a group with only send/recv (ProcessGroup's portable collectives)")
     ap.add_argument("--expect-single-copy", choices=("yes", "no"), default=None,
                     help="check whether large all_gathers and all_reduces read peers' memory directly "
-                         "(algorithms/cma.py)")
+                         "(shm/cma.py)")
     ap.add_argument("--expect-env-algorithm", default=None,
                     help="check that all_reduce without an algorithm runs this one (PARATRAIN_ALGO), or 'native'")
     ap.add_argument("--big-all-reduce", type=int, default=0,

@@ -12,7 +12,7 @@ Layout of the segment (all offsets 64-byte aligned):
     frames    P x P x 2 x (32 + chunk_bytes)  point-to-point channels, two frames each
 
 Collectives are built from rounds of "write my slot, barrier, read anyone's slot"
-(see comm/algorithms/direct.py). The rule that makes it safe: a rank reads a
+(see comm/shm/direct.py). The rule that makes it safe: a rank reads a
 round's buffers only before it arrives at the barrier of the next round, and
 writes a buffer only after every read of its previous use is over. With three
 buffers per rank used in turn, a pipelined all-reduce needs one barrier per
@@ -32,7 +32,8 @@ from datetime import timedelta
 import numpy as np
 
 from .. import ops
-from ..algorithms import cma, direct, naive, resident
+from ..algorithms import naive
+from . import cma, direct, resident
 from ..env import size_bytes
 from ..errors import CommTimeout, FrameError, MismatchError, PeerError
 from ..group import ProcessGroup, check_descriptors, describe

@@ -5,7 +5,7 @@ shared memory (the direct algorithm's copy-in) and ends by copying results out.
 When the tensor *already* lives in shared memory, where every rank of the host
 can read it, neither copy is needed: each rank reduces its slice reading the
 others' tensors where they lie, and fetches the other slices straight from
-their owners (algorithms/resident.py). Data parallelism allocates its gradient
+their owners (shm/resident.py). Data parallelism allocates its gradient
 buckets this way and lets the gradients themselves be views into them, as
 PyTorch DDP's ``gradient_as_bucket_view`` does (Li et al., "PyTorch
 Distributed", VLDB 2020, arXiv 2006.15704, section 4.2), so backward writes

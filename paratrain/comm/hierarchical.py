@@ -1,5 +1,10 @@
-"""Hierarchical all-reduce: reduce inside each host, all-reduce among host
-leaders over the cross-host engine, broadcast inside each host.
+"""HierarchicalGroup: the backend for ranks on several hosts, made of two engines.
+
+Not an algorithm over one group's transport but a group of groups: shared
+memory (ShmGroup) among the ranks of each host, a cross-host engine (Gloo
+through torch.distributed, or MPI) among one leader per host and among all
+ranks, each used through its public API. Its all-reduce reduces inside each
+host, all-reduces among the host leaders, and broadcasts inside each host.
 
 This is how Horovod joins NCCL inside a node with MPI between nodes
 (Sergeev & Del Balso, arXiv 1802.05799, "hierarchical allreduce"): the slow
@@ -14,9 +19,9 @@ engine among all ranks ("flat").
 """
 import os
 
-from .. import ops
-from ..errors import PeerError
-from ..group import ProcessGroup, describe
+from . import ops
+from .errors import PeerError
+from .group import ProcessGroup, describe
 
 
 class HierarchicalGroup(ProcessGroup):
@@ -34,14 +39,14 @@ class HierarchicalGroup(ProcessGroup):
     @classmethod
     def build(cls, ranks, me, hosts, store, key, timeout, make_group):
         """Called by every rank of the world (torch's new_group requires it)."""
-        from ..shm.group import ShmGroup
+        from .shm.group import ShmGroup
         cross = os.environ.get("PARATRAIN_CROSS_BACKEND", "torch")
         world = len(ranks) == len(hosts)
         flat = make_group(ranks, me, "torch", timeout, world=world)
         host_list = sorted({hosts[r] for r in ranks})
         leaders = [min(r for r in ranks if hosts[r] == h) for h in host_list]
         if cross == "mpi":
-            from ..mpi_backend import mpi_subgroup
+            from .mpi_backend import mpi_subgroup
             leader_group = mpi_subgroup(leaders, me, timeout=timeout)
         else:
             leader_group = make_group(leaders, me, "torch", timeout)

@@ -1,7 +1,8 @@
 """Collectives on buffers that already live in shared memory: no copy in, no copy out.
 
 When every rank's tensor lies in a shared allocation (``g.empty_shared``, see
-shm/shared.py), a rank can read its peers' tensors where they are. The
+shared.py), a rank can read its peers' tensors where they are (``G`` is the
+group's Rounds, rounds.py; ``region`` the SharedRegion the tensor lies in). The
 all-reduce is then a reduce-scatter and an all-gather done directly on the
 tensors themselves, in rounds of ``round_bytes`` so each round stays in cache:
 
@@ -31,7 +32,7 @@ all_gather and reduce_scatter on a resident input follow at the end: each is
 one pass over the peers' inputs between two barriers.
 """
 from .. import ops
-from . import scratch, split_bounds
+from ..algorithms import scratch, split_bounds
 from .direct import reduce_parts
 
 ROUND_BYTES = 1 << 20

@@ -4,7 +4,8 @@ With message passing a rank only sees what is sent to it, so all-reduce needs
 a ring or a tree. In shared memory every rank can read every other rank's
 buffer, so each collective is a few rounds of "write into my slot, barrier,
 read what I need from anyone's slot" (ShmGroup explains the double-buffered
-slots that make one barrier per round enough).
+slots that make one barrier per round enough). Each function takes ``G``, the
+group's Rounds (rounds.py), and uses only what it documents.
 
 all_reduce, the one that matters most, is a reduce-scatter and an all-gather
 in one pass over shared memory, with no intermediate hops. For each round of
@@ -37,7 +38,7 @@ it wins up to about 512 KiB (interleaved A/B here: 64 KiB 33 vs 55 us,
 the limit is SMALL_BYTES / (P-1).
 """
 from .. import ops
-from . import scratch, split_bounds
+from ..algorithms import scratch, split_bounds
 
 SMALL_BYTES = 512 * 1024
 

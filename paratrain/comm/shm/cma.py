@@ -7,7 +7,8 @@ process's address space into ours, in the kernel, with no intermediate
 buffer. Open MPI's shared-memory transport uses it for large messages (its
 "single-copy" mechanism, ``smsc/cma``; XPMEM and KNEM are the alternatives),
 and that is where its all_gather beat our two-copy one. Here it is a system
-call through ctypes to libc, not a compiled extension.
+call through ctypes to libc, not a compiled extension. ``G`` is the group's
+Rounds (rounds.py).
 
 all_gather over CMA:
 
@@ -47,7 +48,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import PeerError
-from . import scratch
+from ..algorithms import scratch
 from .direct import copy_in, reduce_parts, rounds_of
 
 # Per input; below it the two-copy path through the slots (direct.all_gather) is
