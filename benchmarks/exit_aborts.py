@@ -84,6 +84,7 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=300, help="runs of each case (default 300)")
     p.add_argument("--jobs", type=int, default=2, help="rounds at once (default 2: a suite's load)")
     p.add_argument("--cases", default="run,torchrun,train", help="which of run,torchrun,train")
+    p.add_argument("--out", default=RESULT, help=f"the JSON to write (default {RESULT})")
     args = p.parse_args(argv)
     names = args.cases.split(",")
     with tempfile.TemporaryDirectory() as workdir:
@@ -104,24 +105,24 @@ def main(argv=None):
                     counts[name][result] += 1
                     if result != "ok" and len(examples[name]) < 3:
                         examples[name].append(tail)
-                save(counts, examples, args, started, i)
+                save(args.out, counts, examples, args, started, i)
                 if i % 10 == 0 or i == args.runs:
                     print(f"round {i}/{args.runs}  " + "  ".join(
                         f"{n}: {c['abort']} aborts, {c['failed']} other" for n, c in counts.items()), flush=True)
     print(table(counts))
-    print(f"wrote {RESULT}")
+    print(f"wrote {args.out}")
     return 0
 
 
-def save(counts, examples, args, started, rounds):
-    os.makedirs(os.path.dirname(RESULT), exist_ok=True)
-    tmp = RESULT + ".tmp"
+def save(path, counts, examples, args, started, rounds):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"rounds_done": rounds, "runs_asked": args.runs, "jobs": args.jobs,
                    "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
                    "seconds": round(time.time() - started, 1), "counts": counts,
                    "failure_tails": examples}, f, indent=1)
-    os.replace(tmp, RESULT)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import os
 import numpy as np
 import torch
 
+from .. import config
 from ..comm.errors import CommTimeout
 from . import shared, sharding, wire
 from .consistency import effective_mode, valid_staleness
@@ -321,13 +322,13 @@ class Client(Requests):
 
 def connect(timeout=None):
     """Connect to the servers ``paratrain run --servers S`` started (PARATRAIN_PS_ADDRS)."""
-    addrs = os.environ.get("PARATRAIN_PS_ADDRS")
+    addrs = config.get("PARATRAIN_PS_ADDRS")
     if not addrs:
         raise RuntimeError("no parameter servers: start the job with `paratrain run --servers S -n N script.py` "
                            "(PARATRAIN_PS_ADDRS is not set)")
     worker = int(os.environ.get("RANK", 0))
     workers = int(os.environ.get("WORLD_SIZE", 1))
-    timeout = float(os.environ.get("PARATRAIN_TIMEOUT", 300)) if timeout is None else timeout
+    timeout = config.get("PARATRAIN_TIMEOUT") if timeout is None else timeout
     return Client(addrs.split(","), worker, workers, wire.token_from_env(), timeout)
 
 

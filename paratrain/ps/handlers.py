@@ -19,10 +19,10 @@ Sparse embedding tables (rows.py) follow the same rules per table: BSP
 gathers every worker's rows of a clock and applies their average once.
 """
 import dataclasses
-import os
 
 import numpy as np
 
+from .. import config
 from . import doorbell, shared, wire
 from .consistency import Clocks, effective_mode
 from .optimizers import make_optimizer
@@ -77,9 +77,9 @@ class Handlers:
                 self.shards[(key, lo)].enable_prediction(workers)
             self.offsets[(key, lo)] = at
             at += n
-        if at and os.environ.get("PARATRAIN_PS_SHM", "1") != "0":
+        if at and config.get("PARATRAIN_PS_SHM"):
             self.regions = shared.ServerRegions(self.index, self.workers, at)
-            if os.environ.get("PARATRAIN_PS_BELLS", "1") != "0":
+            if config.get("PARATRAIN_PS_BELLS"):
                 import zmq
                 self.bells = doorbell.ServerBells(self.regions.name, self.workers)
                 self.poller.register(self.bells.fileno(), zmq.POLLIN)

@@ -28,11 +28,11 @@ server *resynchronises* instead of judging: a BSP request from a clock ahead
 of a shard moves the shard forward to it (the rounds in between are the lost
 updates) and a push for a round already passed is acknowledged and dropped.
 """
-import os
 import signal
 import sys
 import threading
 
+from .. import config
 from ..comm.errors import FrameError
 from . import doorbell, server_state, shared, wire
 from .handlers import Handlers
@@ -204,15 +204,14 @@ class Server(Handlers):
 
 def main():
     keep_freed_memory()
-    index = int(os.environ["PARATRAIN_PS_INDEX"])
-    bind = os.environ["PARATRAIN_PS_BIND"]
-    timeout = float(os.environ.get("PARATRAIN_TIMEOUT", 300))
-    server = Server(index, bind, wire.token_from_env(), timeout,
-                    checkpoint_dir=os.environ.get("PARATRAIN_PS_CHECKPOINT_DIR") or None,
-                    checkpoint_seconds=float(os.environ.get("PARATRAIN_PS_CHECKPOINT_SECONDS", 30)),
-                    checkpoint_clocks=int(os.environ.get("PARATRAIN_PS_CHECKPOINT_CLOCKS", 0)))
+    index = config.require("PARATRAIN_PS_INDEX")
+    bind = config.require("PARATRAIN_PS_BIND")
+    server = Server(index, bind, wire.token_from_env(), config.get("PARATRAIN_TIMEOUT"),
+                    checkpoint_dir=config.get("PARATRAIN_PS_CHECKPOINT_DIR"),
+                    checkpoint_seconds=config.get("PARATRAIN_PS_CHECKPOINT_SECONDS"),
+                    checkpoint_clocks=config.get("PARATRAIN_PS_CHECKPOINT_CLOCKS"))
     restored = server.restore()
-    restart = int(os.environ.get("PARATRAIN_PS_RESTART", 0))
+    restart = config.get("PARATRAIN_PS_RESTART")
     if restored:
         print(f"restart {restart}: restored {server.checkpoints.path} (clocks {restored['clocks']['clocks']}); "
               "updates after it are lost", flush=True)

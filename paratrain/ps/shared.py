@@ -36,6 +36,7 @@ import os
 
 import numpy as np
 
+from .. import config
 from ..comm.env import host_id
 from ..comm.shm import segment
 
@@ -72,7 +73,7 @@ class ServerRegions(Regions):
     """The server's segment; its name is removed once every worker has used it."""
 
     def __init__(self, index, workers, total):
-        job = os.environ.get("PARATRAIN_JOB_ID", "ps")
+        job = config.get("PARATRAIN_JOB_ID") or "ps"
         self.name = f"{job}-ps{index}-{os.getpid()}-{next(_serial)}"
         self.path, mm = segment.create(self.name, self.nbytes(workers, total))
         super().__init__(mm, workers, total)

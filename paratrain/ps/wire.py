@@ -46,12 +46,12 @@ import dataclasses
 import enum
 import hashlib
 import hmac
-import os
 import struct
 
 import msgpack
 import numpy as np
 
+from .. import config
 from ..comm.errors import FrameError
 from ..comm.ops import CODE_NUMPY
 
@@ -103,7 +103,7 @@ def token_digest(secret):
 
 def token_from_env():
     """The digest of ``$PARATRAIN_PS_TOKEN``, or None when it is unset (then no token is checked)."""
-    secret = os.environ.get(TOKEN_ENV)
+    secret = config.get(TOKEN_ENV)
     return token_digest(secret) if secret else None
 
 

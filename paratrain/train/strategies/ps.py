@@ -26,6 +26,7 @@ import os
 
 import paratrain as pt
 
+from ... import config
 from ...comm.group import timeout_from_env
 from ...parallel.data import CommStats
 from ..coordination import Lockstep, SharedPool, StoreBoard
@@ -112,7 +113,7 @@ class ParameterServerStep:
     finish_changes_weights = True   # finish() pulls the servers' final weights
 
     def __init__(self, model, optimizer, lr, consistency, staleness, predict=False):
-        if os.environ.get("PARATRAIN_PS_SCHED_BATCH", "1") != "0" and hasattr(os, "SCHED_BATCH"):
+        if config.get("PARATRAIN_PS_SCHED_BATCH") and hasattr(os, "SCHED_BATCH"):
             try:
                 os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
             except OSError:

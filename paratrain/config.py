@@ -1,0 +1,118 @@
+"""Every ``PARATRAIN_*`` environment variable, in one table, read in one place.
+
+The launcher, the tests and users set these per process; the code asks for a
+setting by name (``config.get("PARATRAIN_TIMEOUT")``) and gets it parsed, or
+its default when unset or empty, or a ``ValueError`` that names the variable,
+what it held and what it takes. No other module reads ``PARATRAIN_*`` from
+``os.environ``: a new setting is a row here and in the README's settings
+table (tests/test_config.py holds the two together).
+
+Values are read when asked for, not cached at import: ``pt.init()`` sets the
+job id for the shm engine, and a benchmark worker sets its pretend hosts,
+after paratrain is imported.
+"""
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def size_bytes(text):
+    """"4K" -> 4096, "1M", "16MiB", "64mb", "1G", "4096": binary units, as nccl-tests' -b/-e.
+    Raises ValueError for anything else."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {text!r}: use bytes with an optional K/M/G suffix, e.g. 4K, 1M")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def flag(text):
+    """Off for 0, false, no, off (any case); on for anything else, as 1 or yes."""
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def positive_seconds(text):
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def count(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be 0 or more")
+    return value
+
+
+def positive_count(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be 1 or more")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any              # the parsed value when unset; None: the code decides
+    parse: Callable[[str], Any]
+    meaning: str              # one line, as in the README's table
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("PARATRAIN_BACKEND", None, str, "`shm`, `hierarchical`, `torch`, `nccl`, `mpi`; unset: by host layout"),
+    Setting("PARATRAIN_TIMEOUT", 300.0, positive_seconds, "seconds any wait may take before `CommTimeout`"),
+    Setting("PARATRAIN_ALGO", None, str, "force an all-reduce algorithm (`direct`, `ring`, `tree`, `naive`, ...)"),
+    Setting("PARATRAIN_DEBUG", False, flag, "1: check every call's collective/shape/dtype/op on every backend, and "
+            "every point-to-point message's size and dtype (an envelope ahead of each)"),
+    Setting("PARATRAIN_PRETEND_HOSTS", None, positive_count, "split the ranks into k pretend hosts"),
+    Setting("PARATRAIN_CROSS_BACKEND", "torch", str, "engine between host leaders: `torch` (Gloo) or `mpi`"),
+    Setting("PARATRAIN_SHM_SLOT_BYTES", 1 << 20, size_bytes,
+            "bytes per rank per round of a shm collective (bytes, or with K/M/G)"),
+    Setting("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20, size_bytes,
+            "payload per frame of a shm point-to-point message (bytes, or with K/M/G)"),
+    Setting("PARATRAIN_CMA", True, flag, "0: never read peers' private memory with `process_vm_readv`"),
+    Setting("PARATRAIN_SHM_SPIN_US", None, count, "microseconds a shm wait on the main thread spins before it "
+            "sleeps; unset: 200, or 0 when the host's ranks outnumber its cores"),
+    Setting("PARATRAIN_MPI_SPIN_US", None, count, "the same for the mpi backend"),
+    Setting("PARATRAIN_THREADS", None, positive_count, "torch compute threads per worker (1 under `paratrain run`)"),
+    Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
+    Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
+    Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "
+            "ZeroMQ instead of the doorbell pipes"),
+    Setting("PARATRAIN_PS_SCHED_BATCH", True, flag,
+            "0: `paratrain train --strategy ps` workers keep the default scheduling policy"),
+    Setting("PARATRAIN_PS_TOKEN", None, str, "a shared secret: servers refuse requests whose header lacks its digest"),
+    Setting("PARATRAIN_PS_ADDRS", None, str, "comma list of the servers' ZeroMQ addresses (set by `paratrain run "
+            "--servers`; printed by `paratrain server`)"),
+    Setting("PARATRAIN_PS_CHECKPOINT_SECONDS", 30.0, positive_seconds,
+            "a server checkpoints its shards this often (and on a clean stop)"),
+    Setting("PARATRAIN_PS_CHECKPOINT_CLOCKS", 0, count, "also every N clocks (0: off)"),
+    Setting("PARATRAIN_PS_CHECKPOINT_DIR", None, str, "where a server keeps its checkpoints (set by the launcher)"),
+    Setting("PARATRAIN_PS_INDEX", None, count, "a server's index (set by the launcher)"),
+    Setting("PARATRAIN_PS_BIND", None, str, "the address a server binds (set by the launcher)"),
+    Setting("PARATRAIN_PS_RESTART", 0, count, "how many times this server was restarted (set by the launcher)"),
+)}
+
+
+def get(name):
+    """The setting's value from the environment, parsed; its default when unset or empty."""
+    setting = SETTINGS[name]
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not valid ({e}); "
+                         f"it is {setting.meaning}") from None
+
+
+def require(name):
+    """get(), for a variable the launcher always sets: missing means the process was not
+    started by it."""
+    value = get(name)
+    if value is None:
+        raise RuntimeError(f"{name} is not set: this process is meant to be started by paratrain's launcher")
+    return value
