@@ -243,9 +243,10 @@ def test_point_to_point_arguments_refused_before_anything_moves():
 
 
 def test_posted_receives_probe_only_the_oldest_of_each_source_and_tag():
-    """mpi_receives.PostedReceives: MPI's order rule (two receives for one source and
-    tag match in posting order) while receives for other tags match as they come."""
-    from paratrain.comm.mpi_receives import PostedReceives
+    """mpi_receives.MpiReceives (over matching.PostedReceives): MPI's order rule (two
+    receives for one source and tag match in posting order) while receives for other
+    tags match as they come."""
+    from paratrain.comm.mpi_receives import MpiReceive, MpiReceives
     polled = []
     arrived = set()
 
@@ -257,9 +258,9 @@ def test_posted_receives_probe_only_the_oldest_of_each_source_and_tag():
             return name in arrived
         return p
 
-    q = PostedReceives()
-    a1, a2 = q.post(1, 5, poll("a1")), q.post(1, 5, poll("a2"))
-    b, c = q.post(1, 6, poll("b")), q.post(2, 5, poll("c"))
+    q = MpiReceives()
+    a1, a2 = q.post(MpiReceive(1, 5, poll("a1"))), q.post(MpiReceive(1, 5, poll("a2")))
+    b, c = q.post(MpiReceive(1, 6, poll("b"))), q.post(MpiReceive(2, 5, poll("c")))
     q.progress()
     assert polled == ["a1", "b", "c"]          # a2 waits for a1, the older receive of (1, 5)
     arrived.update({"b", "a2"})
@@ -267,9 +268,9 @@ def test_posted_receives_probe_only_the_oldest_of_each_source_and_tag():
     assert q.done(b) and not q.done(a2)        # b matched out of posting order; a2 still behind a1
     assert "a2" not in polled
     arrived.add("a1")
-    assert not q.done(a2) and a1.finished      # a1 leaves the queue; a2 is probed from the next round
+    assert not q.done(a2) and a1.done          # a1 leaves the queue; a2 is probed from the next round
     assert q.done(a2) and a2.error is None
-    bad = q.post(3, 1, poll("bad"))
+    bad = q.post(MpiReceive(3, 1, poll("bad")))
     assert q.done(bad) and isinstance(bad.error, ValueError)   # kept for its owner to raise
     q.withdraw(c)
     polled.clear()
@@ -287,7 +288,7 @@ def test_posted_receive_futures_settle_from_whichever_side_ends_first():
     import threading
 
     from paratrain.comm.errors import CommError
-    from paratrain.comm.mpi_receives import PostedReceives
+    from paratrain.comm.mpi_receives import MpiReceive, MpiReceives
     from paratrain.comm.work import Lanes, posted_work
     lanes = Lanes("unit")
     gate = threading.Event()
@@ -313,12 +314,12 @@ def test_posted_receive_futures_settle_from_whichever_side_ends_first():
         w5.wait(timeout=2)                        # never started: cancelled by the shutdown
     block.set()                                   # let w4's job, running at the shutdown, end
 
-    q = PostedReceives()
+    q = MpiReceives()
     fut = concurrent.futures.Future()
-    entry = q.post(1, 5, lambda: True, fut)
-    other = q.post(2, 5, lambda: False)
+    entry = q.post(MpiReceive(1, 5, lambda: True, fut))
+    other = q.post(MpiReceive(2, 5, lambda: False))
     assert not q.done(other)                     # progress made for `other` finishes `entry` too
-    assert entry.finished and fut.done() and fut.exception() is None
+    assert entry.done and fut.done() and fut.exception() is None
 
 
 def test_lanes_shutdown_waits_for_running_jobs_only():
@@ -347,17 +348,17 @@ def test_shm_mailbox_gives_a_message_to_a_receive_posted_while_it_was_read():
     """shm matching: a message read with no receive for it is kept, unless a receive
     with its tag was posted while it was read, which then takes it; posting takes a
     kept message first, oldest of its tag first."""
-    from paratrain.comm.shm.matching import Mailbox, PostedReceive
-    box = Mailbox()
+    from paratrain.comm.shm.matching import Mailbox, ShmReceive
+    box = Mailbox(1)
     payload = np.arange(3, dtype=np.uint8)
     assert box.take_posted(4) is None            # the reader finds no receive for tag 4 ...
-    late = PostedReceive(4, np.zeros(3, np.uint8), 0)
+    late = ShmReceive(1, 4, np.zeros(3, np.uint8), 0)
     assert box.post(late) is None                # ... one is posted meanwhile ...
     assert box.keep(4, 0, payload) is late and not box.unexpected   # ... and takes the message
     assert box.keep(7, 0, payload) is None and box.keep(7, 0, payload + 1) is None
-    kept = box.post(PostedReceive(7, np.zeros(3, np.uint8), 0))
+    kept = box.post(ShmReceive(1, 7, np.zeros(3, np.uint8), 0))
     assert kept[0] == 7 and np.array_equal(kept[2], payload) and len(box.unexpected) == 1
-    waiting = PostedReceive(9, np.zeros(3, np.uint8), 0)
+    waiting = ShmReceive(1, 9, np.zeros(3, np.uint8), 0)
     box.post(waiting)
     box.withdraw(waiting)
     assert box.take_posted(9) is None
@@ -484,3 +485,41 @@ def test_envelope_send_timeout_names_the_users_call():
               "isend of 16 bytes to rank 1 (tag 1)")
     with pytest.raises(TimeoutError, match=r"^isend of 16 bytes to rank 1 \(tag 1\) not finished after 0.05s$"):
         w.wait(0.05)
+
+
+def test_one_spin_policy_for_every_backend(monkeypatch):
+    """spin.py: a wait spins while every rank on the host can have a core of its own,
+    not at all when they cannot; a backend's variable (microseconds) overrides; and
+    only the main thread spins (a spin holds the GIL the training thread needs)."""
+    import threading
+
+    from paratrain.comm import spin
+    monkeypatch.setattr(spin.os, "cpu_count", lambda: 4)
+    monkeypatch.delenv("PARATRAIN_SHM_SPIN_US", raising=False)
+    assert spin.spin_seconds(4, "PARATRAIN_SHM_SPIN_US") == spin.SPIN_S
+    assert spin.spin_seconds(5, "PARATRAIN_SHM_SPIN_US") == 0.0
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "50")
+    assert spin.spin_seconds(5, "PARATRAIN_SHM_SPIN_US") == pytest.approx(50e-6)
+    assert spin.for_this_thread(1.0) == 1.0
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(spin.for_this_thread(1.0)))
+    t.start()
+    t.join()
+    assert seen == [0.0]
+
+
+def test_wait_errors_say_who_waited_in_what_for_whom():
+    """errors.peer_died and errors.timed_out, the one builder of the errors every
+    backend raises when a wait fails."""
+    from paratrain.comm.errors import CommTimeout, PeerError, peer_died, timed_out
+    e = peer_died([(1, 42)], 0, "all_reduce(float32 x 4) over gloo", "Connection reset by peer")
+    assert type(e) is PeerError and e.ranks == (1,)
+    assert str(e) == ("rank 1 (pid 42) died or exited while rank 0 waited for it in all_reduce(float32 x 4) "
+                      "over gloo (Connection reset by peer)")
+    e = timed_out(2, 3, "recv of 8 bytes from rank 1 (tag 0)", [1], one_peer=True)
+    assert isinstance(e, CommTimeout) and e.ranks == (1,)
+    assert str(e) == ("rank 2 timed out after 3s in recv of 8 bytes from rank 1 (tag 0): rank 1 did not answer; "
+                      "raise PARATRAIN_TIMEOUT if it is legitimately slow")
+    e = timed_out(0, 300, "barrier", [1, 2], "alive, but not there")
+    assert "waiting for ranks [1, 2] (alive, but not there). Ranks must call the same collectives" in str(e)
+    assert str(timed_out(0, 1, "pt.init", [1], hint="")).endswith("waiting for ranks [1]")

@@ -11,9 +11,9 @@ Three things MPI does not give us, and what we do about them:
 - **No wait may last forever**, but MPI's blocking calls cannot time out. Every
   call is the nonblocking variant (Isend, Improbe + Imrecv, and the MPI-3
   nonblocking collectives Iallreduce, Ibarrier, ...), completed by polling: a few
-  tries at once, since a small message is often already there, then 200 us of
-  testing if the host has a core per rank, then sleeps doubling from 20 us to
-  1 ms, so a waiting rank leaves its core to the others (``mpirun
+  tries at once, since a small message is often already there, then testing for
+  as long as the spin policy allows (spin.py), then sleeps doubling from 20 us
+  to 1 ms, so a waiting rank leaves its core to the others (``mpirun
   --oversubscribe``). Past ``timeout`` seconds we raise CommTimeout. Polling is
   also what moves a nonblocking collective along: MPI progresses it only inside
   MPI calls, which is why a rank should not just sleep until the deadline.
@@ -45,10 +45,11 @@ import numpy as np
 from . import ops
 from .algorithms import split_bounds
 from .envelopes import MAX_DRAIN_BYTES   # a message that does not fit, up to this size, is received and dropped
-from .errors import CommError, CommTimeout, MismatchError
+from .errors import CommError, MismatchError, timed_out
 from .group import COLL_CODE, ProcessGroup, describe, timeout_from_env
-from .mpi_receives import PostedReceives
-from .mpi_support import datatype, mpi, poll, same, sending, spin_seconds, unpack
+from .mpi_receives import MpiReceive, MpiReceives
+from .mpi_support import datatype, local_ranks, mpi, poll, same, sending, unpack
+from .spin import for_this_thread, spin_seconds
 from .work import EngineWork, posted_work
 
 _HALF = (1, 2)           # float16, bfloat16: MPI has no reduction for them
@@ -74,9 +75,9 @@ class MpiGroup(ProcessGroup):
         # Lanes call MPI from several threads; below THREAD_MULTIPLE, one call at a time.
         self._lock = (contextlib.nullcontext() if MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                       else threading.Lock())
-        self._spin_s = spin_seconds()
+        self._spin_s = spin_seconds(local_ranks(), "PARATRAIN_MPI_SPIN_US")
         self._abandoned = []  # requests given up on: kept, with their buffers, in case MPI completes them
-        self._posted = PostedReceives()
+        self._posted = MpiReceives()
         self._current = self._agreeing = None
 
     def default_algorithm(self, nbytes):
@@ -125,16 +126,9 @@ class MpiGroup(ProcessGroup):
 
         def on_timeout():
             if peers is not None:
-                names = [self.ranks[q] for q in peers()]
-                return CommTimeout(
-                    f"rank {self._me()} timed out after {self.timeout:g}s in {what} (rank "
-                    f"{', '.join(map(str, names))} did not answer); raise PARATRAIN_TIMEOUT if it is "
-                    "legitimately slow", names)
+                return timed_out(self._me(), self.timeout, what, [self.ranks[q] for q in peers()], one_peer=True)
             others = [g for i, g in enumerate(self.ranks) if i != self.rank]
-            return CommTimeout(
-                f"rank {self._me()} timed out after {self.timeout:g}s in {what} over MPI waiting for ranks "
-                f"{others} (MPI cannot say which are missing). Ranks must call the same collectives in the "
-                "same order; raise PARATRAIN_TIMEOUT if a rank is legitimately slow", others)
+            return timed_out(self._me(), self.timeout, f"{what} over MPI", others, "MPI cannot say which are missing")
         def live():
             if self._destroyed:   # MPI would abort the job on a call on the freed communicator
                 if request_only and done():
@@ -145,7 +139,7 @@ class MpiGroup(ProcessGroup):
         finished = False
         timeout = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            poll(live, timeout, on_timeout, self._spin_s)
+            poll(live, timeout, on_timeout, for_this_thread(self._spin_s))
             finished = True
         except MPI.Exception as e:
             raise self._error(e, what) from e
@@ -228,7 +222,7 @@ class MpiGroup(ProcessGroup):
                                              request_only=True))
         return EngineWork(handle, what, contextlib.nullcontext, keep=(buf,))
 
-    # Receives go through PostedReceives (mpi_receives.py): each is posted when it is
+    # Receives go through MpiReceives (mpi_receives.py): each is posted when it is
     # called, and any thread waiting for one probes them all, so a receive posted
     # later may match first, as in MPI.
 
@@ -253,7 +247,7 @@ class MpiGroup(ProcessGroup):
                 return receive()
             except self._MPI.Exception as e:
                 raise self._error(e, what) from e
-        return self._posted.post(src, tag, progress, future), started
+        return self._posted.post(MpiReceive(src, tag, progress, future)), started
 
     def _await(self, entry, started, src, what, deadline=None):
         """Advance every posted receive until ``entry`` is done; at the deadline (default:
@@ -465,9 +459,9 @@ def mpi_world(timeout=None):
             "python -m mpi4py script.py`, or keep this launcher and choose another backend (the default, "
             "or 'torch')")
     comm, req = world.Idup()
-    poll(req.Test, timeout, lambda: CommTimeout(
-        f"rank {me} timed out after {timeout:g}s in pt.init(backend='mpi'): not all {size} processes "
-        "started by mpirun called it", [r for r in range(size) if r != me]))
+    poll(req.Test, timeout, lambda: timed_out(
+        me, timeout, "pt.init(backend='mpi')", [r for r in range(size) if r != me],
+        f"not all {size} processes started by mpirun called it", hint=""))
     return MpiGroup(comm, list(range(size)), timeout)
 
 

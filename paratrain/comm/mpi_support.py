@@ -2,7 +2,7 @@
 
 MPI's blocking calls cannot time out, so MpiGroup issues nonblocking ones and
 completes them with ``poll``: a few Tests at once (a small message is often
-already there), then up to 200 us of testing if the host has a core per rank,
+already there), then testing for as long as the spin policy allows (spin.py),
 then sleeps doubling from 20 us to 1 ms, until the deadline. Polling is also
 what moves a nonblocking collective along: MPI progresses it only inside MPI
 calls, so a waiting rank must keep calling Test rather than sleep to the end.
@@ -14,8 +14,8 @@ import numpy as np
 
 from . import ops
 
-SPIN_TESTS = 32          # Test() calls at once: a small message is often there by then
-SPIN_S = 200e-6          # then keep testing for 200 us if cores allow (spin_seconds) ...
+SPIN_TESTS = 32          # Test() calls at once: a small message is often there by then,
+                         # then keep testing as long as spin.py's policy allows ...
 SLEEP_FIRST = 20e-6      # ... then sleep, doubling from 20 us ...
 SLEEP_MAX = 1e-3         # ... to 1 ms: worst added latency 1 ms, and an idle rank costs ~nothing
 
@@ -52,15 +52,9 @@ def unpack(flat, pieces):
         off += p.size
 
 
-def spin_seconds():
-    """How long a waiting rank polls before it starts sleeping: 200 us (as ShmGroup spins)
-    unless this host runs more ranks than it has cores, where spinning steals the core the
-    awaited peer needs. PARATRAIN_MPI_SPIN_US overrides."""
-    v = os.environ.get("PARATRAIN_MPI_SPIN_US")
-    if v is not None:
-        return float(v) * 1e-6
-    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
-    return 0.0 if int(local) > len(os.sched_getaffinity(0)) else SPIN_S
+def local_ranks():
+    """How many ranks of the job mpirun started on this host (Open MPI's or MPICH's word; 1 if neither says)."""
+    return int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1")
 
 
 def poll(done, timeout, on_timeout, spin_s=0.0):

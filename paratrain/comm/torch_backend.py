@@ -26,7 +26,7 @@ import numpy as np
 import torch.distributed as dist
 
 from . import ops
-from .errors import CommError, CommTimeout, PeerError, first_line
+from .errors import CommError, PeerError, first_line, peer_died, timed_out
 from .group import ProcessGroup, describe
 from .liveness import dead_local_peers
 from .work import EngineWork
@@ -69,18 +69,9 @@ class TorchGroup(ProcessGroup):
         reason = first_line(e)
         dead = dead_local_peers(self.procs, me, peers)
         if dead:
-            names = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in dead)
-            return PeerError(f"{names} died or exited while rank {me} was in {what} over {self.engine} "
-                             f"({reason})", dead)
-        if ("timed out" in reason.lower() or "timeout" in reason.lower()) and peer is not None:
-            return CommTimeout(
-                f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine}: rank {peers[0]} "
-                f"did not answer ({reason}); raise PARATRAIN_TIMEOUT if it is legitimately slow", peers)
+            return peer_died([(r, self.procs[r][1]) for r in dead], me, f"{what} over {self.engine}", reason)
         if "timed out" in reason.lower() or "timeout" in reason.lower():
-            return CommTimeout(
-                f"rank {me} timed out after {self.timeout:g}s in {what} over {self.engine} waiting for ranks "
-                f"{peers} ({reason}). Ranks must call the same collectives in the same order; raise "
-                "PARATRAIN_TIMEOUT if a rank is legitimately slow", peers)
+            return timed_out(me, self.timeout, f"{what} over {self.engine}", peers, reason, one_peer=peer is not None)
         return PeerError(f"rank {me}: {what} over {self.engine} failed; one of ranks {peers} closed its "
                          f"connection or misbehaved ({reason})", peers)
 

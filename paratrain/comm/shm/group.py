@@ -33,23 +33,22 @@ import numpy as np
 
 from .. import ops
 from ..algorithms import naive
-from . import cma, direct, resident
 from ..env import size_bytes
-from ..errors import CommTimeout, FrameError, MismatchError, PeerError
+from ..errors import FrameError, MismatchError, peer_died, timed_out
 from ..group import ProcessGroup, check_descriptors, describe
 from ..liveness import alive as _alive
-from ..work import posted_work
+from ..spin import for_this_thread, spin_seconds
 from ..wire import HEADER_SIZE, decode_header, encode_header
-from . import segment
-from .semaphore import SEM_STRIDE, Semaphore
-from .matching import Mailbox, PostedReceive
+from ..work import posted_work
+from . import cma, direct, resident, segment
+from .matching import Mailbox, ShmReceive
 from .rounds import Rounds
+from .semaphore import SEM_STRIDE, Semaphore
 from .shared import SharedBuffers
 
 MAGIC = 0x7061726174726E31  # "paratrn1"
 MAX_MESSAGE = 1 << 40
 NBUF = 3  # collective buffers per rank
-_MAIN_THREAD = threading.main_thread()
 
 
 def _align(n, a=64):
@@ -109,9 +108,7 @@ class ShmGroup(ProcessGroup):
         chunk_bytes = chunk_bytes or _env_bytes("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20)
         self.layout = L = Layout(P, _align(slot_bytes), _align(chunk_bytes))
         self.slot_bytes, self.chunk_bytes = L.slot_bytes, L.chunk_bytes
-        spin_us = os.environ.get("PARATRAIN_SHM_SPIN_US")
-        oversubscribed = P > (os.cpu_count() or 1)
-        self.spin_s = (float(spin_us) if spin_us is not None else (0 if oversubscribed else 200)) * 1e-6
+        self.spin_s = spin_seconds(P, "PARATRAIN_SHM_SPIN_US")   # every rank of the group is on this host
         self._store, self._key = store, key
         header = [MAGIC, P, L.slot_bytes, L.chunk_bytes]
 
@@ -138,7 +135,7 @@ class ShmGroup(ProcessGroup):
         self._send_frame = [0] * P
         self._recv_frame = [0] * P
         self._send_locks = [threading.Lock() for _ in range(P)]
-        self._boxes = [Mailbox() for _ in range(P)]   # incoming channels: matching by tag
+        self._boxes = [Mailbox(q) for q in range(P)]   # incoming channels: matching by tag
         self._need_check = False
         self._current = None
         self._cma_ok = None   # can every rank read its peers' memory (cma.usable)? Asked once, on first need
@@ -180,47 +177,37 @@ class ShmGroup(ProcessGroup):
     # ---- waiting, with a dead peer or a deadline turned into an error ------------
 
     def _spin(self):
-        """How long a wait may spin before it sleeps: spin_s on the main thread, 0 on any
-        other. The spin is a Python loop that holds the GIL; on a background thread
-        (an async_op lane, DataParallel's communication thread) it would keep the
-        training thread from running its own Python (autograd hooks) for up to the
-        interpreter's 5 ms switch interval. Measured with DataParallel on the 0.7M
-        MLP, 2 ranks: 3.5-4 ms of communication per step with the spin on the
-        background thread, against ~0.3 ms for the same all-reduce in a loop."""
-        return self.spin_s if threading.current_thread() is _MAIN_THREAD else 0.0
+        """How long a wait may spin before it sleeps, on this thread (spin.py)."""
+        return for_this_thread(self.spin_s)
 
     def _what(self):
         return describe(self._current) if self._current is not None else "collective"
 
-    def _watch(self, peers_fn, what, deadline):
+    def _watch(self, peers_fn, what, deadline, one_peer=False):
         """on_slice callback for Semaphore.acquire: raise if a peer we wait for died or time ran out.
-        ``what`` may be a callable, so that describing the operation costs nothing until it fails."""
+        ``what`` may be a callable, so that describing the operation costs nothing until it fails;
+        one_peer: a point-to-point wait (errors.timed_out)."""
         def on_slice():
             nonlocal what
             if callable(what):
                 what = what()
             self._check_alive(what)   # pt.destroy() on another thread ends the wait
             peers = peers_fn()
-            dead = [q for q in peers if not _alive(int(self._pids[q]))]
+            me = self.ranks[self.rank]
+            dead = [(self.ranks[q], int(self._pids[q])) for q in peers if not _alive(int(self._pids[q]))]
             if dead:
-                names = ", ".join(f"rank {self.ranks[q]} (pid {int(self._pids[q])})" for q in dead)
-                raise PeerError(f"{names} died or exited while rank {self.ranks[self.rank]} waited for it "
-                                f"in {what}", [self.ranks[q] for q in dead])
+                raise peer_died(dead, me, what)
             if time.time() >= deadline:
                 unset = [self.ranks[q] for q in peers if int(self._pids[q]) <= 0]
                 if unset:   # no pid: it never got through the group's set-up, so nothing to say it is alive
-                    raise CommTimeout(
-                        f"rank {self.ranks[self.rank]} timed out after {self.timeout:g}s in {what} waiting for "
-                        f"ranks {unset}, which never finished setting up this group: they failed or exited "
-                        "during pt.init() or new_group() (their own output says why), or are stuck there",
-                        unset)
+                    raise timed_out(me, self.timeout, what, unset, hint=(
+                        "They never finished setting up this group: they failed or exited during pt.init() "
+                        "or new_group() (their own output says why), or are stuck there"))
                 last = {self.ranks[q]: describe(self._desc[:, q][np.argmax(self._desc[:, q, 0])])
                         for q in peers}
-                raise CommTimeout(
-                    f"rank {self.ranks[self.rank]} timed out after {self.timeout:g}s in {what} waiting for ranks "
-                    f"{[self.ranks[q] for q in peers]} (alive, but not there; their last calls: {last}). "
-                    "Ranks must call the same collectives in the same order; raise PARATRAIN_TIMEOUT "
-                    "if a rank is legitimately slow", [self.ranks[q] for q in peers])
+                raise timed_out(me, self.timeout, what, [self.ranks[q] for q in peers],
+                                f"alive, but not there; {'its last call' if one_peer else 'their last calls'}: {last}",
+                                one_peer)
         return on_slice
 
     def _barrier_raw(self, what):
@@ -306,7 +293,7 @@ class ShmGroup(ProcessGroup):
             for i in range(self._chunks(total)):
                 part = raw[i * cap:(i + 1) * cap]
                 deadline = time.time() + self.timeout
-                empty.acquire(self._spin(), deadline, self._watch(lambda: [dst], what, deadline))
+                empty.acquire(self._spin(), deadline, self._watch(lambda: [dst], what, deadline, True))
                 frame = frames[self._send_frame[dst]]
                 self._send_frame[dst] ^= 1
                 encode_header(frame, 0, code=code, tag=tag, seq=seq, total=total, index=i, length=part.size)
@@ -321,7 +308,7 @@ class ShmGroup(ProcessGroup):
     def _posted(self, buf, code, src, tag, future=None):
         """A receive posted now: it takes a kept message with its tag at once, or
         waits in the peer's mailbox for whichever thread reads its message."""
-        req = PostedReceive(tag, buf.view(np.uint8), code, future)
+        req = ShmReceive(src, tag, buf.view(np.uint8), code, future)
         kept = self._boxes[src].post(req)
         if kept is not None:
             self._land(req, src, kept[1], kept[2].size, kept[2])
@@ -363,9 +350,10 @@ class ShmGroup(ProcessGroup):
                 box.withdraw(req)
                 if not req.done:
                     self._check_alive(f"recv from rank {self.ranks[src]} (tag {req.tag})")
-                    raise CommTimeout(f"rank {self.ranks[self.rank]}: recv of {req.raw.size} bytes from rank "
-                                      f"{self.ranks[src]} (tag {req.tag}) not done after {self.timeout:g}s, "
-                                      "while another thread of this rank read the channel", [self.ranks[src]])
+                    raise timed_out(self.ranks[self.rank], self.timeout,
+                                    f"recv of {req.raw.size} bytes from rank {self.ranks[src]} (tag {req.tag})",
+                                    [self.ranks[src]], "while another thread of this rank read the channel",
+                                    one_peer=True)
 
     def _land(self, req, src, rcode, rtotal, payload=None):
         """End req with a MismatchError if the message does not fit it; else copy a
@@ -397,7 +385,7 @@ class ShmGroup(ProcessGroup):
         chunks, i, into, kept = 1, 0, None, None
         try:
             while i < chunks:
-                full.acquire(self._spin(), deadline, self._watch(lambda: [src], what, deadline))
+                full.acquire(self._spin(), deadline, self._watch(lambda: [src], what, deadline, True))
                 frame = frames[self._recv_frame[src]]
                 self._recv_frame[src] ^= 1
                 rcode, rtag, rseq, rtotal, index, length = decode_header(

@@ -12,9 +12,9 @@ and the next message in the channel may carry another one:
 
 So whoever is reading the channel delivers each message to the oldest posted
 receive with its tag, or keeps it aside until one is posted: MPI's posted-
-and unexpected-message queues (MPI 4.0 standard, section 3.5, "Semantics of
-Point-to-Point Communication": messages between one pair with one tag do not
-overtake each other). A kept message is copied as its chunks arrive, so the
+and unexpected-message queues. The posted ones are comm/matching.py's, which
+the mpi backend uses too; the unexpected ones are shm's own (MPI keeps its own
+for the mpi backend). A kept message is copied as its chunks arrive, so the
 memory it takes is what the peer actually sent, never a size read from a
 header. In the common case, one receive waiting for the next message, nothing
 is kept and the message streams into the receive's buffer as before.
@@ -22,70 +22,57 @@ is kept and the message streams into the receive's buffer as before.
 import collections
 import threading
 
-from ..work import settle
+from ..matching import PostedReceive, PostedReceives
 
 
-class PostedReceive:
-    """A receive waiting for its message: where the bytes go, and how it ended.
-    ``future``, when an irecv's Work waits on it, is settled when it ends."""
+class ShmReceive(PostedReceive):
+    """A posted receive on shm: where its bytes go (uint8 view) and the dtype it expects."""
 
-    __slots__ = ("tag", "raw", "code", "done", "error", "future")
+    __slots__ = ("raw", "code")
 
-    def __init__(self, tag, raw, code, future=None):
-        self.tag, self.raw, self.code, self.future = tag, raw, code, future
-        self.done = False
-        self.error = None
-
-    def finish(self, error=None):
-        self.error = error
-        if self.future is not None:
-            settle(self.future, error)
-        self.done = True
+    def __init__(self, src, tag, raw, code, future=None):
+        super().__init__(src, tag, future)
+        self.raw, self.code = raw, code
 
 
 class Mailbox:
-    """One incoming channel's matching state.
+    """One incoming channel's matching state: its posted receives (comm/matching.py)
+    and its unexpected messages.
 
-    Two locks: ``lock`` guards the queues and is held only for a moment, so that
-    posting a receive never waits; ``reading`` is held by the one thread reading
-    the channel, for a whole message, which may mean waiting for the peer to send
-    it. Invariant (kept under ``lock``): no tag has both a posted receive and a
-    kept message, since whichever comes second takes the first."""
+    Two locks: ``lock`` guards the two queues together and is held only for a
+    moment, so that posting a receive never waits; ``reading`` is held by the one
+    thread reading the channel, for a whole message, which may mean waiting for
+    the peer to send it. Invariant (kept under ``lock``): no tag has both a posted
+    receive and a kept message, since whichever comes second takes the first."""
 
-    def __init__(self):
+    def __init__(self, src):
+        self.src = src
         self.lock = threading.Lock()
         self.reading = threading.Lock()
-        self.posted = []                          # PostedReceive, oldest first
+        self.posted = PostedReceives()
         self.unexpected = collections.deque()     # (tag, code, payload uint8 array), oldest first
 
     def post(self, req):
-        """Post a receive (under ``lock``); returns the kept message it takes instead,
-        if one with its tag came first, for the caller to copy in."""
+        """Post a receive; returns the kept message it takes instead, if one with its
+        tag came first, for the caller to copy in."""
         with self.lock:
             for i, kept in enumerate(self.unexpected):
                 if kept[0] == req.tag:
                     del self.unexpected[i]
                     return kept
-            self.posted.append(req)
-        return None
-
-    def _pop_posted(self, tag):
-        for i, req in enumerate(self.posted):
-            if req.tag == tag:
-                del self.posted[i]
-                return req
+            self.posted.post(req)
         return None
 
     def take_posted(self, tag):
         """The oldest posted receive with this tag, removed; or None."""
         with self.lock:
-            return self._pop_posted(tag)
+            return self.posted.take(self.src, tag)
 
     def keep(self, tag, code, payload):
         """A message read whole with no receive for it when it began: into the receive
         posted for its tag since, if any (returned, for the caller to copy in), else kept."""
         with self.lock:
-            req = self._pop_posted(tag)
+            req = self.posted.take(self.src, tag)
             if req is None:
                 self.unexpected.append((tag, code, payload))
         return req
@@ -93,5 +80,4 @@ class Mailbox:
     def withdraw(self, req):
         """A receive gives up (its deadline passed): no message may land in it later."""
         with self.lock:
-            if req in self.posted:
-                self.posted.remove(req)
+            self.posted.withdraw(req)
