@@ -187,6 +187,18 @@ def test_torch_gloo_backend(n):
     _ok(res, n, "torch")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_torch_backend_hands_the_callers_tensors_to_torch_distributed(n):
+    """The torch backend passes torch tensors through, with no numpy round trip, so code
+    written against pt runs over NCCL on GPUs unchanged: on the CPU, the very tensor
+    object (or, for a 2-D one in a gathering collective, its memory) reaches the
+    wrapped torch.distributed function, for every collective and point to point."""
+    res = launch(n, "torch_passthrough.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("tensor pass-through checks passed") == n, res.stdout + res.stderr
+
+
 EXITS_WITHOUT_DESTROY = """
 import atexit, os
 import torch

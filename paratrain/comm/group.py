@@ -2,7 +2,8 @@
 
 Names and argument order follow torch.distributed so that code moves over
 unchanged: ``all_reduce(tensor, op="sum", async_op=False)`` and so on. Tensors
-are CPU torch tensors or numpy arrays; results are written in place.
+are CPU torch tensors or numpy arrays (the torch backend hands torch tensors on
+any device to torch.distributed as they are); results are written in place.
 
 This base class owns what is the same for every backend: argument checking,
 the ``async_op`` lanes, the debug-mode check that all ranks called the same
@@ -222,9 +223,13 @@ class ProcessGroup:
         return f"{name} of {buf.nbytes} bytes {direction} rank {self.ranks[peer]} (tag {tag})"
 
     def _p2p_args(self, tensor, peer, tag, what, writable=True):
-        """The checks every backend makes alike. A message to oneself is refused, as
-        torch.distributed refuses it (MPI would buffer a small one and hang on a large one)."""
+        """The checks every backend makes alike: (flat buffer, dtype code, peer, tag)."""
         buf, code = ops.as_buffer(tensor, f"{what} buffer", writable)
+        return (buf, code, *self._p2p_peer(peer, tag, what))
+
+    def _p2p_peer(self, peer, tag, what):
+        """(peer, tag), checked. A message to oneself is refused, as torch.distributed
+        refuses it (MPI would buffer a small one and hang on a large one)."""
         if peer is None:
             raise ValueError(f"{what}: a peer rank is needed; paratrain has no receive from any "
                              "source (torch.distributed's src=None): name the sender, or gather")
@@ -232,7 +237,7 @@ class ProcessGroup:
         if peer == self.rank:
             raise ValueError(f"{what}: rank {peer} is this rank; a rank cannot send to or receive from "
                              "itself, copy the tensor instead")
-        return buf, code, peer, _check_tag(tag, what)
+        return peer, _check_tag(tag, what)
 
     def _blocking_recv(self, buf, code, src, tag):
         """recv: after the irecvs from src already on its lane, so that receives

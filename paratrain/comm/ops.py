@@ -162,16 +162,25 @@ def as_buffer(tensor, what="tensor", writable=True):
     raise TypeError(f"{what} must be a CPU torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
 
 
-def _torch_buffer(tensor, what):
+def tensor_code(tensor, what, cpu=True):
+    """The dtype code of a torch tensor a collective takes, after the checks every
+    backend makes: a supported dtype, contiguous (results are written in place, so
+    nothing is silently copied), and, unless ``cpu`` is False (the torch backend
+    hands tensors to torch.distributed as they are), on the CPU."""
     code = DTYPE_CODE.get(tensor.dtype)
     if code is None:
         raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {supported_dtypes()}")
-    if not tensor.is_cpu:
-        raise ValueError(f"{what} is on {tensor.device}; paratrain's collectives take CPU tensors on every "
-                         "backend (GPU tensors are not supported yet: copy to the CPU with .cpu(), or call "
-                         "torch.distributed with NCCL directly)")
+    if cpu and not tensor.is_cpu:
+        raise ValueError(f"{what} is on {tensor.device}; this backend takes CPU tensors: copy to the CPU with "
+                         ".cpu(), or use pt.init(backend='nccl') (or 'torch'), which hands tensors to "
+                         "torch.distributed as they are")
     if not tensor.is_contiguous():
         raise ValueError(f"{what} is not contiguous; call .contiguous() first")
+    return code
+
+
+def _torch_buffer(tensor, what):
+    code = tensor_code(tensor, what)
     t = tensor.detach() if tensor.requires_grad else tensor
     if code == 2:
         return t.view(torch.int16).numpy().view(np.uint16).reshape(-1), code

@@ -11,6 +11,15 @@ names where they exist (and the old ones on an older torch) whenever the
 pieces lie back to back in one buffer (always, when the caller passed one
 tensor), and torch's list forms otherwise.
 
+Torch tensors are handed to torch.distributed as they are: the caller's own
+tensor object (a flat view of it where Gloo wants a shape the caller's lacks,
+for the gathering collectives), on whatever device it lives, with no numpy
+round trip, so strategy code written against ``pt`` runs over NCCL on GPUs
+unchanged. numpy arrays, the portable algorithms (``algorithm="ring"``) and
+PARATRAIN_DEBUG's point-to-point envelopes take ProcessGroup's path over flat
+numpy buffers (CPU only), which reaches the same collectives below through
+torch views of those buffers.
+
 torch.distributed reports a dead or silent peer as a bare RuntimeError from
 the engine ("Connection reset by peer", "Timed out waiting 3000ms for recv
 operation"), naming neither the rank nor the operation. Every call here turns
@@ -22,7 +31,7 @@ import contextlib
 import functools
 import weakref
 
-import numpy as np
+import torch
 import torch.distributed as dist
 
 from . import ops
@@ -31,8 +40,14 @@ from .group import ProcessGroup, describe
 from .liveness import dead_local_peers
 from .work import EngineWork
 
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_single(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "prod": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -85,31 +100,78 @@ class TorchGroup(ProcessGroup):
     def _global(self, r):
         return self.ranks[r]
 
-    # point to point: torch uses global ranks
+    # ---- point to point: torch uses global ranks ---------------------------------
+
+    def send(self, tensor, dst, tag=0):
+        if not self._passes(tensor):
+            return super().send(tensor, dst, tag)
+        t, _ = _tensor(tensor, "send buffer")
+        dst, tag = self._p2p_peer(dst, tag, "send")
+        self._run(f"send-{dst}", lambda: self._send_t(t, dst, tag), False, f"send to {dst}")
+
+    def recv(self, tensor, src, tag=0):
+        if not self._passes(tensor):
+            return super().recv(tensor, src, tag)
+        t, _ = _tensor(tensor, "recv buffer")
+        src, tag = self._p2p_peer(src, tag, "recv")
+        self._check_alive(f"recv from {src}")
+        self._lanes.drain(f"recv-{src}")   # after the irecvs from src already on its lane (_blocking_recv)
+        self._recv_t(t, src, tag)
+        return src
+
+    def isend(self, tensor, dst, tag=0):
+        if not self._passes(tensor):
+            return super().isend(tensor, dst, tag)
+        t, _ = _tensor(tensor, "isend buffer")
+        dst, tag = self._p2p_peer(dst, tag, "isend")
+        self._check_alive(f"isend to {dst}")
+        return self._post(dist.isend, self._p2p_what("isend", t, "to", dst, tag), t, dst, tag)
+
+    def irecv(self, tensor, src, tag=0):
+        if not self._passes(tensor):
+            return super().irecv(tensor, src, tag)
+        t, _ = _tensor(tensor, "irecv buffer")
+        src, tag = self._p2p_peer(src, tag, "irecv")
+        self._check_alive(f"irecv from {src}")
+        return self._post(dist.irecv, self._p2p_what("irecv", t, "from", src, tag), t, src, tag)
+
+    def _passes(self, tensor):
+        """A torch tensor goes to torch.distributed as it is, except behind PARATRAIN_DEBUG's
+        envelopes (envelopes.py), which ProcessGroup sends over flat buffers."""
+        return isinstance(tensor, torch.Tensor) and not self._envelopes
+
     def _send(self, buf, code, dst, tag):
-        with self._engine_errors(self._p2p_what("send", buf, "to", dst, tag), dst):
-            dist.send(ops.torch_view(buf, code), self._global(dst), group=self.pg, tag=tag)
+        self._send_t(ops.torch_view(buf, code), dst, tag)
 
     def _recv(self, buf, code, src, tag):
-        with self._engine_errors(self._p2p_what("recv", buf, "from", src, tag), src):
-            dist.recv(ops.torch_view(buf, code), self._global(src), group=self.pg, tag=tag)
+        self._recv_t(ops.torch_view(buf, code), src, tag)
+
+    def _send_t(self, t, dst, tag):
+        with self._engine_errors(self._p2p_what("send", t, "to", dst, tag), dst):
+            dist.send(t, self._global(dst), group=self.pg, tag=tag)
+
+    def _recv_t(self, t, src, tag):
+        with self._engine_errors(self._p2p_what("recv", t, "from", src, tag), src):
+            dist.recv(t, self._global(src), group=self.pg, tag=tag)
 
     # isend/irecv are torch's own: Gloo sends only once the receiver has posted a
     # receive with that tag, so sends queued on one lane thread (the base class's
     # way) would deadlock a receiver that takes a later tag first.
     def _post_send(self, buf, code, dst, tag):
-        return self._post(dist.isend, self._p2p_what("isend", buf, "to", dst, tag), buf, code, dst, tag)
+        return self._post(dist.isend, self._p2p_what("isend", buf, "to", dst, tag), ops.torch_view(buf, code),
+                          dst, tag, keep=buf)
 
     def _post_recv(self, buf, code, src, tag):
-        return self._post(dist.irecv, self._p2p_what("irecv", buf, "from", src, tag), buf, code, src, tag)
+        return self._post(dist.irecv, self._p2p_what("irecv", buf, "from", src, tag), ops.torch_view(buf, code),
+                          src, tag, keep=buf)
 
-    def _post(self, start, what, buf, code, peer, tag):
-        """start (dist.isend or dist.irecv) on buf, as an EngineWork whose errors name the peer."""
-        t = ops.torch_view(buf, code)
+    def _post(self, start, what, t, peer, tag, keep=None):
+        """start (dist.isend or dist.irecv) on tensor t, as an EngineWork whose errors name
+        the peer; t (and ``keep``, the numpy buffer t may view) stay referenced until done."""
         errors = functools.partial(self._engine_errors, peer=peer)
         with errors(what):
             handle = start(t, self._global(peer), group=self.pg, tag=tag)
-        work = EngineWork(handle, what, errors, keep=(buf, t), destroyed=lambda: self._destroyed)
+        work = EngineWork(handle, what, errors, keep=(keep, t), destroyed=lambda: self._destroyed)
         self._pending.add(work)
         return work
 
@@ -121,64 +183,226 @@ class TorchGroup(ProcessGroup):
             for r in reqs:
                 r.wait()
 
-    def _avg(self, buf, code, op):
-        if op == "avg":
-            ops.finish_avg(buf, self.world_size, code)
+    # ---- collectives on torch tensors, passed through ------------------------------
+    # The same checks as ProcessGroup's (argument shapes and dtypes, the descriptor,
+    # async_op on the collective lane), on the tensors themselves.
 
-    def _all_reduce(self, buf, code, op):
-        dist.all_reduce(ops.torch_view(buf, code), _TORCH_OPS[op], group=self.pg)
-        self._avg(buf, code, op)
+    def all_reduce(self, tensor, op="sum", async_op=False, algorithm=None):
+        if not isinstance(tensor, torch.Tensor) or self._algorithm(algorithm, tensor.nbytes) is not None:
+            return super().all_reduce(tensor, op, async_op, algorithm)   # numpy, or a portable algorithm
+        op = ops.normalize_op(op)
+        t, code = _tensor(tensor)
+        ops.check_op_dtype(op, code)
+        return self._collective("all_reduce", self._all_reduce_t, (t, op), async_op, code, op, t.numel())
+
+    def broadcast(self, tensor, src=0, async_op=False):
+        if not isinstance(tensor, torch.Tensor):
+            return super().broadcast(tensor, src, async_op)
+        t, code = _tensor(tensor)
+        src = self._check_peer(src, "broadcast")
+        return self._collective("broadcast", self._broadcast_t, (t, src), async_op, code, None, t.numel(), src)
+
+    def reduce(self, tensor, dst=0, op="sum", async_op=False):
+        if not isinstance(tensor, torch.Tensor):
+            return super().reduce(tensor, dst, op, async_op)
+        op = ops.normalize_op(op)
+        t, code = _tensor(tensor)
+        ops.check_op_dtype(op, code)
+        dst = self._check_peer(dst, "reduce")
+        return self._collective("reduce", self._reduce_t, (t, op, dst), async_op, code, op, t.numel(), dst)
+
+    def all_gather(self, output, tensor, async_op=False):
+        if not _all_tensors(output, tensor):
+            return super().all_gather(output, tensor, async_op)
+        t, code = _tensor(tensor, "all_gather input")
+        out = self._pieces_t(output, t, "all_gather output")
+        return self._collective("all_gather", self._all_gather_t, (out, _flat(t)), async_op, code, None, t.numel())
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        if not _all_tensors(output, input):
+            return super().reduce_scatter(output, input, op, async_op)
+        op = ops.normalize_op(op)
+        out, code = _tensor(output, "reduce_scatter output")
+        ops.check_op_dtype(op, code)
+        inp = self._pieces_t(input, out, "reduce_scatter input")
+        return self._collective("reduce_scatter", self._reduce_scatter_t, (_flat(out), inp, op), async_op, code, op,
+                                out.numel())
+
+    def gather(self, tensor, gather_list=None, dst=0, async_op=False):
+        if not _all_tensors(tensor, [] if gather_list is None else gather_list):
+            return super().gather(tensor, gather_list, dst, async_op)
+        t, code = _tensor(tensor, "gather input")
+        dst = self._check_peer(dst, "gather")
+        out = None
+        if self.rank == dst:
+            if gather_list is None:
+                raise ValueError("gather: the destination rank must pass gather_list")
+            out = _pieces(self._pieces_t(gather_list, t, "gather_list"), self.world_size)
+        return self._collective("gather", self._gather_t, (out, _flat(t), dst), async_op, code, None, t.numel(), dst)
+
+    def scatter(self, tensor, scatter_list=None, src=0, async_op=False):
+        if not _all_tensors(tensor, [] if scatter_list is None else scatter_list):
+            return super().scatter(tensor, scatter_list, src, async_op)
+        t, code = _tensor(tensor, "scatter output")
+        src = self._check_peer(src, "scatter")
+        inp = None
+        if self.rank == src:
+            if scatter_list is None:
+                raise ValueError("scatter: the source rank must pass scatter_list")
+            inp = _pieces(self._pieces_t(scatter_list, t, "scatter_list"), self.world_size)
+        return self._collective("scatter", self._scatter_t, (_flat(t), inp, src), async_op, code, None, t.numel(),
+                                src)
+
+    def all_to_all(self, output, input, async_op=False):
+        if not _all_tensors(output, input):
+            return super().all_to_all(output, input, async_op)
+        out, code = self._split_t(output, "all_to_all output")
+        inp, icode = self._split_t(input, "all_to_all input")
+        if icode != code:
+            raise TypeError("all_to_all input and output dtypes differ")
+        # As ProcessGroup.all_to_all: single tensors are even pieces; lists may be uneven.
+        even = not isinstance(input, (list, tuple)) and not isinstance(output, (list, tuple))
+        if even:
+            out, inp = _flat(out), _flat(inp)
+        return self._collective("all_to_all", self._all_to_all_t, (out, inp), async_op, code, None,
+                                inp.numel() if even else 0, 0, int(even))
+
+    def _collective(self, name, fn, args, async_op, code, op=None, numel=0, root=0, extra=0):
+        desc = self._descriptor(name, code, op, numel, root, extra)
+        return self._run("coll", lambda: self._checked(desc, fn, *args), async_op, name)
+
+    def _pieces_t(self, x, like, what):
+        """``x`` as ProcessGroup._gathered takes it, for tensors: a list of world_size tensors
+        of like's dtype and size, or one tensor of world_size x like.numel() elements. Returns
+        the list, each flat, or the one tensor, flat (torch's own single form)."""
+        P, n = self.world_size, like.numel()
+        if isinstance(x, (list, tuple)):
+            if len(x) != P:
+                raise ValueError(f"{what} has {len(x)} tensors; it needs one per rank ({P})")
+            pieces = [_tensor(p, f"{what}[{i}]")[0] for i, p in enumerate(x)]
+            for i, p in enumerate(pieces):
+                if p.numel() != n:
+                    raise ValueError(f"{what}[{i}] has {p.numel()} elements, expected {n}")
+                if p.dtype != like.dtype:
+                    raise TypeError(f"{what} dtype differs from the tensor's ({p.dtype} vs {like.dtype})")
+            return [_flat(p) for p in pieces]
+        t, _ = _tensor(x, what)
+        if t.numel() != n * P:
+            raise ValueError(f"{what} has {t.numel()} elements; it needs world_size x {n} = {n * P}")
+        if t.dtype != like.dtype:
+            raise TypeError(f"{what} dtype differs from the tensor's ({t.dtype} vs {like.dtype})")
+        return _flat(t)
+
+    def _split_t(self, x, what):
+        """all_to_all's argument: (a list of world_size flat tensors, or one tensor whose
+        numel world_size divides, dtype code)."""
+        if isinstance(x, (list, tuple)):
+            if len(x) != self.world_size:
+                raise ValueError(f"{what} has {len(x)} tensors; it needs one per rank ({self.world_size})")
+            pieces = [_tensor(p, f"{what}[{i}]") for i, p in enumerate(x)]
+            codes = {c for _, c in pieces}
+            if len(codes) > 1:
+                raise TypeError(f"{what} mixes dtypes")
+            return [_flat(p) for p, _ in pieces], codes.pop()
+        t, code = _tensor(x, what)
+        if t.numel() % self.world_size:
+            raise ValueError(f"{what} has {t.numel()} elements, not divisible by world size {self.world_size}"
+                             + ("; pass lists for uneven pieces" if what.endswith("input") else ""))
+        return t, code
+
+    # ---- the collectives, over torch.distributed ----------------------------------
+    # Each takes torch tensors: the caller's own, passed through (above), or views of
+    # ProcessGroup's flat numpy buffers (the _<collective> methods below them).
+
+    def _all_reduce_t(self, t, op):
+        dist.all_reduce(t, _TORCH_OPS[op], group=self.pg)
+        if op == "avg":
+            t.div_(self.world_size)
+
+    def _broadcast_t(self, t, src):
+        dist.broadcast(t, self._global(src), group=self.pg)
+
+    def _reduce_t(self, t, op, dst):
+        # Gloo's reduce may overwrite the input on non-root ranks; reduce a copy there.
+        dist.reduce(t if self.rank == dst else t.clone(), self._global(dst), _TORCH_OPS[op], group=self.pg)
+        if self.rank == dst and op == "avg":
+            t.div_(self.world_size)
+
+    def _all_gather_t(self, out, t):
+        """out: one flat tensor of world_size x t.numel() elements, or a list of world_size flat tensors."""
+        if isinstance(out, list) or not t.numel():   # empty: the list form
+            dist.all_gather(_pieces(out, self.world_size), t, group=self.pg)
+        else:
+            _all_gather_single(out, t, group=self.pg)
+
+    def _reduce_scatter_t(self, out, inp, op):
+        """inp: one flat tensor of world_size x out.numel() elements, or a list (Gloo has no
+        list form: it is concatenated into one for the single form)."""
+        if isinstance(inp, list):
+            inp = torch.cat(inp)
+        _reduce_scatter_single(out, inp, _TORCH_OPS[op], group=self.pg)
+        if op == "avg":
+            out.div_(self.world_size)
+
+    def _gather_t(self, out, t, dst):
+        dist.gather(t, out if self.rank == dst else None, dst=self._global(dst), group=self.pg)
+
+    def _scatter_t(self, t, inp, src):
+        dist.scatter(t, inp if self.rank == src else None, src=self._global(src), group=self.pg)
+
+    def _all_to_all_t(self, out, inp):
+        """out, inp: two flat tensors split evenly, or lists of world_size flat tensors
+        (a single tensor beside a list is split into its even pieces)."""
+        if not isinstance(out, list) and not isinstance(inp, list):
+            if _overlap(out, inp):   # in place: the engine reads what it already wrote
+                inp = inp.clone()
+            dist.all_to_all_single(out, inp, group=self.pg)
+            return
+        out, inp = _pieces(out, self.world_size), _pieces(inp, self.world_size)
+        if self.engine == "gloo":
+            # Gloo has all_to_all_single (with split sizes) but not the list form.
+            send = torch.cat(inp)
+            recv = torch.empty(sum(o.numel() for o in out), dtype=out[0].dtype, device=out[0].device)
+            dist.all_to_all_single(recv, send, output_split_sizes=[o.numel() for o in out],
+                                   input_split_sizes=[i.numel() for i in inp], group=self.pg)
+            for o, r in zip(out, recv.split([o.numel() for o in out])):
+                o.copy_(r)
+        else:
+            dist.all_to_all(out, inp, group=self.pg)
 
     def _barrier(self):
         dist.barrier(group=self.pg)
 
+    # ProcessGroup's path (numpy arrays, and tensors under PARATRAIN_DEBUG's p2p checks):
+    # its flat buffers as torch views, into the same collectives.
+
+    def _all_reduce(self, buf, code, op):
+        self._all_reduce_t(ops.torch_view(buf, code), op)
+
     def _broadcast(self, buf, code, src):
-        dist.broadcast(ops.torch_view(buf, code), self._global(src), group=self.pg)
+        self._broadcast_t(ops.torch_view(buf, code), src)
 
     def _reduce(self, buf, code, op, dst):
-        # Gloo's reduce may overwrite the input on non-root ranks; reduce a copy there.
-        t = ops.torch_view(buf, code) if self.rank == dst else ops.torch_view(buf.copy(), code)
-        dist.reduce(t, self._global(dst), _TORCH_OPS[op], group=self.pg)
-        if self.rank == dst:
-            self._avg(buf, code, op)
+        self._reduce_t(ops.torch_view(buf, code), op, dst)
 
     def _all_gather_into(self, out, buf, code):
-        flat = ops.span(out) if buf.size else None   # empty: the list form
-        if flat is not None:
-            _ALL_GATHER_SINGLE(ops.torch_view(flat, code), ops.torch_view(buf, code), group=self.pg)
-        else:
-            dist.all_gather([ops.torch_view(o, code) for o in out], ops.torch_view(buf, code), group=self.pg)
+        flat = ops.span(out) if buf.size else None   # pieces end to end: the single form (empty: the list form)
+        self._all_gather_t(_views(out, code) if flat is None else ops.torch_view(flat, code),
+                           ops.torch_view(buf, code))
 
     def _reduce_scatter(self, out, inp, code, op):
         flat = ops.span(inp)
-        if flat is None:   # the list form, which Gloo lacks: one buffer for the single form
-            flat = np.concatenate(inp)
-        _REDUCE_SCATTER_SINGLE(ops.torch_view(out, code), ops.torch_view(flat, code), _TORCH_OPS[op],
-                               group=self.pg)
-        self._avg(out, code, op)
+        self._reduce_scatter_t(ops.torch_view(out, code), _views(inp, code) if flat is None
+                               else ops.torch_view(flat, code), op)
 
     def _gather(self, out, buf, code, dst):
-        dist.gather(ops.torch_view(buf, code), [ops.torch_view(o, code) for o in out] if self.rank == dst else None,
-                    dst=self._global(dst), group=self.pg)
+        self._gather_t(_views(out, code) if self.rank == dst else None, ops.torch_view(buf, code), dst)
 
     def _scatter(self, buf, inp, code, src):
-        dist.scatter(ops.torch_view(buf, code), [ops.torch_view(i, code) for i in inp] if self.rank == src else None,
-                     src=self._global(src), group=self.pg)
+        self._scatter_t(ops.torch_view(buf, code), _views(inp, code) if self.rank == src else None, src)
 
     def _all_to_all(self, out, inp, code, even):
-        if self.engine == "gloo":
-            # Gloo has all_to_all_single (with split sizes) but not the list form.
-            send = np.concatenate(inp)
-            recv = np.empty(sum(o.size for o in out), dtype=out[0].dtype)
-            dist.all_to_all_single(ops.torch_view(recv, code), ops.torch_view(send, code),
-                                   output_split_sizes=[o.size for o in out],
-                                   input_split_sizes=[i.size for i in inp], group=self.pg)
-            off = 0
-            for o in out:
-                o[...] = recv[off:off + o.size]
-                off += o.size
-        else:
-            dist.all_to_all([ops.torch_view(o, code) for o in out], [ops.torch_view(i, code) for i in inp], group=self.pg)
+        self._all_to_all_t(_views(out, code), _views(inp, code))
 
     def destroy(self):
         """Pending isends/irecvs are settled first (EngineWork.give_up): a Gloo
@@ -188,3 +412,42 @@ class TorchGroup(ProcessGroup):
         for work in list(self._pending):
             work.give_up()
         super().destroy()
+
+
+def _tensor(tensor, what="tensor"):
+    """(the tensor to hand to torch.distributed, its dtype code): the caller's own
+    (detached if it requires grad, as ops.as_buffer detaches), on any device."""
+    code = ops.tensor_code(tensor, what, cpu=False)
+    return (tensor.detach() if tensor.requires_grad else tensor), code
+
+
+def _flat(t):
+    """t itself if 1-D, else a flat view of it (the same memory): Gloo's gathering
+    collectives want their pieces' shapes to match, where paratrain asks only numel."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
+def _all_tensors(*args):
+    """Are all the arguments, or all the items of list arguments, torch tensors?"""
+    items = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
+    return all(isinstance(x, torch.Tensor) for x in items)
+
+
+def _views(pieces, code):
+    return [ops.torch_view(p, code) for p in pieces]
+
+
+def _pieces(x, P):
+    """A list of P flat tensors as it is; one flat tensor cut into P equal views."""
+    if isinstance(x, list):
+        return x
+    n = x.numel() // P
+    return [x[i * n:(i + 1) * n] for i in range(P)]
+
+
+def _overlap(a, b):
+    """Do two flat tensors share a byte of memory?"""
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
+
