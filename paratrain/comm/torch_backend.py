@@ -15,7 +15,7 @@ Torch tensors are handed to torch.distributed as they are: the caller's own
 tensor object (a flat view of it where Gloo wants a shape the caller's lacks,
 for the gathering collectives), on whatever device it lives, with no numpy
 round trip, so strategy code written against ``pt`` runs over NCCL on GPUs
-unchanged. numpy arrays, the portable algorithms (``algorithm="ring"``) and
+unchanged (torch_args.py checks and shapes them). numpy arrays, the portable algorithms (``algorithm="ring"``) and
 PARATRAIN_DEBUG's point-to-point envelopes take ProcessGroup's path over flat
 numpy buffers (CPU only), which reaches the same collectives below through
 torch views of those buffers.
@@ -38,6 +38,7 @@ from . import ops
 from .errors import CommError, PeerError, first_line, peer_died, timed_out
 from .group import ProcessGroup, describe
 from .liveness import dead_local_peers
+from .torch_args import all_tensors, even_pieces, flat, overlap, pieces_like, split_arg, tensor_arg
 from .work import EngineWork
 
 
@@ -105,14 +106,14 @@ class TorchGroup(ProcessGroup):
     def send(self, tensor, dst, tag=0):
         if not self._passes(tensor):
             return super().send(tensor, dst, tag)
-        t, _ = _tensor(tensor, "send buffer")
+        t, _ = tensor_arg(tensor, "send buffer")
         dst, tag = self._p2p_peer(dst, tag, "send")
         self._run(f"send-{dst}", lambda: self._send_t(t, dst, tag), False, f"send to {dst}")
 
     def recv(self, tensor, src, tag=0):
         if not self._passes(tensor):
             return super().recv(tensor, src, tag)
-        t, _ = _tensor(tensor, "recv buffer")
+        t, _ = tensor_arg(tensor, "recv buffer")
         src, tag = self._p2p_peer(src, tag, "recv")
         self._check_alive(f"recv from {src}")
         self._lanes.drain(f"recv-{src}")   # after the irecvs from src already on its lane (_blocking_recv)
@@ -122,7 +123,7 @@ class TorchGroup(ProcessGroup):
     def isend(self, tensor, dst, tag=0):
         if not self._passes(tensor):
             return super().isend(tensor, dst, tag)
-        t, _ = _tensor(tensor, "isend buffer")
+        t, _ = tensor_arg(tensor, "isend buffer")
         dst, tag = self._p2p_peer(dst, tag, "isend")
         self._check_alive(f"isend to {dst}")
         return self._post(dist.isend, self._p2p_what("isend", t, "to", dst, tag), t, dst, tag)
@@ -130,7 +131,7 @@ class TorchGroup(ProcessGroup):
     def irecv(self, tensor, src, tag=0):
         if not self._passes(tensor):
             return super().irecv(tensor, src, tag)
-        t, _ = _tensor(tensor, "irecv buffer")
+        t, _ = tensor_arg(tensor, "irecv buffer")
         src, tag = self._p2p_peer(src, tag, "irecv")
         self._check_alive(f"irecv from {src}")
         return self._post(dist.irecv, self._p2p_what("irecv", t, "from", src, tag), t, src, tag)
@@ -191,14 +192,14 @@ class TorchGroup(ProcessGroup):
         if not isinstance(tensor, torch.Tensor) or self._algorithm(algorithm, tensor.nbytes) is not None:
             return super().all_reduce(tensor, op, async_op, algorithm)   # numpy, or a portable algorithm
         op = ops.normalize_op(op)
-        t, code = _tensor(tensor)
+        t, code = tensor_arg(tensor)
         ops.check_op_dtype(op, code)
         return self._collective("all_reduce", self._all_reduce_t, (t, op), async_op, code, op, t.numel())
 
     def broadcast(self, tensor, src=0, async_op=False):
         if not isinstance(tensor, torch.Tensor):
             return super().broadcast(tensor, src, async_op)
-        t, code = _tensor(tensor)
+        t, code = tensor_arg(tensor)
         src = self._check_peer(src, "broadcast")
         return self._collective("broadcast", self._broadcast_t, (t, src), async_op, code, None, t.numel(), src)
 
@@ -206,109 +207,70 @@ class TorchGroup(ProcessGroup):
         if not isinstance(tensor, torch.Tensor):
             return super().reduce(tensor, dst, op, async_op)
         op = ops.normalize_op(op)
-        t, code = _tensor(tensor)
+        t, code = tensor_arg(tensor)
         ops.check_op_dtype(op, code)
         dst = self._check_peer(dst, "reduce")
         return self._collective("reduce", self._reduce_t, (t, op, dst), async_op, code, op, t.numel(), dst)
 
     def all_gather(self, output, tensor, async_op=False):
-        if not _all_tensors(output, tensor):
+        if not all_tensors(output, tensor):
             return super().all_gather(output, tensor, async_op)
-        t, code = _tensor(tensor, "all_gather input")
-        out = self._pieces_t(output, t, "all_gather output")
-        return self._collective("all_gather", self._all_gather_t, (out, _flat(t)), async_op, code, None, t.numel())
+        t, code = tensor_arg(tensor, "all_gather input")
+        out = pieces_like(output, t, self.world_size, "all_gather output")
+        return self._collective("all_gather", self._all_gather_t, (out, flat(t)), async_op, code, None, t.numel())
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
-        if not _all_tensors(output, input):
+        if not all_tensors(output, input):
             return super().reduce_scatter(output, input, op, async_op)
         op = ops.normalize_op(op)
-        out, code = _tensor(output, "reduce_scatter output")
+        out, code = tensor_arg(output, "reduce_scatter output")
         ops.check_op_dtype(op, code)
-        inp = self._pieces_t(input, out, "reduce_scatter input")
-        return self._collective("reduce_scatter", self._reduce_scatter_t, (_flat(out), inp, op), async_op, code, op,
+        inp = pieces_like(input, out, self.world_size, "reduce_scatter input")
+        return self._collective("reduce_scatter", self._reduce_scatter_t, (flat(out), inp, op), async_op, code, op,
                                 out.numel())
 
     def gather(self, tensor, gather_list=None, dst=0, async_op=False):
-        if not _all_tensors(tensor, [] if gather_list is None else gather_list):
+        if not all_tensors(tensor, [] if gather_list is None else gather_list):
             return super().gather(tensor, gather_list, dst, async_op)
-        t, code = _tensor(tensor, "gather input")
+        t, code = tensor_arg(tensor, "gather input")
         dst = self._check_peer(dst, "gather")
-        out = None
-        if self.rank == dst:
-            if gather_list is None:
-                raise ValueError("gather: the destination rank must pass gather_list")
-            out = _pieces(self._pieces_t(gather_list, t, "gather_list"), self.world_size)
-        return self._collective("gather", self._gather_t, (out, _flat(t), dst), async_op, code, None, t.numel(), dst)
+        out = self._root_pieces(gather_list, t, dst, "gather: the destination rank", "gather_list")
+        return self._collective("gather", self._gather_t, (out, flat(t), dst), async_op, code, None, t.numel(), dst)
 
     def scatter(self, tensor, scatter_list=None, src=0, async_op=False):
-        if not _all_tensors(tensor, [] if scatter_list is None else scatter_list):
+        if not all_tensors(tensor, [] if scatter_list is None else scatter_list):
             return super().scatter(tensor, scatter_list, src, async_op)
-        t, code = _tensor(tensor, "scatter output")
+        t, code = tensor_arg(tensor, "scatter output")
         src = self._check_peer(src, "scatter")
-        inp = None
-        if self.rank == src:
-            if scatter_list is None:
-                raise ValueError("scatter: the source rank must pass scatter_list")
-            inp = _pieces(self._pieces_t(scatter_list, t, "scatter_list"), self.world_size)
-        return self._collective("scatter", self._scatter_t, (_flat(t), inp, src), async_op, code, None, t.numel(),
+        inp = self._root_pieces(scatter_list, t, src, "scatter: the source rank", "scatter_list")
+        return self._collective("scatter", self._scatter_t, (flat(t), inp, src), async_op, code, None, t.numel(),
                                 src)
 
     def all_to_all(self, output, input, async_op=False):
-        if not _all_tensors(output, input):
+        if not all_tensors(output, input):
             return super().all_to_all(output, input, async_op)
-        out, code = self._split_t(output, "all_to_all output")
-        inp, icode = self._split_t(input, "all_to_all input")
+        out, code = split_arg(output, self.world_size, "all_to_all output")
+        inp, icode = split_arg(input, self.world_size, "all_to_all input")
         if icode != code:
             raise TypeError("all_to_all input and output dtypes differ")
         # As ProcessGroup.all_to_all: single tensors are even pieces; lists may be uneven.
         even = not isinstance(input, (list, tuple)) and not isinstance(output, (list, tuple))
         if even:
-            out, inp = _flat(out), _flat(inp)
+            out, inp = flat(out), flat(inp)
         return self._collective("all_to_all", self._all_to_all_t, (out, inp), async_op, code, None,
                                 inp.numel() if even else 0, 0, int(even))
+
+    def _root_pieces(self, pieces, like, root, who, name):
+        """gather's or scatter's list on the root, as world_size flat tensors, checked; None elsewhere."""
+        if self.rank != root:
+            return None
+        if pieces is None:
+            raise ValueError(f"{who} must pass {name}")
+        return even_pieces(pieces_like(pieces, like, self.world_size, name), self.world_size)
 
     def _collective(self, name, fn, args, async_op, code, op=None, numel=0, root=0, extra=0):
         desc = self._descriptor(name, code, op, numel, root, extra)
         return self._run("coll", lambda: self._checked(desc, fn, *args), async_op, name)
-
-    def _pieces_t(self, x, like, what):
-        """``x`` as ProcessGroup._gathered takes it, for tensors: a list of world_size tensors
-        of like's dtype and size, or one tensor of world_size x like.numel() elements. Returns
-        the list, each flat, or the one tensor, flat (torch's own single form)."""
-        P, n = self.world_size, like.numel()
-        if isinstance(x, (list, tuple)):
-            if len(x) != P:
-                raise ValueError(f"{what} has {len(x)} tensors; it needs one per rank ({P})")
-            pieces = [_tensor(p, f"{what}[{i}]")[0] for i, p in enumerate(x)]
-            for i, p in enumerate(pieces):
-                if p.numel() != n:
-                    raise ValueError(f"{what}[{i}] has {p.numel()} elements, expected {n}")
-                if p.dtype != like.dtype:
-                    raise TypeError(f"{what} dtype differs from the tensor's ({p.dtype} vs {like.dtype})")
-            return [_flat(p) for p in pieces]
-        t, _ = _tensor(x, what)
-        if t.numel() != n * P:
-            raise ValueError(f"{what} has {t.numel()} elements; it needs world_size x {n} = {n * P}")
-        if t.dtype != like.dtype:
-            raise TypeError(f"{what} dtype differs from the tensor's ({t.dtype} vs {like.dtype})")
-        return _flat(t)
-
-    def _split_t(self, x, what):
-        """all_to_all's argument: (a list of world_size flat tensors, or one tensor whose
-        numel world_size divides, dtype code)."""
-        if isinstance(x, (list, tuple)):
-            if len(x) != self.world_size:
-                raise ValueError(f"{what} has {len(x)} tensors; it needs one per rank ({self.world_size})")
-            pieces = [_tensor(p, f"{what}[{i}]") for i, p in enumerate(x)]
-            codes = {c for _, c in pieces}
-            if len(codes) > 1:
-                raise TypeError(f"{what} mixes dtypes")
-            return [_flat(p) for p, _ in pieces], codes.pop()
-        t, code = _tensor(x, what)
-        if t.numel() % self.world_size:
-            raise ValueError(f"{what} has {t.numel()} elements, not divisible by world size {self.world_size}"
-                             + ("; pass lists for uneven pieces" if what.endswith("input") else ""))
-        return t, code
 
     # ---- the collectives, over torch.distributed ----------------------------------
     # Each takes torch tensors: the caller's own, passed through (above), or views of
@@ -331,7 +293,7 @@ class TorchGroup(ProcessGroup):
     def _all_gather_t(self, out, t):
         """out: one flat tensor of world_size x t.numel() elements, or a list of world_size flat tensors."""
         if isinstance(out, list) or not t.numel():   # empty: the list form
-            dist.all_gather(_pieces(out, self.world_size), t, group=self.pg)
+            dist.all_gather(even_pieces(out, self.world_size), t, group=self.pg)
         else:
             _all_gather_single(out, t, group=self.pg)
 
@@ -354,11 +316,11 @@ class TorchGroup(ProcessGroup):
         """out, inp: two flat tensors split evenly, or lists of world_size flat tensors
         (a single tensor beside a list is split into its even pieces)."""
         if not isinstance(out, list) and not isinstance(inp, list):
-            if _overlap(out, inp):   # in place: the engine reads what it already wrote
+            if overlap(out, inp):   # in place: the engine reads what it already wrote
                 inp = inp.clone()
             dist.all_to_all_single(out, inp, group=self.pg)
             return
-        out, inp = _pieces(out, self.world_size), _pieces(inp, self.world_size)
+        out, inp = even_pieces(out, self.world_size), even_pieces(inp, self.world_size)
         if self.engine == "gloo":
             # Gloo has all_to_all_single (with split sizes) but not the list form.
             send = torch.cat(inp)
@@ -414,40 +376,5 @@ class TorchGroup(ProcessGroup):
         super().destroy()
 
 
-def _tensor(tensor, what="tensor"):
-    """(the tensor to hand to torch.distributed, its dtype code): the caller's own
-    (detached if it requires grad, as ops.as_buffer detaches), on any device."""
-    code = ops.tensor_code(tensor, what, cpu=False)
-    return (tensor.detach() if tensor.requires_grad else tensor), code
-
-
-def _flat(t):
-    """t itself if 1-D, else a flat view of it (the same memory): Gloo's gathering
-    collectives want their pieces' shapes to match, where paratrain asks only numel."""
-    return t if t.dim() == 1 else t.view(-1)
-
-
-def _all_tensors(*args):
-    """Are all the arguments, or all the items of list arguments, torch tensors?"""
-    items = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
-    return all(isinstance(x, torch.Tensor) for x in items)
-
-
 def _views(pieces, code):
     return [ops.torch_view(p, code) for p in pieces]
-
-
-def _pieces(x, P):
-    """A list of P flat tensors as it is; one flat tensor cut into P equal views."""
-    if isinstance(x, list):
-        return x
-    n = x.numel() // P
-    return [x[i * n:(i + 1) * n] for i in range(P)]
-
-
-def _overlap(a, b):
-    """Do two flat tensors share a byte of memory?"""
-    if a.device != b.device or not a.numel() or not b.numel():
-        return False
-    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
-
