@@ -6,9 +6,10 @@ friends. pt.init() accepts any of them, in that order, so existing cluster
 launchers work unchanged. With none set, the process is a world of one.
 """
 import os
-import re
 import socket
 from dataclasses import dataclass
+
+from .. import config
 
 
 @dataclass
@@ -79,14 +80,7 @@ def host_id():
 def pretend_hosts():
     """PARATRAIN_PRETEND_HOSTS=k splits the ranks into k contiguous "hosts", so the
     cross-host (hierarchical) path can be tested on one machine."""
-    v = os.environ.get("PARATRAIN_PRETEND_HOSTS")
-    return int(v) if v else None
+    return config.get("PARATRAIN_PRETEND_HOSTS")
 
 
-def size_bytes(text):
-    """"4K" -> 4096, "1M", "16MiB", "64mb", "1G", "4096": binary units, as nccl-tests' -b/-e.
-    Raises ValueError for anything else."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad size {text!r}: use bytes with an optional K/M/G suffix, e.g. 4K, 1M")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+size_bytes = config.size_bytes   # "4K" -> 4096: one parser for the settings and the benchmarks' --sizes

@@ -14,17 +14,15 @@ built from point-to-point in ``comm/algorithms/``, so a new backend works as
 soon as it can send and receive. The algorithms see the backend only through
 ``self.transport`` (comm/transport.py), built here from those methods.
 """
-import os
 
 import numpy as np
 
+from .. import config
 from . import envelopes, ops
 from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
 from .transport import Transport
 from .work import Lanes
-
-DEFAULT_TIMEOUT = 300.0
 
 
 def _check_tag(tag, what):
@@ -45,11 +43,11 @@ ALGORITHMS = {"naive": naive, "ring": ring, "tree": tree}
 
 
 def timeout_from_env():
-    return float(os.environ.get("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT))
+    return config.get("PARATRAIN_TIMEOUT")
 
 
 def debug_checks():
-    return os.environ.get("PARATRAIN_DEBUG", "0") not in ("", "0", "false", "no")
+    return config.get("PARATRAIN_DEBUG")
 
 
 def describe(desc):
@@ -107,7 +105,7 @@ class ProcessGroup:
         self._debug = debug_checks()
         self._envelopes = self._debug and not self.messages_carry_dtype   # envelopes.py
         self._closed_channels = {}   # envelopes.py: (src, tag) left with an undrained message, and why
-        self._env_algo = os.environ.get("PARATRAIN_ALGO") or None
+        self._env_algo = config.get("PARATRAIN_ALGO")
         self._destroyed = False
 
     def __repr__(self):

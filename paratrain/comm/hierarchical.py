@@ -17,8 +17,8 @@ The collectives where a hierarchy buys little (all_gather, gather, scatter,
 all_to_all, reduce_scatter, point-to-point) go straight over the cross-host
 engine among all ranks ("flat").
 """
-import os
 
+from .. import config
 from . import ops
 from .errors import PeerError
 from .group import ProcessGroup, describe
@@ -40,7 +40,7 @@ class HierarchicalGroup(ProcessGroup):
     def build(cls, ranks, me, hosts, store, key, timeout, make_group):
         """Called by every rank of the world (torch's new_group requires it)."""
         from .shm.group import ShmGroup
-        cross = os.environ.get("PARATRAIN_CROSS_BACKEND", "torch")
+        cross = config.get("PARATRAIN_CROSS_BACKEND")
         world = len(ranks) == len(hosts)
         flat = make_group(ranks, me, "torch", timeout, world=world)
         host_list = sorted({hosts[r] for r in ranks})

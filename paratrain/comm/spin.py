@@ -20,6 +20,8 @@ running its own Python for up to the interpreter's switch interval.
 import os
 import threading
 
+from .. import config
+
 SPIN_S = 200e-6
 _MAIN_THREAD = threading.main_thread()
 
@@ -27,9 +29,9 @@ _MAIN_THREAD = threading.main_thread()
 def spin_seconds(ranks_here, env_var):
     """The spin budget of a rank whose host runs ``ranks_here`` ranks of the job;
     ``env_var``, if set, gives it in microseconds instead."""
-    override = os.environ.get(env_var)
+    override = config.get(env_var)
     if override is not None:
-        return float(override) * 1e-6
+        return override * 1e-6
     return 0.0 if ranks_here > (os.cpu_count() or 1) else SPIN_S
 
 

@@ -15,6 +15,7 @@ import atexit
 import mmap
 import os
 
+from ... import config
 from ..rendezvous import wait_keys
 
 SHM_DIR = "/dev/shm"
@@ -106,7 +107,7 @@ def open_shared(store, key, rank, ranks, size, wait, prepare=None):
     import secrets
     P = len(ranks)
     if rank == 0:
-        name = f"{os.environ.get('PARATRAIN_JOB_ID', 'job')}-{key.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{config.get('PARATRAIN_JOB_ID') or 'job'}-{key.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
         path, mm = create(name, size)
         if prepare is not None:
             prepare(mm)
