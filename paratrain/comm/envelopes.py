@@ -120,6 +120,18 @@ class AllOf(Work):
         self.wait(timeout)
 
 
+class Closed:
+    """Why a (peer, tag) is closed, and the envelope receives that were posted on it
+    before it closed. Those stay referenced as long as the group: an engine's receive
+    cannot be withdrawn, and Gloo, its handle dropped, is left with a posted receive
+    whose buffer is gone, into which the peer's next envelope then lands."""
+
+    __slots__ = ("why", "left_posted")
+
+    def __init__(self, why):
+        self.why, self.left_posted = why, []
+
+
 def post_send(transport, buf, code, dst, tag, what):
     """isend of the envelope, then of buf, both started now over the group's
     transport (comm/transport.py); one Work for the two."""
@@ -132,14 +144,19 @@ def post_recv(transport, buf, code, src, tag, what, ranks, lanes, closed):
     on the lane of (src, tag) of ``lanes`` (the group's work.Lanes); a message that
     does not fit is drained and refused. ranks: the group's global ranks, for naming
     the two sides; closed: the group's (src, tag) -> why, for a refused message too
-    large to drain, which is still on the channel."""
+    large to drain, which is still on the channel (a Closed)."""
+    me, peer = ranks[transport.rank], ranks[src]
+    if (src, tag) in closed:   # nothing is posted on a closed channel
+        def refuse():
+            raise MismatchError(f"rank {me}: {what}: {closed[src, tag].why}")
+        return lanes.submit(f"checked-recv-{src}-{tag}", refuse, what, reap=True)
     env = np.zeros(wire.HEADER_SIZE, np.uint8)
     first = transport.irecv(env, _BYTE, src, ENVELOPE_TAG + tag)
-    me, peer = ranks[transport.rank], ranks[src]
 
     def receive():
-        if (src, tag) in closed:
-            raise MismatchError(f"rank {me}: {what}: {closed[src, tag]}")
+        if (src, tag) in closed:   # closed by a receive posted before this one
+            closed[src, tag].left_posted.append(first)
+            raise MismatchError(f"rank {me}: {what}: {closed[src, tag].why}")
         _wait_for_envelope(first, what)
         sent_code, nbytes = read_envelope(env, tag, what)
         if (sent_code, nbytes) == (code, buf.nbytes):
@@ -152,9 +169,10 @@ def post_recv(transport, buf, code, src, tag, what, ranks, lanes, closed):
         if nbytes <= max(buf.nbytes, MAX_DRAIN_BYTES):
             transport.irecv(np.empty(nbytes, np.uint8), _BYTE, src, tag).wait()
         else:
-            closed[src, tag] = (f"an earlier message of {nbytes} bytes from rank {peer} with tag {tag} did not fit "
-                                f"its receive and, larger than {MAX_DRAIN_BYTES} bytes, was left undrained ahead of "
-                                "every later one: receives from that rank with that tag cannot go on")
+            closed[src, tag] = Closed(
+                f"an earlier message of {nbytes} bytes from rank {peer} with tag {tag} did not fit its receive and, "
+                f"larger than {MAX_DRAIN_BYTES} bytes, was left undrained ahead of every later one: receives from "
+                "that rank with that tag cannot go on")
             error += "; the message, too large to drain, is left on the channel, which is closed to later receives"
         raise MismatchError(error)
     return lanes.submit(f"checked-recv-{src}-{tag}", receive, what, reap=True)
