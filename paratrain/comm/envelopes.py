@@ -7,7 +7,7 @@ receiving process* when a message of another size arrives ("Received data size
 doesn't match expected size"), and MPI knows only bytes, so four float32 land in
 a receive of four int32 without a word (a wrong size it reports; mpi_backend
 checks that always). Checking that on every message would cost a second
-message per send (Gloo's ~400 us latency, twice), so, as for collectives, it is
+message per send (twice Gloo's latency), so, as for collectives, it is
 PARATRAIN_DEBUG's job: with it set, on the torch, mpi and hierarchical backends
 each send is preceded by an *envelope*, a wire.py header saying the dtype, the
 byte count and the tag, sent on a tag of its own (ENVELOPE_TAG + tag), and each

@@ -2,11 +2,11 @@
 
 Why the mpi backend keeps them itself: its receives do not post an MPI_Irecv
 until they know the message's size (a matched probe, mpi_backend._receiver),
-so MPI's own posted-receive queue does not hold them. Without this, a receive
-was probed only when its turn came on its peer's receive lane, so
-``irecv(tag=1); irecv(tag=2)`` deadlocked against a peer that sends tag 2
-first with a blocking send over the eager limit: MPI holds that send until
-the receiver matches it, and the receiver was probing tag 1 only.
+so MPI's own posted-receive queue does not hold them. A receive probed only
+when its turn comes on its peer's receive lane would deadlock
+``irecv(tag=1); irecv(tag=2)`` against a peer that sends tag 2 first with a
+blocking send over the eager limit: MPI holds that send until the receiver
+matches it, while the receiver probes tag 1 only.
 
 The queue and its order rule are comm/matching.py's, shared with shm: only
 the oldest receive of each (source, tag) is probed. What is MPI's own here is

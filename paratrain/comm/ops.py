@@ -2,8 +2,8 @@
 
 Buffers travel as numpy arrays of the element's raw type. numpy has no
 bfloat16, so a bfloat16 buffer is a ``uint16`` array of the same bits; its
-reductions, and float16's (numpy emulates float16 about 8x slower than torch's
-vectorised kernels), run in torch on zero-copy views of the same memory.
+reductions, and float16's (numpy emulates float16, many times slower than
+torch's vectorised kernels), run in torch on zero-copy views of the same memory.
 """
 import ctypes
 import warnings
@@ -91,11 +91,10 @@ def copy(dst, src):
 
     A plain numpy assignment is glibc's memcpy, which for mid-size copies (tens
     of KiB to a few hundred KiB) takes the ``rep movsb`` path; on the AMD EPYC
-    machines we run on, that path measured 2.1-2.4 GB/s copying out of a small
-    reused buffer (exactly what a pipelined collective does), against 9-13 GB/s
-    for numpy's vectorised ``positive`` loop over the same bytes viewed as uint8
-    (benchmarks/memcpy.py). From 1 MiB up memcpy is as fast or faster, and in
-    an interleaved A/B of 64 MiB all-reduces it won (4.9 vs 4.1 GB/s busbw).
+    machines we run on, that path copies out of a small reused buffer (exactly
+    what a pipelined collective does) several times slower than numpy's
+    vectorised ``positive`` loop over the same bytes viewed as uint8
+    (benchmarks/memcpy.py). From 1 MiB up memcpy is as fast or faster.
     Not torch's copy_: it may fan out to intra-op threads and oversubscribe the
     cores the other ranks need.
     """
@@ -111,9 +110,8 @@ def copy_vectorised(dst, src):
     too large to still be in cache (cma.all_gather's own piece of a multi-MiB
     input). glibc's memcpy takes ``rep movsb`` for the latter too, which on the AMD EPYC
     machines we run on copies out of memory slower than plain vector loads and
-    stores: 8 MiB 11.4 against 13.9 GB/s, 32 MiB 11.7 against 13.8, while at 1 MiB
-    or with both buffers in cache the two tie (benchmarks/memcpy.py). In
-    cma.all_gather at 16 MiB it saved ~5% of the call, paired against Open MPI."""
+    stores, while at 1 MiB or with both buffers in cache the two tie
+    (benchmarks/memcpy.py)."""
     np.positive(src.view(np.uint8), out=dst.view(np.uint8))
 
 
@@ -134,15 +132,14 @@ def as_buffer(tensor, what="tensor", writable=True):
     only reads: what a send sends, a collective's separate input).
 
     It runs at the start of every collective, usually just after the previous
-    call's copies flushed the caches, where each Python-level step costs 2-8 us
-    instead of 0.1-0.5 (a cache and TLB miss per object touched). So the common
+    call's copies flushed the caches, where each Python-level step costs many
+    times more than hot (a cache and TLB miss per object touched). So the common
     cases take the fewest steps: numpy tested first and by exact type
-    (``isinstance(x, torch.Tensor)`` goes through torch's metaclass, 8 us cold),
+    (``isinstance(x, torch.Tensor)`` goes through torch's metaclass, slow cold),
     a torch tensor's checks folded into one ``.numpy()`` (which refuses GPU,
     grad-requiring and bfloat16 tensors; those take the full path, which says
     what was wrong), the flags object built once, a 1-D array returned as it is
-    rather than reshaped. Cold: numpy 26 -> 14 us, torch 50 -> 28 us; with
-    address() below, a 16 MiB all_gather 1.3-3.3% faster, paired.
+    rather than reshaped.
     """
     if type(tensor) is np.ndarray:
         return _numpy_buffer(tensor, what, writable)
@@ -200,11 +197,10 @@ def _numpy_buffer(a, what, writable):
 
 
 def address(a):
-    """Where a contiguous array's first byte is. Through the buffer protocol in C:
-    with the caches cold, as every large collective starts, it costs 18 us against
-    38 for ``a.ctypes.data`` (which builds a Python helper object) and 27 for
-    ``__array_interface__`` (a dict); hot, 0.6 against 1.9 and 2.1 us.
-    The buffer protocol refuses read-only and empty arrays: those take ctypes.data."""
+    """Where a contiguous array's first byte is. Through the buffer protocol in C,
+    cheaper cold or hot than ``a.ctypes.data`` (which builds a Python helper
+    object) or ``__array_interface__`` (a dict). The buffer protocol refuses
+    read-only and empty arrays: those take ctypes.data."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(a))
     except (TypeError, ValueError):

@@ -56,12 +56,11 @@ def connect(addr, port, rank, world_size, timeout):
 def _client(addr, port, world_size, timeout):
     """Connect to rank 0's store, within the timeout even when something else holds
     the port: TCPStore's client, connected to a program that accepts the connection
-    but never answers its handshake, waits forever whatever its timeout (measured:
-    still waiting after 120 s with a 5 s timeout). So it connects on a helper
-    thread (it releases the GIL), and past the deadline, if its socket is
-    connected, we shut that socket down: the helper's read returns, TCPStore
-    raises there, and we raise our own error here. This takes /proc to find the
-    socket; elsewhere the wait is TCPStore's own."""
+    but never answers its handshake, waits forever whatever its timeout. So it
+    connects on a helper thread (it releases the GIL), and past the deadline, if
+    its socket is connected, we shut that socket down: the helper's read returns,
+    TCPStore raises there, and we raise our own error here. This takes /proc to
+    find the socket; elsewhere the wait is TCPStore's own."""
     box, before = {}, _socket_fds()
 
     def make():
@@ -72,8 +71,8 @@ def _client(addr, port, world_size, timeout):
             box["error"] = e
     helper = threading.Thread(target=make, daemon=True, name="paratrain-rendezvous-connect")
     helper.start()
-    # TCPStore ends its own connect retries past its timeout (about twice it, measured,
-    # when nothing listens) and raises; we stop waiting only for a connection made and
+    # TCPStore ends its own connect retries some time past its timeout (when nothing
+    # listens) and raises; we stop waiting only for a connection made and
     # never answered. (A helper still inside TCPStore when the interpreter exits may
     # abort the process, so it is ended, not left behind.)
     answered_by = time.monotonic() + timeout + 1.0

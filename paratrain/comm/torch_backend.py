@@ -15,10 +15,10 @@ Torch tensors are handed to torch.distributed as they are: the caller's own
 tensor object (a flat view of it where Gloo wants a shape the caller's lacks,
 for the gathering collectives), on whatever device it lives, with no numpy
 round trip, so strategy code written against ``pt`` runs over NCCL on GPUs
-unchanged (torch_args.py checks and shapes them). numpy arrays, the portable algorithms (``algorithm="ring"``) and
-PARATRAIN_DEBUG's point-to-point envelopes take ProcessGroup's path over flat
-numpy buffers (CPU only), which reaches the same collectives below through
-torch views of those buffers.
+unchanged (torch_args.py checks and shapes them). numpy arrays, the portable
+algorithms (``algorithm="ring"``) and PARATRAIN_DEBUG's point-to-point
+envelopes take ProcessGroup's path over flat numpy buffers (CPU only), which
+reaches the same collectives below through torch views of those buffers.
 
 torch.distributed reports a dead or silent peer as a bare RuntimeError from
 the engine ("Connection reset by peer", "Timed out waiting 3000ms for recv

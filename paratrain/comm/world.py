@@ -186,9 +186,7 @@ def bind_world_defaults_early():
     and the process may abort there with "terminate called without an active
     exception" after the job's work is done (pytorch/pytorch#179291 describes
     how a Gloo thread releasing a tensor then needs a GIL that is gone).
-    Measured with ``paratrain train --steps 5 --backend torch``, three at a
-    time on 2 cores: 5 of 120 runs aborted without this import, 0 of 120 with
-    it. It is a small module, so importing it early costs nothing.
+    It is a small module, so importing it early costs nothing.
     torch.distributed.optim's ZeroRedundancyOptimizer and FSDP's
     ShardedGradScaler take the same default; import them before pt.init() if
     you use them."""
@@ -201,11 +199,11 @@ def _destroy_at_exit():
     A Gloo process group still alive when the interpreter finalizes can be
     destroyed after the C++ runtime it needs, and the process then dies with
     "terminate called without an active exception" (SIGABRT) after the job's
-    work is done: 8 of 40 two-rank runs of a script that all-reduced and
-    returned without pt.destroy(), under load; 0 of 50 with this hook. torch asks
-    scripts to call destroy_process_group() before exiting; this does it for
-    those that do not (atexit runs after the non-daemon threads, such as our
-    async lanes, have been joined, and before finalization)."""
+    work is done (a script that all-reduced and returned without pt.destroy(),
+    under load). torch asks scripts to call destroy_process_group() before
+    exiting; this does it for those that do not (atexit runs after the
+    non-daemon threads, such as our async lanes, have been joined, and before
+    finalization)."""
     if _S.torch_initialized:
         try:
             destroy()

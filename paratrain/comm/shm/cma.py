@@ -25,10 +25,7 @@ against 2 alpha_barrier per slot round + (P + 1) m beta_mem for direct.all_gathe
 Open MPI moves the same bytes with the same calls (one process_vm_readv per
 peer, one copy), so what separates the two is the fixed cost: the Python
 before the first byte moves, which runs with the caches just flushed by the
-previous call's copies (7 us hot, 51-73 us then, before ops.as_buffer and
-ops.address were thinned). At 16 MiB, 2 ranks: 0.96-1.02x Open MPI without
-Gloo in the benchmark run, 1.05-1.15x with it. The README has the measured
-breakdown.
+previous call's copies, so that path is kept short (ops.as_buffer, ops.address).
 
 CMA needs the kernel's permission to read a peer (the ptrace access check:
 same user, and Yama's ptrace_scope 0, or a seccomp profile that allows the
@@ -53,10 +50,7 @@ from .direct import copy_in, reduce_parts, rounds_of
 
 # Per input; below it the two-copy path through the slots (direct.all_gather) is
 # faster: its 1 MiB rounds copy within the cache, where process_vm_readv pins each
-# page of the peer's buffer (half memcpy's speed here, 12.5 against 18 GB/s for an
-# 8 MiB read). 2 ranks, alternated runs against Open MPI: 1 MiB total 0.86-0.94x
-# two-copy against 0.68-0.72x single-copy, 4 MiB 1.08-1.20x against 0.95-1.02x,
-# 8 MiB 0.82-0.91x against 0.89-0.92x, 16 MiB 0.87-1.00x against 0.94-1.06x.
+# page of the peer's buffer and copies slower than memcpy.
 MIN_BYTES = 4 << 20
 _PROBE = 0x636D615F70726F62  # "cma_prob"
 
@@ -129,9 +123,8 @@ def all_gather(G, out, buf):
     Every rank walks the inputs in rank order, its own included (a copy instead
     of a read), so at step q all ranks are copying input q at once: its owner's
     copy and the readers' share the lines one of them brought into the shared
-    L3, and input q comes from memory about once instead of once per rank. Own
-    input first, then the peers (Open MPI's order, and ours before), measured
-    0.4-6.4% slower in five paired runs at 16 MiB, 2 ranks."""
+    L3, and input q comes from memory about once instead of once per rank (own
+    input first, then the peers, Open MPI's order, is slower)."""
     P, me = G.world_size, G.rank
     views, mine = G.next_words(), ops.address(buf)
     views[me][0] = mine
@@ -171,13 +164,9 @@ def all_reduce(G, buf, code, op):
 
     Against direct.all_reduce it skips copying the reduced slice back out of the
     slot, and the copy-out is the kernel's (a ``rep movsb``, fast for large
-    copies, benchmarks/memcpy.py) out of DRAM. Measured, 2 ranks, private
-    buffers, alternated runs against Open MPI in the same benchmark: 32 MiB
-    3.07 / 3.10x (direct 2.50 / 2.65x), 48 MiB 3.36 / 3.00x (2.68 / 2.58x),
-    64 MiB 3.08 / 3.68 / 3.11x (2.62 / 2.47 / 2.42x); at 24 MiB a tie, and from
-    1 to 16 MiB it lost (1 MiB 0.66-0.70x against 0.84-0.93x), where the rounds
-    stay in cache and the system calls cost more than the copy they save: hence
-    MIN_ALL_REDUCE_BYTES.
+    copies, benchmarks/memcpy.py) out of DRAM. That wins once the buffers no
+    longer fit in the L3; below, the rounds stay in cache and the system calls
+    cost more than the copy they save: hence MIN_ALL_REDUCE_BYTES.
     """
     P, me = G.world_size, G.rank
     addresses = G.next_words()

@@ -33,8 +33,7 @@ round instead of 2(P-1) per message.
 Small messages take a shortcut: every rank copies its whole buffer in, one
 barrier, and every rank reduces the whole message itself. P times the
 reduction work, but one barrier instead of two and no copy-out. With 2 ranks
-it wins up to about 512 KiB (interleaved A/B here: 64 KiB 33 vs 55 us,
-256 KiB 60 vs 80 us, 1 MiB 167 vs 133 us); the extra work grows with P, so
+it wins up to about 512 KiB (SMALL_BYTES); the extra work grows with P, so
 the limit is SMALL_BYTES / (P-1).
 """
 from .. import ops

@@ -6,17 +6,18 @@ the kernel (a futex) and wakes when a peer calls ``sem_post``; an uncontended
 post or wait never leaves user space. We call glibc through ctypes, so no
 compiled extension of our own is needed.
 
-A wait first spins briefly (a wake-up through the kernel costs ~15-30 us on a
-VM, a spin ~2 us), then sleeps in short slices so that the caller can notice
-a dead peer or a Ctrl-C between slices, and never waits past its deadline.
+A wait first spins briefly (a wake-up through the kernel costs many times a
+short spin; comm/spin.py says how long), then sleeps in short slices so that
+the caller can notice a dead peer or a Ctrl-C between slices, and never waits
+past its deadline.
 
 The spin *reads* the semaphore's count with a plain load and only calls
 ``sem_trywait`` once it is non-zero ("test and test-and-set"): spinning on
 ``sem_trywait`` itself, an atomic compare-and-swap, keeps stealing the cache
-line from the poster and measured 208 us a round trip here, against 2 us for
-a plain load. glibc keeps the count in the low 32 bits of the sem_t's first
-word on 64-bit targets (nptl's struct new_sem); ``_probe_count_layout``
-verifies that on a private semaphore at import and, if not, we spin on trywait.
+line from the poster, which slows the round trip by orders of magnitude.
+glibc keeps the count in the low 32 bits of the sem_t's first word on 64-bit
+targets (nptl's struct new_sem); ``_probe_count_layout`` verifies that on a
+private semaphore at import and, if not, we spin on trywait.
 """
 import ctypes
 import errno
