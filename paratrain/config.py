@@ -26,6 +26,13 @@ def size_bytes(text):
     return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
 
 
+def positive_size(text):
+    value = size_bytes(text)
+    if value < 1:
+        raise ValueError("must be a positive number of bytes, e.g. 1048576 or 1M")
+    return value
+
+
 def flag(text):
     """Off for 0, false, no, off (any case); on for anything else, as 1 or yes."""
     return text.strip().lower() not in ("0", "false", "no", "off")
@@ -68,9 +75,9 @@ SETTINGS = {s.name: s for s in (
             "every point-to-point message's size and dtype (an envelope ahead of each)"),
     Setting("PARATRAIN_PRETEND_HOSTS", None, positive_count, "split the ranks into k pretend hosts"),
     Setting("PARATRAIN_CROSS_BACKEND", "torch", str, "engine between host leaders: `torch` (Gloo) or `mpi`"),
-    Setting("PARATRAIN_SHM_SLOT_BYTES", 1 << 20, size_bytes,
+    Setting("PARATRAIN_SHM_SLOT_BYTES", 1 << 20, positive_size,
             "bytes per rank per round of a shm collective (bytes, or with K/M/G)"),
-    Setting("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20, size_bytes,
+    Setting("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20, positive_size,
             "payload per frame of a shm point-to-point message (bytes, or with K/M/G)"),
     Setting("PARATRAIN_CMA", True, flag, "0: never read peers' private memory with `process_vm_readv`"),
     Setting("PARATRAIN_SHM_SPIN_US", None, count, "microseconds a shm wait on the main thread spins before it "

@@ -44,19 +44,21 @@ def test_env_errors(env, words):
 @pytest.mark.parametrize("text, expected", [("65536", 65536), ("256K", 256 << 10), ("1M", 1 << 20),
                                            ("2mb", 2 << 20), (" 1G ", 1 << 30)])
 def test_shm_sizes_from_the_environment(monkeypatch, text, expected):
-    from paratrain.comm.shm.group import _env_bytes
+    from paratrain import config
     monkeypatch.setenv("PARATRAIN_SHM_SLOT_BYTES", text)
-    assert _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 7) == expected
+    assert config.get("PARATRAIN_SHM_SLOT_BYTES") == expected
+    monkeypatch.setenv("PARATRAIN_SHM_SLOT_BYTES", "")   # empty is unset, as for every setting
+    assert config.get("PARATRAIN_SHM_SLOT_BYTES") == 1 << 20
     monkeypatch.delenv("PARATRAIN_SHM_SLOT_BYTES")
-    assert _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 7) == 7
+    assert config.get("PARATRAIN_SHM_SLOT_BYTES") == 1 << 20
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "-5", "1.5M", "K", ""])
+@pytest.mark.parametrize("text", ["abc", "0", "-5", "1.5M", "K"])
 def test_a_bad_shm_size_names_the_variable(monkeypatch, text):
-    from paratrain.comm.shm.group import _env_bytes
+    from paratrain import config
     monkeypatch.setenv("PARATRAIN_SHM_CHUNK_BYTES", text)
-    with pytest.raises(ValueError, match="PARATRAIN_SHM_CHUNK_BYTES=.* is not a size"):
-        _env_bytes("PARATRAIN_SHM_CHUNK_BYTES", 7)
+    with pytest.raises(ValueError, match="PARATRAIN_SHM_CHUNK_BYTES=.* is not valid .*positive number of bytes|bad size"):
+        config.get("PARATRAIN_SHM_CHUNK_BYTES")
 
 
 def test_op_names():

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore
 
+from .. import config
 from . import env as envmod
 from . import rendezvous
 from .errors import CommError, first_line
@@ -64,11 +65,11 @@ def init(backend=None, timeout=None, threads=None):
             raise CommError(f"paratrain is already initialized with backend {_S.backend!r}, so "
                             f"pt.init(backend={backend!r}) cannot switch it; call pt.destroy() first")
         return _S.world
-    backend = backend or os.environ.get("PARATRAIN_BACKEND") or None
+    backend = backend or config.get("PARATRAIN_BACKEND")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     timeout = timeout_from_env() if timeout is None else float(timeout)
-    threads = threads or os.environ.get("PARATRAIN_THREADS")
+    threads = threads or config.get("PARATRAIN_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
 
@@ -83,7 +84,7 @@ def init(backend=None, timeout=None, threads=None):
     rendezvous.wait_for_ranks(store, e.rank, e.world_size, timeout)
     _S.store = store
     if e.rank == 0:
-        store.set("job_id", os.environ.get("PARATRAIN_JOB_ID") or f"{os.getpid():x}")
+        store.set("job_id", config.get("PARATRAIN_JOB_ID") or f"{os.getpid():x}")
     os.environ.setdefault("PARATRAIN_JOB_ID", store.get("job_id").decode())
     _S.procs = _processes(store, e.rank, e.world_size, timeout)
     _S.hosts = _host_layout([host for host, _ in _S.procs])

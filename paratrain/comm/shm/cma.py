@@ -43,6 +43,7 @@ import os
 
 import numpy as np
 
+from ... import config
 from .. import ops
 from ..errors import PeerError
 from ..algorithms import scratch
@@ -97,7 +98,7 @@ def usable(G):
     with half an output). Called by every rank at the same point of the same
     collective, as the collectives themselves are; the group keeps the answer."""
     P, me = G.world_size, G.rank
-    willing = _readv is not None and os.environ.get("PARATRAIN_CMA", "1") != "0"
+    willing = _readv is not None and config.get("PARATRAIN_CMA")
     probe = np.array([_PROBE], dtype=np.int64)
     slots = G.next_words()
     slots[me][0] = ops.address(probe) if willing else 0

@@ -31,9 +31,9 @@ from datetime import timedelta
 
 import numpy as np
 
+from ... import config
 from .. import ops
 from ..algorithms import naive
-from ..env import size_bytes
 from ..errors import FrameError, MismatchError, peer_died, timed_out
 from ..group import ProcessGroup, check_descriptors, describe
 from ..liveness import alive as _alive
@@ -53,20 +53,6 @@ NBUF = 3  # collective buffers per rank
 
 def _align(n, a=64):
     return (n + a - 1) // a * a
-
-
-def _env_bytes(name, default):
-    """A size from the environment: bytes, or with a K/M/G suffix (env.size_bytes)."""
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        n = size_bytes(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"{name}={text!r} is not a size: give a positive number of bytes, e.g. 1048576 or 1M")
-    return n
 
 
 class Layout:
@@ -104,8 +90,8 @@ class ShmGroup(ProcessGroup):
     def __init__(self, store, key, rank, ranks, timeout=None, slot_bytes=None, chunk_bytes=None):
         super().__init__(rank, len(ranks), ranks, timeout)
         P = self.world_size
-        slot_bytes = slot_bytes or _env_bytes("PARATRAIN_SHM_SLOT_BYTES", 1 << 20)
-        chunk_bytes = chunk_bytes or _env_bytes("PARATRAIN_SHM_CHUNK_BYTES", 1 << 20)
+        slot_bytes = slot_bytes or config.get("PARATRAIN_SHM_SLOT_BYTES")
+        chunk_bytes = chunk_bytes or config.get("PARATRAIN_SHM_CHUNK_BYTES")
         self.layout = L = Layout(P, _align(slot_bytes), _align(chunk_bytes))
         self.slot_bytes, self.chunk_bytes = L.slot_bytes, L.chunk_bytes
         self.spin_s = spin_seconds(P, "PARATRAIN_SHM_SPIN_US")   # every rank of the group is on this host
