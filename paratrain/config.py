@@ -11,6 +11,7 @@ Values are read when asked for, not cached at import: ``pt.init()`` sets the
 job id for the shm engine, and a benchmark worker sets its pretend hosts,
 after paratrain is imported.
 """
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -26,37 +27,25 @@ def size_bytes(text):
     return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
 
 
-def positive_size(text):
-    value = size_bytes(text)
-    if value < 1:
-        raise ValueError("must be a positive number of bytes, e.g. 1048576 or 1M")
-    return value
-
-
 def flag(text):
     """Off for 0, false, no, off (any case); on for anything else, as 1 or yes."""
     return text.strip().lower() not in ("0", "false", "no", "off")
 
 
-def positive_seconds(text):
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise ValueError("must be a positive number of seconds")
-    return value
+def checked(convert, ok, what):
+    """A parser: convert the text, then refuse a value for which ok() is false."""
+    def parse(text):
+        value = convert(text)
+        if not ok(value):
+            raise ValueError(f"must be {what}")
+        return value
+    return parse
 
 
-def count(text):
-    value = int(text)
-    if value < 0:
-        raise ValueError("must be 0 or more")
-    return value
-
-
-def positive_count(text):
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be 1 or more")
-    return value
+positive_size = checked(size_bytes, lambda v: v >= 1, "a positive number of bytes, e.g. 1048576 or 1M")
+positive_seconds = checked(float, lambda v: 0 < v < math.inf, "a positive number of seconds")
+count = checked(int, lambda v: v >= 0, "0 or more")
+positive_count = checked(int, lambda v: v >= 1, "1 or more")
 
 
 @dataclass(frozen=True)
