@@ -346,3 +346,19 @@ def test_paratrain_run_still_reports_a_failure_inside_the_script(tmp_path, capfd
     assert launch(["-n", "2", str(path)]) == 1
     err = capfd.readouterr().err
     assert "RuntimeError: rank 1 broke" in err and "rank 1" in err and "bootstrap" not in err
+
+
+def test_a_script_under_mpirun_finalizes_mpi(tmp_path):
+    """mpi4py's MPI_Finalize runs in the interpreter's own finalization, which the
+    bootstrap skips: without finalize_mpi(), mpirun reports the job as failed."""
+    pytest.importorskip("mpi4py")
+    from paratrain.bench.launcher import find_mpirun
+    mpirun = find_mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    path = tmp_path / "mpi_script.py"
+    path.write_text("from mpi4py import MPI\nprint('rank', MPI.COMM_WORLD.Get_rank(), flush=True)\n")
+    p = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m",
+                        "paratrain.launch.bootstrap", str(path)], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(p.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]

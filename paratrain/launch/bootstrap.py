@@ -190,10 +190,20 @@ def finish(status):
     flush_open_streams()   # first: the collector may free a file before the text wrapper over it
     free_main()
     flush_open_streams()   # then what their __del__ methods wrote
+    finalize_mpi()
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     os._exit(status)
+
+
+def finalize_mpi():
+    """MPI_Finalize, if mpi4py initialized MPI: mpi4py calls it from a C-level exit
+    hook of the interpreter's finalization, which os._exit skips, and mpirun
+    reports a rank that exits without it as a failed job."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def flush_std_streams():
