@@ -44,6 +44,7 @@ def checked(convert, ok, what):
 
 positive_size = checked(size_bytes, lambda v: v >= 1, "a positive number of bytes, e.g. 1048576 or 1M")
 positive_seconds = checked(float, lambda v: 0 < v < math.inf, "a positive number of seconds")
+seconds = checked(float, lambda v: 0 <= v < math.inf, "0 or a positive number of seconds")
 count = checked(int, lambda v: v >= 0, "0 or more")
 positive_count = checked(int, lambda v: v >= 1, "1 or more")
 
@@ -82,8 +83,8 @@ SETTINGS = {s.name: s for s in (
     Setting("PARATRAIN_PS_TOKEN", None, str, "a shared secret: servers refuse requests whose header lacks its digest"),
     Setting("PARATRAIN_PS_ADDRS", None, str, "comma list of the servers' ZeroMQ addresses (set by `paratrain run "
             "--servers`; printed by `paratrain server`)"),
-    Setting("PARATRAIN_PS_CHECKPOINT_SECONDS", 30.0, positive_seconds,
-            "a server checkpoints its shards this often (and on a clean stop)"),
+    Setting("PARATRAIN_PS_CHECKPOINT_SECONDS", 30.0, seconds,
+            "a server checkpoints its shards this often, 0: only by clocks (and on a clean stop)"),
     Setting("PARATRAIN_PS_CHECKPOINT_CLOCKS", 0, count, "also every N clocks (0: off)"),
     Setting("PARATRAIN_PS_CHECKPOINT_DIR", None, str, "where a server keeps its checkpoints (set by the launcher)"),
     Setting("PARATRAIN_PS_INDEX", None, count, "a server's index (set by the launcher)"),
