@@ -41,6 +41,8 @@ import threading
 import types
 from importlib.machinery import SourceFileLoader
 
+from . import heap
+
 USAGE = "usage: python -m paratrain.launch.bootstrap (SCRIPT | -m MODULE) [ARGS...]"
 
 
@@ -48,6 +50,7 @@ def main(argv):
     if not argv or argv[0] == "-m" and len(argv) < 2:
         print(USAGE, file=sys.stderr)
         return 2
+    heap.keep_freed_memory()   # before the script allocates (heap.py: why)
     try:
         if argv[0] == "-m":
             run_module(argv[1], argv[2:])
