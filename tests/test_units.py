@@ -155,6 +155,20 @@ def test_combine_matches_torch(dtype):
         assert torch.equal(out, ref), (op, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 8])
+def test_finish_avg_gives_the_bits_of_a_division(dtype, world_size):
+    """A power-of-two world multiplies by 1/P instead of dividing: same bits, tiny and huge values too."""
+    g = torch.Generator().manual_seed(world_size)
+    t = torch.randn(4096, generator=g, dtype=torch.float64) * torch.logspace(-300, 300, 4096, dtype=torch.float64)
+    t = t.to(dtype)
+    t[:8] = torch.finfo(dtype).tiny * torch.arange(8)   # subnormal results
+    out = t.clone()
+    buf, code = ops.as_buffer(out)
+    ops.finish_avg(buf, world_size, code)
+    bits = torch.int16 if t.element_size() == 2 else (torch.int32 if t.element_size() == 4 else torch.int64)
+    assert torch.equal(out.view(bits), (t / world_size).view(bits))
+
 @pytest.mark.timeout(60)
 def test_world_of_one_in_process(monkeypatch):
     import paratrain as pt
