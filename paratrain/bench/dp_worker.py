@@ -19,6 +19,9 @@ same batch on this rank, SGD) under a different way of averaging gradients:
 - ``allreduce-only``: the all-reduce of one step's gradient bytes on a shared
   buffer, nothing else: what the collective costs when no rank is late.
 
+Every engine ends its step as most training loops do, ``opt.step()`` then
+``opt.zero_grad()`` (gradients to None, torch's default).
+
 Each step is timed by phase (forward, backward, gradient averaging, optimizer)
 so the output says where a step's time goes; for DataParallel the averaging
 is the time its CommStats count (the all-reduces backward waited for).
@@ -63,7 +66,7 @@ class Engine:
         loss.backward()
         t2 = time.perf_counter()
         self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
+        self.opt.zero_grad()
         t3 = time.perf_counter()
         averaging = (self.stats.wait_seconds - waited) if self.stats is not None else 0.0
         for phase, dt in zip(PHASES, (t1 - t0, t2 - t1 - averaging, averaging, t3 - t2)):
