@@ -17,12 +17,14 @@ _API = {name: "paratrain.comm" for name in (
     "CommError", "CommTimeout", "PeerError", "MismatchError", "FrameError")}
 _API.update({name: "paratrain.parallel" for name in (
     "DataParallel", "DataParallelNaive", "DistributedSampler")})
+_API["Pipeline"] = "paratrain.parallel.pipeline"
+_NAMESPACES = {"ps": "paratrain.ps", "pipeline": "paratrain.parallel.pipeline"}   # pt.ps.connect(), pt.pipeline.split()
 __all__ = sorted(_API)
 
 
 def __getattr__(name):
-    if name == "ps":  # the parameter server's API lives in its own namespace: pt.ps.connect()
-        value = importlib.import_module("paratrain.ps")
+    if name in _NAMESPACES:  # APIs with their own namespace: pt.ps.connect(), pt.pipeline.split()
+        value = importlib.import_module(_NAMESPACES[name])
         globals()[name] = value
         return value
     module = _API.get(name)

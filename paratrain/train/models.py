@@ -142,9 +142,10 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx):
-        B, T = idx.shape
-        if T > self.block_size:
-            raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.block_size}")
+        T = idx.shape[1]
+        # torch._assert, not an if: torch.fx can trace it, so pipeline parallelism can cut this model
+        torch._assert(T <= self.block_size, "sequence longer than the model's block_size: shorten it, "
+                      "or build the model with a larger block_size")
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)

@@ -1,0 +1,262 @@
+"""pt.Pipeline: run one training step of a stage under a schedule.
+
+    stage = pt.pipeline.split(model, group=g, stages=2)
+    pipe = pt.Pipeline(stage, group=g, microbatches=8, schedule="1f1b", loss_fn=F.cross_entropy)
+    opt = torch.optim.Adam(stage.parameters())
+    loss = pipe.step(inputs, targets)     # inputs used on the first stage, targets on the last
+    opt.step(); opt.zero_grad()
+
+``step`` cuts the batch into m micro-batches, runs this rank's list of
+actions (schedules.py) in order, receiving each input just before its
+forward or backward and sending each result without waiting (the sends are
+waited for at the end of the step), and returns the whole batch's mean loss
+on every rank. Each micro-batch's loss is divided by m before its backward,
+so the accumulated gradients are those of one process on the whole batch
+(``loss_fn`` gives a micro-batch's mean, and micro-batches are equal).
+
+With a schedule that splits the backward (zb-h1), B asks autograd for the
+gradients of the stage's inputs and of the outputs of every module that owns
+weights, and nothing else, so the weight products are skipped; W then takes
+each such module's output gradient back to its own weights only (Qi et al.,
+arXiv 2401.10241, sec. 2: B and W of a linear layer are two separate
+matrix products, and only B is on the critical path).
+
+``dp_group``: this stage's replicas in other pipelines (DP x PP); after the
+step their gradients and the loss are averaged over it.
+
+``timeline``: the last step's actions as (kind, microbatch, chunk, start,
+end) in seconds from the step's start, the start taken once the action's
+input had arrived: the gaps are the bubble.
+"""
+import time
+
+import torch
+
+from . import schedules, transport
+from .transport import differentiable
+
+
+class Pipeline:
+    def __init__(self, stage, group=None, microbatches=1, schedule="1f1b", loss_fn=None, dp_group=None):
+        from ...comm import world
+        self.stage, self.group, self.dp_group = stage, group or world(), dp_group
+        self.p, self.rank = self.group.world_size, self.group.rank
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"Pipeline: microbatches must be an int of at least 1, got {microbatches!r}")
+        if schedule not in schedules.SCHEDULES:
+            raise ValueError(f"Pipeline: unknown schedule {schedule!r}; choose one of {', '.join(schedules.SCHEDULES)}")
+        if loss_fn is None or not callable(loss_fn):
+            raise ValueError("Pipeline: loss_fn(output, target) is needed (it gives a micro-batch's mean loss)")
+        if stage.ranks != self.p:
+            raise ValueError(f"Pipeline: the stage was split for {stage.ranks} ranks, the group has {self.p}")
+        if stage.virtual > 1 and schedule != "interleaved":
+            raise ValueError(f"Pipeline: this rank holds {stage.virtual} stages (split with virtual="
+                             f"{stage.virtual}); only schedule='interleaved' runs several, or split with virtual=1")
+        self.m, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
+        self._agree()
+        self.actions = schedules.actions(schedule, self.rank, self.p, self.m, stage.virtual)
+        self.split_backward = schedule in schedules.SPLIT_BACKWARD
+        self._capture = None
+        if self.split_backward:
+            self._hook_weight_owners()
+        self.timeline = []
+
+    # ---- before anything runs: every rank must run the same pipeline -----------------------
+
+    def _agree(self):
+        mine = torch.tensor([self.m, schedules.SCHEDULES.index(self.schedule), self.stage.virtual,
+                             self.stage.total], dtype=torch.int64)
+        every = torch.zeros(self.p * 4, dtype=torch.int64)
+        self.group.all_gather(every, mine)
+        every = every.view(self.p, 4)
+        if not bool((every == every[0]).all()):
+            rows = "\n".join(f"  rank {r}: microbatches={int(every[r, 0])}, schedule="
+                             f"{schedules.SCHEDULES[int(every[r, 1])]}, stages per rank={int(every[r, 2])}, "
+                             f"stages={int(every[r, 3])}" for r in range(self.p))
+            raise ValueError(f"Pipeline: the ranks of the pipeline disagree:\n{rows}\n"
+                             "every rank must build the same Pipeline from the same split")
+
+    def _check_batch(self, inputs, targets):
+        """Every rank learns the batch sizes the first and last stage hold, so a bad
+        batch raises the same error on every rank instead of leaving some waiting."""
+        def size(x, needed):
+            if not needed:
+                return -1
+            if x is None:
+                return -2
+            first = x[0] if isinstance(x, (tuple, list)) else x
+            return int(first.shape[0]) if torch.is_tensor(first) and first.dim() else -3
+        mine = torch.tensor([size(inputs, self.stage.is_first), size(targets, self.stage.is_last)], dtype=torch.int64)
+        every = torch.zeros(self.p * 2, dtype=torch.int64)
+        self.group.all_gather(every, mine)
+        batch, target_batch = int(every[0]), int(every[2 * (self.p - 1) + 1])
+        what = {-2: "got None", -3: "is not a batch of tensors"}
+        if batch < 0:
+            raise ValueError(f"Pipeline.step: the first stage (rank 0) needs inputs, and {what[batch]}")
+        if target_batch < 0:
+            raise ValueError(f"Pipeline.step: the last stage (rank {self.p - 1}) needs targets, and "
+                             f"{what[target_batch]}")
+        if batch % self.m:
+            raise ValueError(f"Pipeline.step: a batch of {batch} cannot be cut into {self.m} equal micro-batches; "
+                             f"use a batch size that {self.m} divides, or another microbatches")
+        if target_batch != batch:
+            raise ValueError(f"Pipeline.step: {batch} inputs but {target_batch} targets")
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self, inputs=None, targets=None):
+        """One training step over the whole batch; returns its mean loss (a float64
+        tensor, the same on every rank). Gradients accumulate into the stage's
+        parameters; the optimizer step is the caller's."""
+        self._check_batch(inputs, targets)
+        t_start = time.perf_counter()
+        self._inputs = _microbatches(inputs, self.m) if self.stage.is_first else None
+        self._targets = _microbatches(targets, self.m) if self.stage.is_last else None
+        self._state, self._losses, self._works = {}, [], []
+        self.timeline = []
+        run = {"F": self._forward, "B": self._backward, "W": self._weights}
+        try:
+            for kind, mb, c in self.actions:
+                began = run[kind](mb, c)
+                self.timeline.append((kind, mb, c, began - t_start, time.perf_counter() - t_start))
+            for work, _ in self._works:
+                work.wait()
+        finally:
+            self._state, self._works, self._inputs, self._targets = {}, [], None, None
+        loss = torch.zeros(1, dtype=torch.float64)
+        if self.stage.is_last:
+            loss[0] = float(sum(float(x) for x in self._losses)) / self.m
+        self.group.broadcast(loss, self.p - 1)
+        if self.dp_group is not None:
+            self._average_over_replicas(loss)
+        return loss[0]
+
+    def _rank_of(self, stage_index):
+        return stage_index % self.p
+
+    def _forward(self, mb, c):
+        chunk = self.stage.chunks[c]
+        s = chunk.index
+        if s == 0:
+            values = self._inputs[mb]
+            values = values if isinstance(values, tuple) else (values,)
+        else:
+            values = transport.recv_activations(self.group, self._rank_of(s - 1), s)
+            for v in differentiable(values):
+                v.requires_grad_(True)
+        began = time.perf_counter()
+        self._capture = [] if self.split_backward else None
+        try:
+            out = chunk(*values)
+        finally:
+            captured, self._capture = self._capture, None
+        state = {"inputs": values if s > 0 else (), "captured": captured}
+        if s == self.stage.total - 1:
+            loss = self.loss_fn(out, self._targets[mb])
+            self._losses.append(loss.detach())
+            state["outputs"], state["grads"] = [loss / self.m], [None]
+        else:
+            out = out if isinstance(out, tuple) else (out,)
+            transport.send_activations(self.group, out, self._rank_of(s + 1), s + 1, self._works)
+            state["sent"] = differentiable(out)
+        self._state[(mb, c)] = state
+        return began
+
+    def _backward(self, mb, c):
+        chunk = self.stage.chunks[c]
+        s = chunk.index
+        state = self._state[(mb, c)]
+        if "sent" in state:
+            grads = transport.recv_gradients(self.group, self._rank_of(s + 1), s + 1, state["sent"])
+            pairs = [(o, g) for o, g in zip(state.pop("sent"), grads) if o.requires_grad]
+            state["outputs"], state["grads"] = [o for o, _ in pairs], [g for _, g in pairs]
+        began = time.perf_counter()
+        leaves = differentiable(state["inputs"])
+        outputs, grads = state.pop("outputs"), state.pop("grads")
+        if not self.split_backward:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        else:
+            input_grads = self._input_gradients_only(chunk, state, leaves, outputs, grads)
+        if s > 0:
+            transport.send_gradients(self.group, input_grads, self._rank_of(s - 1), s, self._works)
+        state["inputs"] = ()
+        if not self.split_backward:
+            del self._state[(mb, c)]
+        return began
+
+    def _input_gradients_only(self, chunk, state, leaves, outputs, grads):
+        """B of a split backward: gradients of the inputs, of each weight-owning
+        module's output (kept for W), and of parameters no such module owns."""
+        captured = [(mod, out) for mod, out in state["captured"] if out.requires_grad]
+        covered = {id(q) for mod, _ in captured for q in _own_params(mod)}
+        loose = [q for q in chunk.parameters() if q.requires_grad and id(q) not in covered]
+        wanted = leaves + [out for _, out in captured] + loose
+        if not outputs or not wanted:
+            state["wgrads"] = []
+            return [torch.zeros_like(x) for x in leaves]
+        got = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+        n, k = len(leaves), len(captured)
+        input_grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(got[:n], leaves)]
+        state["wgrads"] = [(mod, out, g) for (mod, out), g in zip(captured, got[n:n + k]) if g is not None]
+        _accumulate(loose, got[n + k:])
+        state["keep"] = outputs     # the graph W walks stays alive until W
+        return input_grads
+
+    def _weights(self, mb, c):
+        """W: each weight-owning module's output gradient back to its own weights."""
+        began = time.perf_counter()
+        state = self._state.pop((mb, c))
+        for mod, out, g in state.get("wgrads", []):
+            params = _own_params(mod)
+            _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
+        return began
+
+    def _hook_weight_owners(self):
+        """Record, during a forward, the output of every module that owns weights."""
+        def hook(module, args, output):
+            if self._capture is not None and torch.is_tensor(output):
+                self._capture.append((module, output))
+        for chunk in self.stage.chunks:
+            for mod in chunk.module.modules():
+                if mod is not chunk.module and _own_params(mod):
+                    mod.register_forward_hook(hook)
+
+    # ---- DP x PP ------------------------------------------------------------------------------
+
+    def _average_over_replicas(self, loss):
+        params = [q for q in self.stage.parameters() if q.requires_grad]
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        flat = torch.cat([q.grad.reshape(-1) for q in params]) if params else torch.zeros(0)
+        if flat.numel():
+            self.dp_group.all_reduce(flat, op="avg")
+            off = 0
+            for q in params:
+                q.grad.copy_(flat[off:off + q.numel()].view_as(q))
+                off += q.numel()
+        self.dp_group.all_reduce(loss, op="avg")
+
+
+def _own_params(module):
+    return [q for q in module._parameters.values() if q is not None and q.requires_grad]
+
+
+def _accumulate(params, grads):
+    for q, g in zip(params, grads):
+        if g is None:
+            continue
+        if q.grad is None:
+            q.grad = g.detach().clone()
+        else:
+            q.grad.add_(g)
+
+
+def _microbatches(x, m):
+    """x (a tensor, or a tuple of tensors) cut along dim 0 into m pieces of the same structure."""
+    if torch.is_tensor(x):
+        return list(x.chunk(m, 0))
+    parts = [t.chunk(m, 0) if torch.is_tensor(t) else [t] * m for t in x]
+    return [tuple(p) for p in zip(*parts)]

@@ -1,0 +1,165 @@
+"""Pipeline parallelism: the schedules on their own (simulated against each
+other: no deadlock, the papers' bubble), the balanced cut, and pt.pipeline.split
++ pt.Pipeline through real processes against one process on the whole batch
+(tests/workers/pipeline.py)."""
+import random
+
+import pytest
+
+from conftest import launch
+from paratrain.parallel.pipeline import partition, schedules
+
+# ---- schedules, simulated ----------------------------------------------------------------------
+
+
+def _cases():
+    for schedule in schedules.SCHEDULES:
+        for p in (2, 3, 4):
+            for m in range(1, 10):
+                for v in ((2, 3) if schedule == "interleaved" else (1,)):
+                    if schedule == "interleaved" and m % p:
+                        continue
+                    yield schedule, p, m, v
+
+
+@pytest.mark.parametrize("schedule,p,m,v", list(_cases()))
+def test_every_schedule_runs_each_action_once_without_deadlock(schedule, p, m, v):
+    makespan, busy, trace = schedules.simulate(schedule, p, m, v)
+    kinds = "FBW" if schedule in schedules.SPLIT_BACKWARD else "FB"
+    for r in range(p):
+        done = [(k, mb, c) for k, mb, c, _, _ in trace[r]]
+        assert sorted(done) == sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(v))
+    per_action = {"F": 1, "B": 1, "W": 1} if "W" in kinds else {"F": 1, "B": 2}
+    assert all(b == m * v * sum(per_action.values()) for b in busy)
+
+
+@pytest.mark.parametrize("schedule", schedules.SCHEDULES)
+def test_bubble_is_the_papers(schedule):
+    for p in (2, 3, 4):
+        for m in range(p, 3 * p + 1):
+            v = 2 if schedule == "interleaved" else 1
+            if schedule == "interleaved" and m % p:
+                continue
+            makespan, busy, _ = schedules.simulate(schedule, p, m, v)
+            bubble = 1 - sum(busy) / (p * makespan)
+            assert bubble == pytest.approx(schedules.bubble_formula(schedule, p, m, v)), (p, m)
+
+
+def test_zero_bubble_idles_a_third_of_one_forward_one_backward():
+    for p in (2, 3, 4):
+        for m in range(p, 4 * p):
+            zb, _, _ = schedules.simulate("zb-h1", p, m)
+            one, _, _ = schedules.simulate("1f1b", p, m, cost={"F": 1.0, "B": 2.0})
+            assert zb - 3 * m == pytest.approx((one - 3 * m) / 3)
+
+
+def test_one_forward_one_backward_holds_at_most_p_minus_rank_microbatches():
+    def peak(trace):
+        live = best = 0
+        for kind, *_ in trace:
+            live += {"F": 1, "B": -1}.get(kind, 0)
+            best = max(best, live)
+        return best
+    p, m = 4, 12
+    _, _, one = schedules.simulate("1f1b", p, m)
+    _, _, gpipe = schedules.simulate("gpipe", p, m)
+    assert [peak(t) for t in one] == [p - r for r in range(p)]
+    assert [peak(t) for t in gpipe] == [m] * p
+
+
+def test_interleaved_needs_microbatches_in_groups_of_ranks():
+    with pytest.raises(ValueError, match="multiple of the number of pipeline ranks"):
+        schedules.actions("interleaved", 0, 2, 3, 2)
+
+
+# ---- the balanced cut ---------------------------------------------------------------------------
+
+
+def _brute_force(costs, k):
+    import itertools
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_balance_finds_the_cheapest_largest_stage():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0, 1, 2, 5, 13]) + rng.random() for _ in range(n)]
+        starts = partition.balance(costs, k)
+        assert starts[0] == 0 and len(starts) == k and all(a < b for a, b in zip(starts, starts[1:]))
+        bounds = (*starts, n)
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        assert worst == pytest.approx(_brute_force(costs, k))
+        greedy = (*partition.balance_greedy(costs, k), n)
+        assert max(sum(costs[a:b]) for a, b in zip(greedy, greedy[1:])) >= worst - 1e-9
+
+
+# ---- through real processes ---------------------------------------------------------------------
+
+
+def _passed(res, n, count):
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert out.count("passed on rank") == n * count, out[-4000:]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_loss_and_gradients_equal_one_process(schedule, p):
+    """m in {1, p-1, p, 2p+1}; an nn.Sequential cut unevenly, a skip connection
+    across a stage, and the gpt model cut by torch.fx."""
+    ms = sorted({1, p - 1, p, 2 * p + 1})
+    res = launch(p, "pipeline.py", "equiv", "mlp,skip,gpt", schedule, ",".join(map(str, ms)), timeout=200)
+    _passed(res, p, 3 * len(ms))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("p", [2, 3])
+def test_interleaved_equals_one_process(p):
+    res = launch(p, "pipeline.py", "equiv", "mlp,gpt", "interleaved", f"{p},{2 * p}", "--virtual", "2", timeout=200)
+    _passed(res, p, 4)
+
+
+@pytest.mark.timeout(180)
+def test_cut_at_named_points_and_by_measured_time():
+    res = launch(2, "pipeline.py", "equiv", "gpt", "1f1b", "4", "--points", "blocks.2")
+    _passed(res, 2, 1)
+    assert "stage 1: blocks.2..head" in res.stderr   # the cut, printed by rank 0
+    res = launch(3, "pipeline.py", "equiv", "gpt", "zb-h1", "3", "--by", "time")
+    _passed(res, 3, 1)
+    assert "cut by time" in res.stderr and "ms forward+backward" in res.stderr
+
+
+@pytest.mark.timeout(180)
+def test_two_pipelines_by_two_replicas_equal_one_process():
+    _passed(launch(4, "pipeline.py", "equiv", "mlp,gpt", "1f1b", "2,4", "--dp", "2"), 4, 4)
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_refused_on_every_rank():
+    res = launch(2, "pipeline.py", "bad")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    expected = {
+        "stages": "2 stages but the model has only 1 layers",
+        "tied": "is used by stages 0 and 1 (tied weights)",
+        "untraceable": "torch.fx cannot trace Branchy",
+        "point": "split point 'blocks.9' is not a layer of the model",
+        "m0": "microbatches must be an int of at least 1",
+        "schedule": "unknown schedule '2f2b'",
+        "batch": "a batch of 8 cannot be cut into 3 equal micro-batches",
+        "disagree": "the ranks of the pipeline disagree",
+        "targets": "the last stage (rank 1) needs targets",
+    }
+    for case, words in expected.items():
+        for rank in range(2):
+            line = next((x for x in out.splitlines() if f"case {case} refused on rank {rank}:" in x), "")
+            assert words in line, (case, rank, out[-3000:])
