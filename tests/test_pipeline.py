@@ -3,10 +3,11 @@ other: no deadlock, the papers' bubble), the balanced cut, and pt.pipeline.split
 + pt.Pipeline through real processes against one process on the whole batch
 (tests/workers/pipeline.py)."""
 import random
+import re
 
 import pytest
 
-from conftest import launch
+from conftest import launch, outputs, spawn
 from paratrain.parallel.pipeline import partition, schedules
 
 # ---- schedules, simulated ----------------------------------------------------------------------
@@ -163,3 +164,12 @@ def test_bad_input_is_refused_on_every_rank():
         for rank in range(2):
             line = next((x for x in out.splitlines() if f"case {case} refused on rank {rank}:" in x), "")
             assert words in line, (case, rank, out[-3000:])
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_stage_is_named_by_its_neighbours():
+    procs = spawn(3, "pipeline.py", "die", env={"PARATRAIN_TIMEOUT": "120"})
+    out = outputs(procs, 60)   # far below the 120 s timeout: the death was noticed, not waited out
+    for rank in (0, 2):
+        assert f"rank {rank} caught PeerError" in out[rank], out[rank][-2000:]
+        assert re.search(r"rank 1 \(pid \d+\) died", out[rank]), out[rank][-2000:]

@@ -19,16 +19,17 @@ import torch
 from paratrain.train import job, strategies, trainer
 from paratrain.train.coordination import Lockstep
 from paratrain.train.options import build_parser
-from paratrain.train.strategies import STRATEGIES, allreduce, ps
+from paratrain.train.strategies import STRATEGIES, allreduce, pipeline, ps
+from paratrain.train.strategies.base import ReplicaStep
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERFACE = ("HELP", "SPARSE", "add_options", "check", "launcher_args", "SUMMARY", "make_step")
 
 
-def test_the_table_lists_the_three_strategies_and_each_module_has_the_interface():
-    assert list(STRATEGIES) == ["allreduce", "allreduce-naive", "ps"]
+def test_the_table_lists_the_four_strategies_and_each_module_has_the_interface():
+    assert list(STRATEGIES) == ["allreduce", "allreduce-naive", "ps", "pipeline"]
     assert STRATEGIES["allreduce"] is STRATEGIES["allreduce-naive"] is allreduce and STRATEGIES["ps"] is ps
-    assert strategies.modules() == [allreduce, ps]
+    assert strategies.modules() == [allreduce, ps, pipeline]
     for module in strategies.modules():
         missing = [name for name in INTERFACE if not hasattr(module, name)]
         assert not missing, (module.__name__, missing)
@@ -50,8 +51,9 @@ class OneRankBoard:
         return {0: report}, []
 
 
-class PlainStep:
-    """One worker, a local SGD: what a strategy's step object must offer, and no more."""
+class PlainStep(ReplicaStep):
+    """One worker, a local SGD: what a strategy's step object must offer, and no more
+    (ReplicaStep's defaults: one whole model per worker, rank 0 evaluates and checkpoints)."""
 
     local_loss = False
     finish_changes_weights = True
@@ -127,11 +129,12 @@ def test_strategy_choices_and_flags_come_from_the_table(fake):
     parser = build_parser()
     assert parser.parse_args(["--strategy", "fake", "--fake-level", "2"]).fake_level == 2
     text = " ".join(parser.format_help().split())   # (argparse wraps the help at 80 columns)
-    assert "{allreduce,allreduce-naive,ps,fake}" in text and "fake: one worker, a local SGD" in text
-    for group in ("--strategy allreduce, allreduce-naive:", "--strategy ps:", "--strategy fake:"):
+    assert "{allreduce,allreduce-naive,ps,pipeline,fake}" in text and "fake: one worker, a local SGD" in text
+    for group in ("--strategy allreduce, allreduce-naive:", "--strategy ps:", "--strategy pipeline:",
+                  "--strategy fake:"):
         assert group in text
     for flag in ("--algorithm", "--bucket-mb", "--compression", "--servers", "--consistency", "--staleness",
-                 "--predict-weights"):
+                 "--predict-weights", "--stages", "--microbatches", "--schedule", "--virtual"):
         assert flag in text
 
 

@@ -103,6 +103,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def check_length(length, block_size):
+    if length > block_size:
+        raise ValueError(f"sequence of length {length} is longer than the model's block_size {block_size}")
+
+
+torch.fx.wrap("check_length")   # traced as one call (run when the graph runs), not looked into
+
+
 class GPT(nn.Module):
     """A minimal decoder-only transformer in the style of Karpathy's nanoGPT (GPT-2: Radford et al. 2019).
 
@@ -143,9 +151,7 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         T = idx.shape[1]
-        # torch._assert, not an if: torch.fx can trace it, so pipeline parallelism can cut this model
-        torch._assert(T <= self.block_size, "sequence longer than the model's block_size: shorten it, "
-                      "or build the model with a larger block_size")
+        check_length(T, self.block_size)   # a call, not an if: torch.fx traces it (pipeline parallelism cuts this model)
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)

@@ -12,11 +12,13 @@ waited on communication.
 import math
 
 
-def job_numbers(reports, lost, batch_size, mean_loss=False):
+def job_numbers(reports, lost, batch_size, mean_loss=False, ranks_per_batch=1):
     """Summary fields from {rank: report} (coordination.REPORT_FIELDS) and the ranks lost.
 
     mean_loss: the final loss is the mean of the workers' last losses (parameter
-    server, where each worker logs its own batches) rather than left to the caller."""
+    server, where each worker logs its own batches) rather than left to the caller.
+    ranks_per_batch: how many workers take part in each batch (a pipeline's stages
+    all count the batches they pass along; it is one batch)."""
     ranks = sorted(reports)
     total = sum(int(reports[r]["batches"]) for r in ranks)
     wall = max((float(reports[r]["loop_s"]) for r in ranks), default=0.0)
@@ -31,7 +33,7 @@ def job_numbers(reports, lost, batch_size, mean_loss=False):
             "loop_s": rep["loop_s"], "last_loss": rep["last_loss"]})
     out = {
         "batches_total": total,
-        "samples_per_s": total * batch_size / wall if wall > 0 else 0.0,
+        "samples_per_s": total * batch_size / ranks_per_batch / wall if wall > 0 else 0.0,
         "time_wall_training_s": wall,
         "per_worker": per_worker,
         "lost_workers": list(lost) or None,

@@ -39,7 +39,7 @@ from .tasks import build_task
 class Settings:
     """The task's defaults, overridden by whatever the user gave on the command line."""
 
-    def __init__(self, task, args, world_size):
+    def __init__(self, task, args):
         d = task.defaults
         self.steps = args.steps or d["steps"]
         self.batch_size = args.batch_size or d["batch_size"]
@@ -47,10 +47,14 @@ class Settings:
         self.optimizer = args.optimizer or d["optimizer"]
         self.eval_every = args.eval_every or d.get("eval_every") or max(1, self.steps // 5)
         self.checkpoint_every = args.checkpoint_every
-        per_epoch = len(task.train_set) // (world_size * self.batch_size)
+        self.steps_per_epoch = None
+
+    def shard_data(self, task, replicas):
+        """Steps per epoch when the data is cut into ``replicas`` shards (the strategy says how many)."""
+        per_epoch = len(task.train_set) // (replicas * self.batch_size)
         if per_epoch < 1:
             raise ValueError(f"the {task.name} training set has {len(task.train_set)} samples, fewer than one "
-                             f"step needs ({world_size} workers x batch {self.batch_size}); lower --batch-size")
+                             f"step needs ({replicas} data shards x batch {self.batch_size}); lower --batch-size")
         self.steps_per_epoch = per_epoch
 
 
@@ -76,16 +80,15 @@ def run(args):
     after backward and before the gradients leave, as a slower machine would."""
     chosen = strategies.STRATEGIES[args.strategy]
     task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
-    P = int(os.environ.get("WORLD_SIZE", 1))
-    s = Settings(task, args, P)
+    s = Settings(task, args)
     strategy = chosen.make_step(task, args, s)
     me, P = strategy.rank, strategy.world_size
+    s.shard_data(task, strategy.data_replicas)
     lead = me == 0
-    model = strategy.model  # what the loss calls: a wrapper (DataParallel), or the bare model
     start = 0
     if args.resume:
-        state = ckpt.load_checkpoint(args.resume, expect_config=task.config)
-        task.model.load_state_dict(state["model"])
+        state = ckpt.load_checkpoint(strategy.checkpoint_path(args.resume, writing=False), expect_config=task.config)
+        strategy.load_model_state(task, state["model"])
         strategy.load_state_dict(state)
         start = int(state["step"])
         if start >= s.steps:
@@ -93,7 +96,8 @@ def run(args):
                              f"than that (got {s.steps})")
     board, pool = strategy.coordination(s, start)
     slow = Slowdown.from_args(args, me)
-    sampler = pt.DistributedSampler(task.train_set, num_replicas=P, rank=me, seed=args.seed, drop_last=True)
+    sampler = pt.DistributedSampler(task.train_set, num_replicas=strategy.data_replicas, rank=strategy.data_rank,
+                                    seed=args.seed, drop_last=True)
     run_dir = args.run_dir
     log = MetricsLog(run_dir) if lead else None
     progress = ProgressReporter(s.steps, enabled=lead)
@@ -102,10 +106,11 @@ def run(args):
     last_eval = {}
 
     def save(step):
-        if lead:
-            ckpt.save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
+        path = strategy.checkpoint_path(os.path.join(run_dir, "checkpoint.pt"), writing=True)
+        if path:
+            ckpt.save_checkpoint(path, {
                 "config": task.config, "model_name": task.name, "step": step,
-                "model": task.model.state_dict(), **strategy.state_dict()})
+                "model": strategy.model_state(task), **strategy.state_dict()})
 
     board.start()
     t_start = time.perf_counter()
@@ -115,8 +120,7 @@ def run(args):
         t0 = time.perf_counter()
         strategy.before_step()
         tc, waited = time.perf_counter(), strategy.stats.wait_seconds
-        loss = task.loss(model, batch)
-        loss.backward()
+        loss = strategy.forward_backward(task, batch)
         compute = time.perf_counter() - tc - (strategy.stats.wait_seconds - waited)
         slept = slow.after_compute(compute)
         strategy.after_backward()
@@ -127,6 +131,7 @@ def run(args):
         wait_before = strategy.stats.wait_seconds
         done = step + 1
         board.beat(done - start, time.perf_counter() - t_start)
+        evaluation = strategy.evaluate(task) if done % s.eval_every == 0 or done == s.steps else None
         if lead:
             row = {"step": done, "time": round(time.perf_counter() - t_start, 4), "loss": loss_value,
                    "step_seconds": round(dt, 5), "compute_seconds": round(compute, 5),
@@ -135,12 +140,13 @@ def run(args):
                 row["slowdown_seconds"] = round(slept, 5)
             if pool.shared:  # the job's batches so far (taken, not all finished yet)
                 row["job_batches"] = min(pool.last_ticket + 1, pool.total)
-            if done % s.eval_every == 0 or done == s.steps:
-                last_eval = task.evaluate(task.model)
+            if evaluation is not None:
+                last_eval = evaluation
                 row.update(last_eval)
             log.log(**row)
-            job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - start) * P
-            progress.update(min(s.steps, start + job_batches // P), loss=loss_value,
+            R = strategy.data_replicas
+            job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - start) * R
+            progress.update(min(s.steps, start + job_batches // R), loss=loss_value,
                             samples_per_s=job_batches * s.batch_size / (time.perf_counter() - t_start))
         if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
             save(done)
@@ -168,7 +174,8 @@ def run(args):
         "model": task.name, "strategy": args.strategy, **strategies.summary_fields(args, strategy),
         "workers": P, "steps": s.steps, "resumed_from": start or None,
         "batch_per_worker": s.batch_size, "final_loss": loss_value, **last_eval,
-        **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss),
+        **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss,
+                      ranks_per_batch=P // strategy.data_replicas),
         "time_total_s": total_s, "time_training_s": train_seconds,
         "time_compute_s": slow.compute_s, "time_slowdown_s": slow.slept_s if slow.active else None,
         "time_comm_wait_s": st.wait_seconds,

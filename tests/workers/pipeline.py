@@ -12,6 +12,7 @@ MODELS and MICROBATCHES are comma lists, every pair is run in turn. MODEL: mlp (
 that jumps over a stage), gpt (the gpt task's model, cut by torch.fx).
 
     pipeline.py bad           each bad input (BAD_CASES) must raise a clear error on every rank
+    pipeline.py die           the middle of 3 stages dies: the other two raise PeerError naming it
 """
 import argparse
 import sys
@@ -172,6 +173,26 @@ def bad(args):
     pt.destroy()
 
 
+def die(args):
+    """The middle stage dies before the step: the stages before and after it wait on
+    it and must raise on their own, naming it, long before the timeout."""
+    import os
+    world = pt.init()
+    stage = pt.pipeline.split(build("mlp"), group=world, by="params", verbose=False)
+    pipe = pt.Pipeline(stage, group=world, microbatches=2, schedule="1f1b", loss_fn=F.cross_entropy)
+    world.barrier()
+    if world.rank == 1:
+        os._exit(1)
+    x, y = data("mlp", 0, 8)
+    try:
+        pipe.step(x if stage.is_first else None, y if stage.is_last else None)
+    except pt.PeerError as e:
+        print(f"rank {world.rank} caught PeerError: {e}", flush=True)
+        os._exit(0)
+    print(f"rank {world.rank} finished the step", flush=True)
+    os._exit(0)
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -184,8 +205,9 @@ def main():
     e.add_argument("--by", default="params")
     e.add_argument("--dp", type=int, default=1)
     sub.add_parser("bad")
+    sub.add_parser("die")
     args = p.parse_args()
-    return equiv(args) if args.cmd == "equiv" else bad(args)
+    return {"equiv": equiv, "bad": bad, "die": die}[args.cmd](args)
 
 
 if __name__ == "__main__":

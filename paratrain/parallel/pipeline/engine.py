@@ -223,6 +223,34 @@ class Pipeline:
                 if mod is not chunk.module and _own_params(mod):
                     mod.register_forward_hook(hook)
 
+    # ---- forward only (evaluation) ----------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, inputs=None):
+        """The model's output for a whole batch (no micro-batches, no gradients), on
+        every rank of the pipeline: the last stage sends it to the others. Every
+        rank calls it, in the same order; ``inputs`` matter on the first stage."""
+        works = []
+        out = None
+        for chunk in self.stage.chunks:
+            s = chunk.index
+            if s == 0:
+                values = inputs if isinstance(inputs, tuple) else (inputs,)
+            else:
+                values = transport.recv_activations(self.group, self._rank_of(s - 1), s)
+            out = chunk(*values)
+            if s < self.stage.total - 1:
+                transport.send_activations(self.group, out, self._rank_of(s + 1), s + 1, works)
+        last, done = self.p - 1, self.stage.total   # tag range past the last stage: the output
+        if self.rank == last:
+            for r in range(self.p - 1):
+                transport.send_activations(self.group, (out,), r, done, works)
+        else:
+            out = transport.recv_activations(self.group, last, done)[0]
+        for work, _ in works:
+            work.wait()
+        return out
+
     # ---- DP x PP ------------------------------------------------------------------------------
 
     def _average_over_replicas(self, loss):

@@ -8,9 +8,10 @@ crosses devices; Abadi et al., "TensorFlow", OSDI 2016, sec. 3.2.2).
 
 1. The model is traced with torch.fx into a graph of operations (an
    nn.Sequential traces as its chain of children). Each operation belongs to
-   a *layer*: the outermost submodule it runs in (``blocks.3`` of a GPT,
-   ``2`` of a Sequential); operations outside any submodule join the next
-   layer. Cuts fall between layers only.
+   a *layer*: the outermost submodule it runs in, looking through
+   nn.Sequential containers (``blocks.3`` of a GPT, ``features.2`` of the
+   digits CNN, ``2`` of a Sequential); operations outside any submodule join
+   the next layer. Cuts fall between layers only.
 2. The layers are grouped into consecutive runs, one per stage: at the named
    ``split_points``, or so that the most expensive stage is as cheap as
    possible (``balance``), by parameter count or by forward+backward time
@@ -109,8 +110,7 @@ def find_layers(gm):
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        stack = n.meta.get("nn_module_stack")
-        key = next(iter(stack)) if stack else None
+        key = _layer_of(n.meta.get("nn_module_stack"))
         if n.op == "call_module" and key is None:
             key = str(n.target)
         if key is None:
@@ -126,6 +126,21 @@ def find_layers(gm):
             raise ValueError("split: the model has no submodules to cut between")
         layers[-1][1].extend(loose)
     return layers
+
+
+def _layer_of(stack):
+    """The outermost module an operation runs in that is not an nn.Sequential: a
+    Sequential is a list of layers, not one (DigitsCNN's ``features.0`` and
+    ``features.2`` are two layers; a ModuleList is never called, so fx never
+    shows it)."""
+    if not stack:
+        return None
+    entries = list(stack.items())
+    for key, value in entries:
+        kind = value[1] if isinstance(value, tuple) and len(value) > 1 else None
+        if not (isinstance(kind, type) and issubclass(kind, nn.Sequential)):
+            return key
+    return entries[-1][0]
 
 
 def layer_params(gm, nodes):

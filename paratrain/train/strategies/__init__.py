@@ -19,7 +19,8 @@ What a strategy module provides:
     SUMMARY                  {summary.json key: fn(step, args)}: its own summary fields
     make_step(task, args, settings)   this worker's step object, below
 
-The step object, made once per worker:
+The step object, made once per worker (base.ReplicaStep gives the defaults of a
+strategy whose workers each hold the whole model):
 
     model                    what the loss calls (a DataParallel wrapper, or the bare model)
     stats                    CommStats: wait_seconds, comm_seconds, bytes (parallel/data.py)
@@ -31,10 +32,15 @@ The step object, made once per worker:
                              batches this one takes (coordination.py)
     before_step(), after_backward(), logged_loss(loss), finish()   the loop's hooks
     state_dict(), load_state_dict(state)   what it checkpoints beside the model
+    data_replicas, data_rank     how many shards the data is cut into, and this worker's
+    forward_backward(task, batch)   the batch's loss, its gradients accumulated
+    evaluate(task)               the evaluation (called on every worker; None where it is not done)
+    checkpoint_path(path, writing)   the file this worker writes (None: none) or resumes from
+    model_state(task), load_model_state(task, state)   the model's part in its checkpoint
 """
-from . import allreduce, ps
+from . import allreduce, pipeline, ps
 
-STRATEGIES = {"allreduce": allreduce, "allreduce-naive": allreduce, "ps": ps}
+STRATEGIES = {"allreduce": allreduce, "allreduce-naive": allreduce, "ps": ps, "pipeline": pipeline}
 DEFAULT = "allreduce"
 
 

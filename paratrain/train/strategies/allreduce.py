@@ -13,6 +13,7 @@ import torch
 import paratrain as pt
 
 from ..coordination import GroupBoard, Lockstep
+from .base import ReplicaStep
 from ..options import positive_float
 
 HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
@@ -58,7 +59,7 @@ def make_optimizer(name, params, lr):
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
 
 
-class AllReduceStep:
+class AllReduceStep(ReplicaStep):
     """DataParallel (or the naive version) with an optimizer in every worker: the
     gradients are averaged during backward, then each worker steps alike."""
 

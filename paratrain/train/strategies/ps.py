@@ -31,6 +31,7 @@ from ...comm.group import timeout_from_env
 from ...parallel.data import CommStats
 from ..coordination import Lockstep, SharedPool, StoreBoard
 from ..options import positive_int
+from .base import ReplicaStep
 
 HELP = "ps: parameter server (optimizer on the servers)"
 SPARSE = True   # recsys keeps its embedding rows on the servers (pt.ps.Embedding)
@@ -105,7 +106,7 @@ SUMMARY = {
 }
 
 
-class ParameterServerStep:
+class ParameterServerStep(ReplicaStep):
     """The parts of a training step that talk to the servers, with the same
     ``stats`` the summary reads from DataParallel."""
 

@@ -1,0 +1,43 @@
+"""What most strategies' step objects do alike: one replica of the model per worker.
+
+A strategy whose workers each hold the whole model and read their own shard
+of the data (allreduce, ps) inherits all of this; one that cuts the model
+across workers (pipeline) overrides what differs: which workers read the same
+data, how a batch becomes a loss and gradients, what each worker checkpoints,
+and who evaluates.
+"""
+
+
+class ReplicaStep:
+    """Defaults for a step object (see strategies/__init__.py for the whole interface).
+    Subclasses set ``model``, ``rank`` and ``world_size``."""
+
+    @property
+    def data_replicas(self):
+        """How many different shards the data is cut into (the DistributedSampler's num_replicas)."""
+        return self.world_size
+
+    @property
+    def data_rank(self):
+        """Which shard this worker reads."""
+        return self.rank
+
+    def forward_backward(self, task, batch):
+        """The batch's loss, with its gradients accumulated into the model."""
+        loss = task.loss(self.model, batch)
+        loss.backward()
+        return loss
+
+    def evaluate(self, task):
+        """The task's evaluation, on rank 0 (the others return None). Every worker calls it."""
+        return task.evaluate(task.model) if self.rank == 0 else None
+
+    def checkpoint_path(self, path, writing):
+        """The file this worker writes (None: it writes none) or reads on resume."""
+        return path if not writing or self.rank == 0 else None
+
+    def model_state(self, task):
+        return task.model.state_dict()
+
+    def load_model_state(self, task, state):
+        task.model.load_state_dict(state)

@@ -1,0 +1,210 @@
+"""``--strategy pipeline``: the model cut between layers into ``--stages`` stages,
+micro-batches flowing through them (parallel/pipeline/).
+
+With ``--workers`` a multiple of ``--stages``, consecutive ranks form one
+pipeline (ranks 0..s-1, s..2s-1, ...) and the pipelines are data-parallel
+replicas of each other (each reads its own shard, every stage's gradients are
+averaged over its replicas). The cut is balanced by forward+backward time
+measured on a micro-batch of the training data. Each worker steps an
+optimizer over its own stage only.
+
+Evaluation runs the eval set through the pipeline (forward only) on every
+worker; checkpoints are one file per stage (``checkpoint.pt`` holds stage
+0, ``checkpoint.stage1.pt`` stage 1, ...), written by the first replica and
+read back by every replica of that stage, so resuming is exact. At the end,
+``timeline.png`` in the run directory shows the last step's F / B / W boxes
+per stage, with the bubble measured against the schedule's formula.
+"""
+import json
+import os
+
+import torch
+from torch import nn
+
+import paratrain as pt
+
+from ...parallel.data import CommStats
+from ...parallel.pipeline import schedules, timeline
+from ..coordination import GroupBoard, Lockstep
+from ..options import positive_int
+from .allreduce import make_optimizer
+from .base import ReplicaStep
+
+HELP = "pipeline: the model cut between layers into --stages stages, micro-batches through a --schedule"
+SPARSE = False
+CUTTABLE = ("digits", "gpt", "mlp", "mlp-large")
+
+
+def add_options(parser):
+    g = parser.add_argument_group("--strategy pipeline")
+    g.add_argument("--stages", type=positive_int, default=None, help="pipeline stages, one per worker (default 2)")
+    g.add_argument("--microbatches", type=positive_int, default=None,
+                   help="micro-batches per batch (default 4; the batch must be a multiple)")
+    g.add_argument("--schedule", choices=schedules.SCHEDULES, default=None, help="pipeline schedule (default 1f1b)")
+    g.add_argument("--virtual", type=positive_int, default=None,
+                   help="stages per worker for --schedule interleaved (default 2)")
+
+
+def check(args, chosen):
+    given = [f for f in ("stages", "microbatches", "schedule", "virtual") if getattr(args, f) is not None]
+    if not chosen:
+        return f"--{given[0]} is for --strategy pipeline" if given else None
+    if args.model not in CUTTABLE:
+        return f"--strategy pipeline cuts the {', '.join(CUTTABLE)} models, not {args.model}"
+    stages = args.stages or 2
+    if args.workers % stages:
+        return f"--workers {args.workers} is not a multiple of --stages {stages} (each pipeline needs {stages} workers)"
+    if args.virtual and args.virtual > 1 and (args.schedule or "1f1b") != "interleaved":
+        return "--virtual is for --schedule interleaved"
+    return None
+
+
+def launcher_args(args):
+    return []
+
+
+SUMMARY = {
+    "backend": lambda step, args: step.group.backend,
+    "pipeline_stages": lambda step, args: step.stages,
+    "pipeline_replicas": lambda step, args: step.data_replicas,
+    "pipeline_schedule": lambda step, args: f"{step.pipe.schedule}, {step.pipe.m} micro-batches"
+                                            + (f", {step.stage.virtual} stages per worker" if step.stage.virtual > 1 else ""),
+    "pipeline_bubble": lambda step, args: step.bubble,
+    "pipeline_bubble_formula": lambda step, args: step.bubble_formula,
+    "pipeline_parameters_per_stage": lambda step, args: step.params_per_stage,
+    "pipeline_timeline": lambda step, args: step.timeline_png,
+}
+
+
+class PipelineStep(ReplicaStep):
+    local_loss = False             # the loss is the whole batch's, the same on every worker
+    finish_changes_weights = False
+
+    def __init__(self, task, args, settings):
+        world = pt.init(backend=args.backend)
+        self.group = world
+        self.rank, self.world_size = world.rank, world.world_size
+        self.stages = args.stages or 2
+        replicas = self.world_size // self.stages
+        pipes = [pt.new_group(list(range(r * self.stages, (r + 1) * self.stages))) for r in range(replicas)]
+        dps = [pt.new_group(list(range(i, self.world_size, self.stages))) for i in range(self.stages)]
+        self.pipe_group = pipes[self.rank // self.stages]
+        self.dp_group = dps[self.rank % self.stages] if replicas > 1 else None
+        self.replicas, self.replica = replicas, self.rank // self.stages
+        m = args.microbatches or 4
+        schedule = args.schedule or "1f1b"
+        virtual = args.virtual or (2 if schedule == "interleaved" else 1)
+        sample = _sample_inputs(task, max(1, settings.batch_size // m))
+        self.names = {id(q): n for n, q in task.model.named_parameters()}
+        self.stage = pt.pipeline.split(task.model, group=self.pipe_group, virtual=virtual, sample=sample,
+                                       verbose=self.rank == 0)
+        self.pipe = pt.Pipeline(self.stage, group=self.pipe_group, microbatches=m, schedule=schedule,
+                                loss_fn=_loss_of(task), dp_group=self.dp_group)
+        self.model = self.stage
+        self.opt = make_optimizer(settings.optimizer, self.stage.parameters(), settings.lr)
+        self.stats = CommStats()
+        self.run_dir = args.run_dir
+        self.bubble = self.bubble_formula = self.timeline_png = None
+        counts = torch.zeros(self.world_size, dtype=torch.int64)
+        mine = torch.tensor([sum(q.numel() for q in self.stage.parameters())], dtype=torch.int64)
+        world.all_gather(counts, mine)
+        self.params_per_stage = counts[:self.stages].tolist()
+
+    @property
+    def data_replicas(self):
+        return self.replicas
+
+    @property
+    def data_rank(self):
+        return self.replica
+
+    def coordination(self, settings, start):
+        return GroupBoard(self.group), Lockstep(settings.steps, start)
+
+    def forward_backward(self, task, batch):
+        x, y = batch
+        return self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
+
+    def before_step(self):
+        pass
+
+    def after_backward(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def logged_loss(self, loss):
+        return float(loss)
+
+    def evaluate(self, task):
+        result = task.evaluate(_ThroughPipeline(self.pipe))
+        return result if self.rank == 0 else None
+
+    # ---- checkpoints: one file per stage ---------------------------------------------------------
+
+    def checkpoint_path(self, path, writing):
+        if writing and self.replica != 0:
+            return None
+        k = self.rank % self.stages
+        if k == 0:
+            return path
+        root, ext = os.path.splitext(path)
+        return f"{root}.stage{k}{ext}"
+
+    def model_state(self, task):
+        return {self.names[id(q)]: q.detach().clone() for q in self.stage.parameters()}
+
+    def load_model_state(self, task, state):
+        mine = {self.names[id(q)] for q in self.stage.parameters()}
+        if set(state) != mine:
+            raise ValueError(f"this checkpoint holds {len(state)} tensors of another stage or cut than stage "
+                             f"{self.rank % self.stages}'s {len(mine)}: resume with the same --stages and --workers")
+        task.model.load_state_dict(state, strict=False)
+
+    def state_dict(self):
+        return {"optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, state):
+        self.opt.load_state_dict(state["optimizer"])
+
+    # ---- the end: the last step's timeline -------------------------------------------------------
+
+    def finish(self):
+        if not self.pipe.timeline:
+            return
+        timelines = timeline.gather(self.pipe_group, self.pipe.timeline)
+        self.bubble = timeline.bubble(timelines)
+        p, m, v = self.stages, self.pipe.m, self.stage.virtual
+        self.bubble_formula = schedules.bubble_formula(self.pipe.schedule, p, m, v)
+        if self.rank == 0 and self.run_dir:
+            title = (f"{self.pipe.schedule}, {p} stages, {m} micro-batches: bubble {self.bubble:.1%} measured, "
+                     f"{self.bubble_formula:.1%} by the formula (last step)")
+            self.timeline_png = timeline.plot(timelines, os.path.join(self.run_dir, "timeline.png"), title)
+            with open(os.path.join(self.run_dir, "timeline.json"), "w") as f:
+                json.dump({"title": title, "stages": timelines}, f)
+
+
+class _ThroughPipeline(nn.Module):
+    """What task.evaluate calls as the model: the whole pipeline, forward only."""
+
+    def __init__(self, pipe):
+        super().__init__()
+        self.pipe = pipe
+        self.stage = pipe.stage
+
+    def forward(self, x):
+        return self.pipe.forward(x)
+
+
+def _loss_of(task):
+    """loss_fn(output, target) from the task's loss(model, batch): the task's loss with
+    the output standing in for the model's answer (it calls the model once)."""
+    return lambda output, target: task.loss(lambda _: output, (None, target))
+
+
+def _sample_inputs(task, n):
+    """A micro-batch of the training inputs, for timing the layers."""
+    return torch.stack([task.train_set[i][0] for i in range(min(n, len(task.train_set)))])
+
+
+def make_step(task, args, settings):
+    return PipelineStep(task, args, settings)
