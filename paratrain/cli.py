@@ -5,18 +5,19 @@
     paratrain server --servers 2             parameter servers on this host for a multi-node job
     paratrain bench collectives -n 2         collective benchmark beside Gloo and MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
+    paratrain bench pipeline                 pipeline schedules beside torch.distributed.pipelining
 """
 import sys
 
 USAGE = """usage: paratrain <command> [args]
 
 commands:
-  train    train a built-in model with data parallelism (defaults: digits, 2 workers)
+  train    train a built-in model: data parallelism, parameter servers or a pipeline (defaults: digits, 2 workers)
   run      start N worker processes running a script (like torchrun)
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
   bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`,
-           `paratrain bench parameter-server`
+           `paratrain bench parameter-server`, `paratrain bench pipeline`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -37,7 +38,8 @@ def main(argv=None):
         from .launch.serve import main as server_main
         return server_main(rest)
     if cmd == "bench":
-        benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server"}
+        benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
+                   "pipeline": "pipeline"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

@@ -128,3 +128,19 @@ def test_paired_ratio_pairs_rounds_so_drift_cancels():
     assert row["busbw_paratrain_over_mpi"] != pytest.approx(1.1, rel=0.01)
     m, lo, hi = row["paired_busbw_paratrain_over_mpi"]
     assert m == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+
+
+@pytest.mark.timeout(240)
+def test_quick_pipeline_benchmark_reports_every_engine(tmp_path):
+    """paratrain bench pipeline --quick: a tiny GPT, every engine, the table's numbers in JSON."""
+    from paratrain.bench.pipeline import ENGINES
+    from paratrain.bench.pipeline import main as pipeline_main
+    assert pipeline_main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "pipeline.json").read_text())
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert set(rows) == {"single", *ENGINES}
+    for name, r in rows.items():
+        assert r["step_ms"] > 0 and r["samples_per_s"] > 0
+        if name.startswith("pt/"):
+            assert r["vs_torch"] > 0 and 0 <= r["bubble"] < 1 and 0 < r["bubble_formula"] < 1
+    assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

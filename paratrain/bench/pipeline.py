@@ -1,0 +1,140 @@
+"""How fast is paratrain's pipeline beside one process and torch.distributed.pipelining?
+
+    paratrain bench pipeline [--rounds 5] [--engines ...] [--quick]
+    python benchmarks/pipeline.py            (the same)
+
+The model of issue 25: the gpt task made bigger (8 blocks, width 256, 8
+heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank,
+cut into 2 stages of 4 blocks. One process alone runs it first (``single``);
+then, with 2 workers in the same processes, interleaved round by round
+(pipeline_worker.py): paratrain's schedules and torch's GPipe and 1F1B on the
+same stage modules.
+
+Prints ms/step, samples/s, the speedup over one process against the ideal
+2m/(m+1) for two stages, the ratio to torch's same schedule (zb-h1 and
+interleaved against torch's 1F1B at the same m), and paratrain's bubble
+measured on each round's last step (median) against the schedule's formula.
+Writes benchmarks/results/pipeline.json and pipeline.png.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from . import launcher
+
+MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
+QUICK = dict(layers=4, width=64, heads=4, context=32, batch=8)
+ENGINES = ["pt/gpipe/m4", "pt/gpipe/m8", "pt/1f1b/m4", "pt/1f1b/m8", "pt/zb-h1/m4", "pt/zb-h1/m8",
+           "pt/interleaved/m8", "torch/gpipe/m4", "torch/gpipe/m8", "torch/1f1b/m4", "torch/1f1b/m8"]
+OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="paratrain bench pipeline",
+                                description="paratrain pipeline schedules vs one process and torch.distributed.pipelining")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines on 2 workers (owner/schedule/m<m>)")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
+    p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    return p
+
+
+def run_one(nproc, engines, model, args, tmp):
+    cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=1, timeout=args.timeout,
+               result=str(Path(tmp) / f"pipeline-{nproc}.json"))
+    path = Path(tmp) / f"cfg-{nproc}.json"
+    path.write_text(json.dumps(cfg))
+    env = launcher.worker_env(launcher.free_port_pair(), {"PARATRAIN_TIMEOUT": str(args.timeout)})
+    print(f"[bench] {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
+    code = launcher.wait(launcher.start(nproc, [str(path)], env, False, module="paratrain.bench.pipeline_worker"),
+                         args.timeout)
+    if code != 0:
+        raise RuntimeError(f"the {nproc}-worker run failed (exit code {code}); its errors are above")
+    return json.loads(Path(cfg["result"]).read_text())
+
+
+def summarize(single, piped, batch):
+    from ..parallel.pipeline.schedules import bubble_formula
+    one = statistics.median(single["times"]["single"])
+    rows = [dict(engine="single", step_ms=one * 1e3, samples_per_s=batch / one, vs_single=1.0, ideal=1.0,
+                 vs_torch=None, bubble=None, bubble_formula=None)]
+    medians = {e: statistics.median(t) for e, t in piped["times"].items()}
+    for engine, step in medians.items():
+        owner, schedule, m = engine.split("/")
+        m = int(m[1:])
+        ref = f"torch/{schedule if schedule in ('gpipe', '1f1b') else '1f1b'}/m{m}"
+        v = 2 if schedule == "interleaved" else 1
+        bubbles = piped.get("bubble", {}).get(engine)
+        rows.append(dict(engine=engine, step_ms=step * 1e3, samples_per_s=batch / step, vs_single=one / step,
+                         ideal=2 * m / (m + 1),
+                         vs_torch=medians[ref] / step if owner == "pt" and ref in medians else None,
+                         bubble=statistics.median(bubbles) if bubbles else None,
+                         bubble_formula=bubble_formula(schedule, 2, m, v) if owner == "pt" else None))
+    return rows
+
+
+def table(rows):
+    from rich.table import Table
+    t = Table(title="2-stage pipeline: ms/step and samples/s, medians of interleaved rounds")
+    for c in ("engine", "step ms", "samples/s", "vs 1 process", "ideal 2m/(m+1)", "vs torch, same m",
+              "bubble measured", "bubble formula"):
+        t.add_column(c, justify="left" if c == "engine" else "right")
+    f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+    for r in rows:
+        t.add_row(r["engine"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}", f(r["vs_single"], "{:.2f}x"),
+                  f(r["ideal"], "{:.2f}x"), f(r["vs_torch"], "{:.2f}x"), f(r["bubble"], "{:.1%}"),
+                  f(r["bubble_formula"], "{:.1%}"))
+    return t
+
+
+def plot(path, rows):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    names = [r["engine"] for r in rows]
+    colours = ["grey" if n == "single" else ("#4C72B0" if n.startswith("pt/") else "#DD8452") for n in names]
+    ax.bar(range(len(rows)), [r["vs_single"] for r in rows], color=colours)
+    ax.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over one process")
+    for i, r in enumerate(rows):
+        if r["engine"] != "single":
+            ax.plot([i - 0.4, i + 0.4], [r["ideal"]] * 2, color="black", linewidth=1)
+    ax.set_title("paratrain (blue) and torch.distributed.pipelining (orange), 2 stages; lines: ideal 2m/(m+1)")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    model = dict(QUICK if args.quick else MODEL)
+    if args.quick:
+        args.rounds, args.steps = 2, 1
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        single = run_one(1, ["single"], model, args, tmp)
+        piped = run_one(2, engines, model, args, tmp)
+    rows = summarize(single, piped, model["batch"])
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)
+    console.print(table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(model, rounds=args.rounds, steps=args.steps, cpu_count=os.cpu_count(), quick=args.quick)
+    (out / "pipeline.json").write_text(json.dumps(dict(meta, rows=rows, raw=piped), indent=1))
+    png = plot(out / "pipeline.png", rows)
+    print(f"wrote {out / 'pipeline.json'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

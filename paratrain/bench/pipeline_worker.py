@@ -1,0 +1,198 @@
+"""One worker of the pipeline benchmark: every engine in this process, round by round.
+
+Each engine is a full training step (forward, backward, Adam) of the same GPT
+(same initial weights, same batch) cut into the same two stages at
+``blocks.<n/2>``, run by:
+
+- ``single``: one process, the whole model (only with one worker);
+- ``pt/<schedule>/m<m>``: pt.Pipeline with that schedule and m micro-batches
+  (``interleaved``: each rank holds two of four stages);
+- ``torch/<schedule>/m<m>``: torch.distributed.pipelining's PipelineStage and
+  ScheduleGPipe / Schedule1F1B over Gloo, on the very same stage modules.
+
+Rounds are interleaved: each round times ``steps`` steps of every engine, in an
+order that rotates by one each round, after a barrier; a round's time is the
+slowest rank's. paratrain's engines also record each step's bubble (the
+timeline of its last step, every stage's). Rank 0 writes everything to JSON.
+"""
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_gpt(cfg):
+    from ..train.models import GPT
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, block_size=cfg["context"], n_layer=cfg["layers"], n_head=cfg["heads"],
+               n_embd=cfg["width"])
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+class Single:
+    def __init__(self, cfg, group):
+        self.name, self.model = "single", build_gpt(cfg)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.barrier, self.bubble = (lambda: None), None
+
+    def step(self, x, y):
+        lm_loss(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def after_round(self):
+        pass
+
+
+def _stage(cfg, group, virtual=1):
+    import paratrain as pt
+    total = group.world_size * virtual
+    per = cfg["layers"] // total
+    points = [f"blocks.{per * k}" for k in range(1, total)]
+    return pt.pipeline.split(build_gpt(cfg), group=group, split_points=points, virtual=virtual, verbose=False)
+
+
+class Ours:
+    def __init__(self, name, cfg, group, schedule, m):
+        import paratrain as pt
+        from ..parallel.pipeline import timeline
+        self.name, self.group, self.timeline = name, group, timeline
+        virtual = 2 if schedule == "interleaved" else 1
+        self.stage = _stage(cfg, group, virtual)
+        self.pipe = pt.Pipeline(self.stage, group=group, microbatches=m, schedule=schedule, loss_fn=lm_loss)
+        self.opt = torch.optim.Adam(self.stage.parameters(), lr=1e-4)
+        self.barrier, self.bubble = group.barrier, []
+
+    def step(self, x, y):
+        self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def after_round(self):
+        self.bubble.append(self.timeline.bubble(self.timeline.gather(self.group, self.pipe.timeline)))
+
+
+class Torch:
+    """torch.distributed.pipelining on our stage module (one chunk: a GraphModule
+    taking and returning one tensor, as PipelineStage wants)."""
+
+    def __init__(self, name, cfg, group, schedule, m, batch):
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.name = name
+        stage = _stage(cfg, group)
+        self.first, self.last = stage.is_first, stage.is_last
+        module = _OneTensor(stage.chunks[0])
+        self.pipe_stage = PipelineStage(module, group.rank, group.world_size, torch.device("cpu"))
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.schedule = kind(self.pipe_stage, n_microbatches=m, loss_fn=lm_loss)
+        self.opt = torch.optim.Adam(module.parameters(), lr=1e-4)
+        self.barrier, self.bubble = dist.barrier, None
+
+    def step(self, x, y):
+        if self.first:
+            self.schedule.step(x)
+        elif self.last:
+            self.schedule.step(target=y)
+        else:
+            self.schedule.step()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def after_round(self):
+        pass
+
+
+class _OneTensor(nn.Module):
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x):
+        out = self.chunk(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def make_engines(cfg, group, port):
+    engines = []
+    for name in cfg["engines"]:
+        if name == "single":
+            engines.append(Single(cfg, group))
+            continue
+        owner, schedule, m = name.split("/")
+        m = int(m.lstrip("m"))
+        if owner == "pt":
+            engines.append(Ours(name, cfg, group, schedule, m))
+        else:
+            _init_gloo(group, port, cfg["timeout"])
+            engines.append(Torch(name, cfg, group, schedule, m, cfg["batch"]))
+    return engines
+
+
+def _init_gloo(group, port, timeout):
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        from ..comm.world import bind_world_defaults_early
+        bind_world_defaults_early()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
+                                world_size=group.world_size, timeout=timedelta(seconds=timeout))
+
+
+def main(cfg_path):
+    import paratrain as pt
+    cfg = json.loads(open(cfg_path).read())
+    torch.set_num_threads(1)
+    group = pt.init(backend="shm")
+    engines = make_engines(cfg, group, int(os.environ["MASTER_PORT"]))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
+    y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
+    for e in engines:
+        for _ in range(cfg["warmup"]):
+            e.step(x, y)
+    times = {e.name: [] for e in engines}
+    for r in range(cfg["rounds"]):
+        k = r % len(engines)
+        for e in engines[k:] + engines[:k]:
+            e.barrier()
+            t0 = time.perf_counter()
+            for _ in range(cfg["steps"]):
+                e.step(x, y)
+            times[e.name].append((time.perf_counter() - t0) / cfg["steps"])
+            e.after_round()
+        if group.rank == 0:
+            print(f"[bench] round {r + 1}/{cfg['rounds']} done", file=sys.stderr, flush=True)
+    flat = torch.tensor([t for e in engines for t in times[e.name]], dtype=torch.float64)
+    group.all_reduce(flat, op="max")
+    if group.rank == 0:
+        per = flat.view(len(engines), -1).tolist()
+        with open(cfg["result"], "w") as f:
+            json.dump({"times": {e.name: per[i] for i, e in enumerate(engines)},
+                       "bubble": {e.name: e.bubble for e in engines if e.bubble}}, f)
+    group.barrier()
+    pt.destroy()
+    _release_gloo(engines)
+
+
+def _release_gloo(engines):
+    """Drop the torch engines before their Gloo group, while the interpreter is whole
+    (dp_worker.release_ddp says why the other orders hang or abort)."""
+    import gc
+
+    import torch.distributed as dist
+    engines.clear()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[-1]))
