@@ -143,4 +143,5 @@ def test_quick_pipeline_benchmark_reports_every_engine(tmp_path):
         assert r["step_ms"] > 0 and r["samples_per_s"] > 0
         if name.startswith("pt/"):
             assert r["vs_torch"] > 0 and 0 <= r["bubble"] < 1 and 0 < r["bubble_formula"] < 1
+            assert len(r["peak_activation_mb"]) == 2 and min(r["peak_activation_mb"]) > 0
     assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

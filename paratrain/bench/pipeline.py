@@ -12,8 +12,9 @@ same stage modules.
 
 Prints ms/step, samples/s, the speedup over one process against the ideal
 2m/(m+1) for two stages, the ratio to torch's same schedule (zb-h1 and
-interleaved against torch's 1F1B at the same m), and paratrain's bubble
-measured on each round's last step (median) against the schedule's formula.
+interleaved against torch's 1F1B at the same m), paratrain's bubble
+measured on each round's last step (median) against the schedule's formula,
+and the most activation memory each of paratrain's stages held at once.
 Writes benchmarks/results/pipeline.json and pipeline.png.
 """
 import argparse
@@ -63,7 +64,7 @@ def summarize(single, piped, batch):
     from ..parallel.pipeline.schedules import bubble_formula
     one = statistics.median(single["times"]["single"])
     rows = [dict(engine="single", step_ms=one * 1e3, samples_per_s=batch / one, vs_single=1.0, ideal=1.0,
-                 vs_torch=None, bubble=None, bubble_formula=None)]
+                 vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None)]
     medians = {e: statistics.median(t) for e, t in piped["times"].items()}
     for engine, step in medians.items():
         owner, schedule, m = engine.split("/")
@@ -75,7 +76,8 @@ def summarize(single, piped, batch):
                          ideal=2 * m / (m + 1),
                          vs_torch=medians[ref] / step if owner == "pt" and ref in medians else None,
                          bubble=statistics.median(bubbles) if bubbles else None,
-                         bubble_formula=bubble_formula(schedule, 2, m, v) if owner == "pt" else None))
+                         bubble_formula=bubble_formula(schedule, 2, m, v) if owner == "pt" else None,
+                         peak_activation_mb=piped.get("peak_activation_mb", {}).get(engine)))
     return rows
 
 
@@ -83,13 +85,14 @@ def table(rows):
     from rich.table import Table
     t = Table(title="2-stage pipeline: ms/step and samples/s, medians of interleaved rounds")
     for c in ("engine", "step ms", "samples/s", "vs 1 process", "ideal 2m/(m+1)", "vs torch, same m",
-              "bubble measured", "bubble formula"):
+              "bubble measured", "bubble formula", "peak activations MB, stage 0 / 1"):
         t.add_column(c, justify="left" if c == "engine" else "right")
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
         t.add_row(r["engine"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}", f(r["vs_single"], "{:.2f}x"),
                   f(r["ideal"], "{:.2f}x"), f(r["vs_torch"], "{:.2f}x"), f(r["bubble"], "{:.1%}"),
-                  f(r["bubble_formula"], "{:.1%}"))
+                  f(r["bubble_formula"], "{:.1%}"),
+                  " / ".join(f"{x:.0f}" for x in r["peak_activation_mb"]) if r["peak_activation_mb"] else "-")
     return t
 
 

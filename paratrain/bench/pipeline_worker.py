@@ -12,8 +12,9 @@ Each engine is a full training step (forward, backward, Adam) of the same GPT
 
 Rounds are interleaved: each round times ``steps`` steps of every engine, in an
 order that rotates by one each round, after a barrier; a round's time is the
-slowest rank's. paratrain's engines also record each step's bubble (the
-timeline of its last step, every stage's). Rank 0 writes everything to JSON.
+slowest rank's. paratrain's engines also record each round's bubble (the
+timeline of its last step, every stage's) and each stage's peak activation
+memory (Pipeline.peak_activation_bytes). Rank 0 writes everything to JSON.
 """
 import json
 import os
@@ -69,7 +70,7 @@ class Ours:
         self.stage = _stage(cfg, group, virtual)
         self.pipe = pt.Pipeline(self.stage, group=group, microbatches=m, schedule=schedule, loss_fn=lm_loss)
         self.opt = torch.optim.Adam(self.stage.parameters(), lr=1e-4)
-        self.barrier, self.bubble = group.barrier, []
+        self.barrier, self.bubble, self.peak_mb = group.barrier, [], None
 
     def step(self, x, y):
         self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
@@ -78,6 +79,9 @@ class Ours:
 
     def after_round(self):
         self.bubble.append(self.timeline.bubble(self.timeline.gather(self.group, self.pipe.timeline)))
+        peak = torch.zeros(self.group.world_size, dtype=torch.float64)
+        self.group.all_gather(peak, torch.tensor([self.pipe.peak_activation_bytes / 1e6], dtype=torch.float64))
+        self.peak_mb = peak.tolist()
 
 
 class Torch:
@@ -176,7 +180,8 @@ def main(cfg_path):
         per = flat.view(len(engines), -1).tolist()
         with open(cfg["result"], "w") as f:
             json.dump({"times": {e.name: per[i] for i, e in enumerate(engines)},
-                       "bubble": {e.name: e.bubble for e in engines if e.bubble}}, f)
+                       "bubble": {e.name: e.bubble for e in engines if e.bubble},
+                       "peak_activation_mb": {e.name: e.peak_mb for e in engines if getattr(e, "peak_mb", None)}}, f)
     group.barrier()
     pt.destroy()
     _release_gloo(engines)

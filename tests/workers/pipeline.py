@@ -116,6 +116,7 @@ def one(world, args, groups, kind, microbatches):
             r = ref_params[name].grad
             assert q.grad is not None, f"step {step}: {name} got no gradient"
             assert rel(q.grad, r) <= 1e-5, f"step {step}: gradient of {name} off by {rel(q.grad, r):.2e}"
+        check_activation_memory(pipe, group, args.schedule, microbatches)
         opt.step()
         opt.zero_grad()
         ref_opt.step()
@@ -144,6 +145,16 @@ class Branchy(nn.Module):
 
 
 BAD_CASES = ("stages", "tied", "untraceable", "point", "m0", "schedule", "batch", "disagree", "targets")
+
+
+def check_activation_memory(pipe, group, schedule, m):
+    """GPipe holds every micro-batch's activations at its peak; 1F1B at most p - r of them
+    on rank r (equal micro-batches save equal bytes)."""
+    saved = pipe.saved_per_forward
+    if len(set(saved)) != 1 or schedule in ("interleaved", "zb-h1"):
+        return
+    held = {"gpipe": m, "1f1b": min(group.world_size - group.rank, m)}[schedule]
+    assert pipe.peak_activation_bytes == held * saved[0], (schedule, pipe.peak_activation_bytes, saved)
 
 
 def bad(args):

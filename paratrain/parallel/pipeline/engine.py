@@ -27,6 +27,13 @@ step their gradients and the loss are averaged over it.
 ``timeline``: the last step's actions as (kind, microbatch, chunk, start,
 end) in seconds from the step's start, the start taken once the action's
 input had arrived: the gaps are the bubble.
+
+``peak_activation_bytes``: the most bytes of activations this rank held at
+once in the last step. Each forward counts the bytes autograd saves for its
+backward (``saved_tensors_hooks``; parameters and tensors already counted
+excluded); they are held until the micro-batch's backward (its W, when the
+backward is split). GPipe holds all m micro-batches' at its peak, 1F1B at
+most p - r on rank r.
 """
 import time
 
@@ -60,6 +67,10 @@ class Pipeline:
         if self.split_backward:
             self._hook_weight_owners()
         self.timeline = []
+        self.peak_activation_bytes = 0
+        self.saved_per_forward = []          # bytes each forward of the last step saved for its backward
+        self._held = 0
+        self._param_storages = {q.untyped_storage().data_ptr() for q in stage.parameters()}
 
     # ---- before anything runs: every rank must run the same pipeline -----------------------
 
@@ -114,6 +125,8 @@ class Pipeline:
         self._targets = _microbatches(targets, self.m) if self.stage.is_last else None
         self._state, self._losses, self._works = {}, [], []
         self.timeline = []
+        self._held = self.peak_activation_bytes = 0
+        self.saved_per_forward = []
         run = {"F": self._forward, "B": self._backward, "W": self._weights}
         try:
             for kind, mb, c in self.actions:
@@ -146,11 +159,16 @@ class Pipeline:
                 v.requires_grad_(True)
         began = time.perf_counter()
         self._capture = [] if self.split_backward else None
+        saved = _SavedBytes(self._param_storages)
         try:
-            out = chunk(*values)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                out = chunk(*values)
         finally:
             captured, self._capture = self._capture, None
-        state = {"inputs": values if s > 0 else (), "captured": captured}
+        self._held += saved.bytes
+        self.saved_per_forward.append(saved.bytes)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self._held)
+        state = {"inputs": values if s > 0 else (), "captured": captured, "saved_bytes": saved.bytes}
         if s == self.stage.total - 1:
             loss = self.loss_fn(out, self._targets[mb])
             self._losses.append(loss.detach())
@@ -183,7 +201,7 @@ class Pipeline:
             transport.send_gradients(self.group, input_grads, self._rank_of(s - 1), s, self._works)
         state["inputs"] = ()
         if not self.split_backward:
-            del self._state[(mb, c)]
+            self._held -= self._state.pop((mb, c))["saved_bytes"]
         return began
 
     def _input_gradients_only(self, chunk, state, leaves, outputs, grads):
@@ -211,6 +229,7 @@ class Pipeline:
         for mod, out, g in state.get("wgrads", []):
             params = _own_params(mod)
             _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
+        self._held -= state["saved_bytes"]
         return began
 
     def _hook_weight_owners(self):
@@ -266,6 +285,29 @@ class Pipeline:
                 q.grad.copy_(flat[off:off + q.numel()].view_as(q))
                 off += q.numel()
         self.dp_group.all_reduce(loss, op="avg")
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves during one forward, each storage once,
+    the stage's parameters not at all (they are not activations)."""
+
+    def __init__(self, param_storages):
+        self.params = param_storages
+        self.seen, self.bytes = set(), 0
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += storage.nbytes()
+        # detached: an output saved by its own node would otherwise hold that node in a
+        # reference cycle (tensor -> grad_fn -> saved tensor), freed only by the cyclic GC
+        return t.detach()
+
+    @staticmethod
+    def unpack(t):
+        return t
 
 
 def _own_params(module):
