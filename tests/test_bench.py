@@ -145,3 +145,6 @@ def test_quick_pipeline_benchmark_reports_every_engine(tmp_path):
             assert r["vs_torch"] > 0 and 0 <= r["bubble"] < 1 and 0 < r["bubble_formula"] < 1
             assert len(r["peak_activation_mb"]) == 2 and min(r["peak_activation_mb"]) > 0
     assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ENGINES:
+        if name.startswith("pt/"):
+            assert (tmp_path / f"pipeline-timeline-{name.replace('/', '-')}.png").exists(), name

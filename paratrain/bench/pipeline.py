@@ -15,7 +15,8 @@ Prints ms/step, samples/s, the speedup over one process against the ideal
 interleaved against torch's 1F1B at the same m), paratrain's bubble
 measured on each round's last step (median) against the schedule's formula,
 and the most activation memory each of paratrain's stages held at once.
-Writes benchmarks/results/pipeline.json and pipeline.png.
+Writes benchmarks/results/pipeline.json, pipeline.png, and the timeline of
+each of our engines' last step (pipeline-timeline-<engine>.png).
 """
 import argparse
 import json
@@ -115,6 +116,19 @@ def plot(path, rows):
     return path
 
 
+def timelines(out, piped, rows):
+    """Each of our engines' last step, drawn (parallel/pipeline/timeline.py)."""
+    from ..parallel.pipeline import timeline
+    by = {r["engine"]: r for r in rows}
+    paths = []
+    for engine, stages in piped.get("timelines", {}).items():
+        r = by[engine]
+        title = (f"{engine}: last step of the last round; bubble {timeline.bubble(stages):.1%} measured "
+                 f"(median of rounds {r['bubble']:.1%}), {r['bubble_formula']:.1%} by the formula")
+        paths.append(timeline.plot(stages, out / f"pipeline-timeline-{engine.replace('/', '-')}.png", title))
+    return paths
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     model = dict(QUICK if args.quick else MODEL)
@@ -135,7 +149,8 @@ def main(argv=None):
     meta = dict(model, rounds=args.rounds, steps=args.steps, cpu_count=os.cpu_count(), quick=args.quick)
     (out / "pipeline.json").write_text(json.dumps(dict(meta, rows=rows, raw=piped), indent=1))
     png = plot(out / "pipeline.png", rows)
-    print(f"wrote {out / 'pipeline.json'} and {png}")
+    pictures = timelines(out, piped, rows)
+    print(f"wrote {out / 'pipeline.json'}, {png} and {len(pictures)} timelines (pipeline-timeline-*.png)")
     return 0
 
 

@@ -78,7 +78,8 @@ class Ours:
         self.opt.zero_grad()
 
     def after_round(self):
-        self.bubble.append(self.timeline.bubble(self.timeline.gather(self.group, self.pipe.timeline)))
+        self.timelines = self.timeline.gather(self.group, self.pipe.timeline)
+        self.bubble.append(self.timeline.bubble(self.timelines))
         peak = torch.zeros(self.group.world_size, dtype=torch.float64)
         self.group.all_gather(peak, torch.tensor([self.pipe.peak_activation_bytes / 1e6], dtype=torch.float64))
         self.peak_mb = peak.tolist()
@@ -181,7 +182,8 @@ def main(cfg_path):
         with open(cfg["result"], "w") as f:
             json.dump({"times": {e.name: per[i] for i, e in enumerate(engines)},
                        "bubble": {e.name: e.bubble for e in engines if e.bubble},
-                       "peak_activation_mb": {e.name: e.peak_mb for e in engines if getattr(e, "peak_mb", None)}}, f)
+                       "peak_activation_mb": {e.name: e.peak_mb for e in engines if getattr(e, "peak_mb", None)},
+                       "timelines": {e.name: e.timelines for e in engines if getattr(e, "timelines", None)}}, f)
     group.barrier()
     pt.destroy()
     _release_gloo(engines)
