@@ -226,6 +226,9 @@ class Pipeline:
         """W: each weight-owning module's output gradient back to its own weights."""
         began = time.perf_counter()
         state = self._state.pop((mb, c))
+        # one autograd call per module, asking for its own weights only: asked together,
+        # a module's output gradient would also flow back through the modules before it
+        # and add to their weights what their own output gradients already hold
         for mod, out, g in state.get("wgrads", []):
             params = _own_params(mod)
             _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
