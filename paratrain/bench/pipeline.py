@@ -30,8 +30,9 @@ from . import launcher
 
 MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
 QUICK = dict(layers=4, width=64, heads=4, context=32, batch=8)
-ENGINES = ["pt/gpipe/m4", "pt/gpipe/m8", "pt/1f1b/m4", "pt/1f1b/m8", "pt/zb-h1/m4", "pt/zb-h1/m8",
-           "pt/interleaved/m8", "torch/gpipe/m4", "torch/gpipe/m8", "torch/1f1b/m4", "torch/1f1b/m8"]
+ENGINES = ["pt/gpipe/m2", "pt/gpipe/m4", "pt/gpipe/m8", "pt/1f1b/m2", "pt/1f1b/m4", "pt/1f1b/m8",
+           "pt/zb-h1/m4", "pt/zb-h1/m8", "pt/interleaved/m8",
+           "torch/gpipe/m2", "torch/gpipe/m4", "torch/gpipe/m8", "torch/1f1b/m2", "torch/1f1b/m4", "torch/1f1b/m8"]
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
