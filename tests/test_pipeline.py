@@ -122,6 +122,13 @@ def test_loss_and_gradients_equal_one_process(schedule, p):
     _passed(res, p, 3 * len(ms))
 
 
+@pytest.mark.timeout(180)
+def test_stages_talk_over_gloo_too():
+    """The transport is the group's point to point: the torch backend carries it as well."""
+    res = launch(2, "pipeline.py", "equiv", "skip,gpt", "zb-h1", "1,3", env={"PARATRAIN_BACKEND": "torch"})
+    _passed(res, 2, 4)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("p", [2, 3])
 def test_interleaved_equals_one_process(p):
