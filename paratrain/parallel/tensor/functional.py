@@ -1,0 +1,158 @@
+"""Collectives that autograd can differentiate, for models cut inside their layers.
+
+    y = pt.functional.all_reduce(x, group)          # forward: sum over the group; backward: identity
+    x = pt.functional.copy_to_group(x, group)       # forward: identity; backward: sum over the group
+
+The convention is tensor parallelism's (Shoeybi et al., "Megatron-LM", arXiv
+1909.08053, sec. 3): every rank of the group computes the *same* loss from
+tensors that are either replicated (equal on every rank) or sharded (each
+rank holds its piece). A replicated tensor then carries one gradient, the
+same on every rank, not one per rank, and each collective's backward is its
+conjugate:
+
+| forward | backward | Megatron |
+| --- | --- | --- |
+| ``all_reduce``: partial sums -> replicated sum | identity | g |
+| ``copy_to_group``: replicated -> used by sharded work | all-reduce (sum) of the ranks' gradients | f |
+| ``all_gather`` (along ``dim``): shards -> replicated whole | this rank's slice of the gradient | |
+| ``reduce_scatter`` (along ``dim``): partial sums -> summed shards | all-gather of the gradients | |
+| ``broadcast`` from ``src``: src's tensor -> replicated | the gradient on src, zeros elsewhere | |
+| ``split`` (along ``dim``): replicated -> this rank's shard | all-gather of the gradients | |
+
+A column-parallel linear layer is ``copy_to_group`` then a local product; a
+row-parallel one is a local product then ``all_reduce``: one all-reduce
+forward and one backward per pair of layers (layers.py). Sequence
+parallelism replaces them by ``all_gather`` and ``reduce_scatter`` along the
+sequence (Korthikanti et al., arXiv 2205.05198).
+
+Every rank must call these in the same order (they are collectives); ``dim``
+must divide by the group's size.
+"""
+import torch
+
+
+def _sum(group, x):
+    y = x.detach().clone(memory_format=torch.contiguous_format)
+    group.all_reduce(y, op="sum")
+    return y
+
+
+def _gather(group, x, dim):
+    x = x.detach().contiguous()
+    flat = torch.empty(group.world_size * x.numel(), dtype=x.dtype)
+    group.all_gather(flat, x.reshape(-1))
+    return torch.cat(list(flat.view(group.world_size, *x.shape)), dim=dim)
+
+
+def _piece(group, x, dim):
+    size = x.shape[dim]
+    if size % group.world_size:
+        raise ValueError(f"dimension {dim} of size {size} cannot be cut into {group.world_size} equal pieces "
+                         f"(the group's size); use a size the group divides")
+    return x.chunk(group.world_size, dim=dim)[group.rank]
+
+
+def _scatter_sum(group, x, dim):
+    pieces = [p.contiguous() for p in x.detach().chunk(group.world_size, dim=dim)]
+    if x.shape[dim] % group.world_size:
+        _piece(group, x, dim)   # raises the clear error
+    out = torch.empty_like(pieces[0])
+    group.reduce_scatter(out, torch.cat([p.reshape(-1) for p in pieces]), op="sum")
+    return out
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _sum(group, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _sum(ctx.group, g), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(group, x, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _piece(ctx.group, g, ctx.dim).contiguous(), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _piece(group, x, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(ctx.group, g, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _scatter_sum(group, x, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(ctx.group, g, ctx.dim), None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, src):
+        ctx.group, ctx.src = group, src
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        group.broadcast(y, src)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.group.rank == ctx.src else torch.zeros_like(g)), None, None
+
+
+def all_reduce(x, group):
+    """Sum of every rank's ``x``, on every rank; backward: identity (Megatron's g)."""
+    return _AllReduce.apply(x, group)
+
+
+def copy_to_group(x, group):
+    """``x`` as it is; backward: the sum of every rank's gradient (Megatron's f)."""
+    return _CopyToGroup.apply(x, group)
+
+
+def all_gather(x, group, dim=-1):
+    """Every rank's ``x`` concatenated along ``dim``, in rank order; backward: this rank's slice."""
+    return _AllGather.apply(x, group, dim % x.dim())
+
+
+def split(x, group, dim=-1):
+    """This rank's equal slice of ``x`` along ``dim``; backward: all-gather of the slices' gradients."""
+    return _Split.apply(x, group, dim % x.dim())
+
+
+def reduce_scatter(x, group, dim=-1):
+    """Piece ``rank`` (along ``dim``) of the sum of every rank's ``x``; backward: all-gather."""
+    return _ReduceScatter.apply(x, group, dim % x.dim())
+
+
+def broadcast(x, group, src=0):
+    """Rank ``src``'s ``x`` on every rank; backward: the gradient on ``src``, zeros elsewhere."""
+    return _Broadcast.apply(x, group, src)
