@@ -18,7 +18,6 @@ the whole ``nn.Linear`` is made first, drawing from the generator exactly as
 parallel model and a one-process model built after ``torch.manual_seed(s)``
 are the same model.
 """
-import torch
 import torch.nn.functional as F
 from torch import nn
 
