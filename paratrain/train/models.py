@@ -69,17 +69,20 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
-        self.n_head = n_head
+        self.n_head, self.head_dim = n_head, n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)  # q, k and v of every head in one product
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # sizes from qkv's output, not x: under tensor parallelism (pt.tensor.parallelize) a
+        # rank's qkv yields only its own heads, and proj takes only their width
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # softmax(q k^T / sqrt(d) + causal mask) v, fused; no dropout_p, so deterministic.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ TOL = 1e-10
 
 def close(a, b, what):
     err = float((a - b).detach().abs().max()) if a.numel() else 0.0
-    assert err <= TOL * max(1.0, float(b.abs().max())), f"{what}: off by {err:.3e}"
+    assert err <= TOL * max(1.0, float(b.detach().abs().max())), f"{what}: off by {err:.3e}"
 
 
 def mlp(g, gather_output):
@@ -85,6 +85,55 @@ def collectives(g):
     close(x.grad, torch.full_like(whole, p * (p + 1) / 2), "copy_to_group backward")
 
 
+def gpt(g):
+    """The gpt model, sharded by pt.tensor.parallelize with its plan, equals the one-process model."""
+    from paratrain.parallel.tensor.layers import _rows
+    from paratrain.train.models import GPT
+    import torch.nn.functional as F
+    p, r = g.world_size, g.rank
+    arch = dict(vocab_size=32, block_size=8, n_layer=2, n_head=6, n_embd=24)
+    torch.manual_seed(0)
+    ref = GPT(**arch)
+    torch.manual_seed(0)
+    tp = pt.tensor.parallelize(GPT(**arch), group=g, plan=pt.tensor.GPT_PLAN)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen)
+    lr, lt = (F.cross_entropy(m(x).reshape(-1, 32), y.reshape(-1)) for m in (ref, tp))
+    close(lt, lr, "gpt loss")
+    lr.backward()
+    lt.backward()
+    styles = {}
+    for key, value in pt.tensor.GPT_PLAN.items():
+        for i in range(arch["n_layer"]):
+            styles[key.replace("*", str(i))] = value
+    held = dict(tp.named_parameters())
+    for name, q in ref.named_parameters():
+        module, _, kind = name.rpartition(".")
+        style = styles.get(module)
+        grad = q.grad
+        if style and style.startswith("colwise"):
+            grad = _rows(grad, p, r, int(style.partition(":")[2] or 1))
+        elif style == "rowwise" and kind == "weight":
+            per = grad.shape[1] // p
+            grad = grad[:, r * per:(r + 1) * per]
+        close(held[name].grad, grad, f"gpt gradient of {name}")
+    mine = sum(q.numel() for q in tp.parameters())
+    assert mine < sum(q.numel() for q in ref.parameters()), "nothing was sharded"
+
+
+def bad_plans(g):
+    from paratrain.train.models import GPT
+    said = []
+    for plan in ({"blocks.*.nothing": "colwise"}, {"blocks.*.ln1": "colwise"}, {"blocks.*.mlp.0": "diagonal"}):
+        try:
+            pt.tensor.parallelize(GPT(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=4), group=g,
+                                  plan=plan)
+        except ValueError as e:
+            said.append(str(e))
+    assert len(said) == 3, said
+    assert "names no module" in said[0] and "is a LayerNorm" in said[1] and "'diagonal'" in said[2], said
+
+
 def refused(g):
     try:
         pt.tensor.ColumnParallelLinear(8, 10, group=g)
@@ -98,6 +147,8 @@ def main():
     mlp(g, gather_output=False)
     mlp(g, gather_output=True)
     collectives(g)
+    gpt(g)
+    bad_plans(g)
     msg = refused(g) if g.world_size in (3, 4) else "out_features 10 cannot be cut (not tried: divides)"
     assert "out_features 10 cannot be cut" in msg, msg
     print(f"tensor parallel passed on rank {g.rank}", flush=True)

@@ -4,8 +4,10 @@
     h = pt.tensor.ColumnParallelLinear(512, 2048, group=g)(x)      # layers.py
     y = pt.tensor.RowParallelLinear(2048, 512, group=g)(F.gelu(h))
     pt.functional.all_reduce(t, g)                                # functional.py: differentiable collectives
+    pt.tensor.parallelize(model, group=g, plan=pt.tensor.GPT_PLAN)  # plan.py: shard a model's layers in place
 """
 from . import functional
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .plan import GPT_PLAN, parallelize
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "functional"]
+__all__ = ["ColumnParallelLinear", "GPT_PLAN", "RowParallelLinear", "functional", "parallelize"]

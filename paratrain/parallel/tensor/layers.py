@@ -18,6 +18,7 @@ the whole ``nn.Linear`` is made first, drawing from the generator exactly as
 parallel model and a one-process model built after ``torch.manual_seed(s)``
 are the same model.
 """
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -37,16 +38,39 @@ def _divisible(n, p, what, layer):
     return n // p
 
 
+def _rows(t, p, r, parts):
+    """Rank r's rows of t (dim 0) when t stacks ``parts`` equal blocks (a fused q, k, v
+    projection has 3): each block is cut alike and r's pieces are stacked again."""
+    return torch.cat([block.chunk(p, dim=0)[r] for block in t.chunk(parts, dim=0)]).clone()
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False):
+    """parts: the output stacks that many equal blocks (a fused q, k, v projection: 3),
+    each cut across the group alike, so a rank holds its own heads of each."""
+
+    def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False, parts=1):
         super().__init__()
-        self.group, p, r = _size_of(group)
-        self.in_features, self.out_features = in_features, out_features
-        per = _divisible(out_features, p, "out_features", "ColumnParallelLinear")
-        self.gather_output = gather_output
         full = nn.Linear(in_features, out_features, bias=bias)   # the one-process initialisation
-        self.weight = nn.Parameter(full.weight.detach()[r * per:(r + 1) * per].clone())
-        self.bias = nn.Parameter(full.bias.detach()[r * per:(r + 1) * per].clone()) if bias else None
+        self._shard(full, group, gather_output, parts)
+
+    @classmethod
+    def from_linear(cls, linear, group=None, gather_output=False, parts=1):
+        """This rank's share of an existing nn.Linear (its weights, not new ones)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._shard(linear, group, gather_output, parts)
+        return layer
+
+    def _shard(self, full, group, gather_output, parts):
+        self.group, p, r = _size_of(group)
+        self.in_features, self.out_features, self.parts = full.in_features, full.out_features, parts
+        _divisible(full.out_features, p * parts, "out_features", "ColumnParallelLinear")
+        if gather_output and parts > 1:
+            raise ValueError("ColumnParallelLinear: gather_output with parts > 1 would interleave the parts; "
+                             "gather each part yourself")
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(_rows(full.weight.detach(), p, r, parts))
+        self.bias = nn.Parameter(_rows(full.bias.detach(), p, r, parts)) if full.bias is not None else None
 
     def forward(self, x):
         y = F.linear(tpf.copy_to_group(x, self.group), self.weight, self.bias)
@@ -60,13 +84,24 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True):
         super().__init__()
+        self._shard(nn.Linear(in_features, out_features, bias=bias), group, input_is_parallel)
+
+    @classmethod
+    def from_linear(cls, linear, group=None, input_is_parallel=True):
+        """This rank's share of an existing nn.Linear (its weights, not new ones)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._shard(linear, group, input_is_parallel)
+        return layer
+
+    def _shard(self, full, group, input_is_parallel):
         self.group, p, r = _size_of(group)
-        self.in_features, self.out_features = in_features, out_features
-        per = _divisible(in_features, p, "in_features", "RowParallelLinear")
+        self.in_features, self.out_features = full.in_features, full.out_features
+        per = _divisible(full.in_features, p, "in_features", "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
-        full = nn.Linear(in_features, out_features, bias=bias)
         self.weight = nn.Parameter(full.weight.detach()[:, r * per:(r + 1) * per].clone())
-        self.bias = nn.Parameter(full.bias.detach().clone()) if bias else None   # replicated, added once
+        bias = full.bias
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None   # replicated, added once
 
     def forward(self, x):
         if not self.input_is_parallel:
