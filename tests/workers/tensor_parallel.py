@@ -91,14 +91,14 @@ def gpt(g):
     from paratrain.train.models import GPT
     import torch.nn.functional as F
     p, r = g.world_size, g.rank
-    arch = dict(vocab_size=32, block_size=8, n_layer=2, n_head=6, n_embd=24)
+    arch = dict(vocab_size=36, block_size=8, n_layer=2, n_head=6, n_embd=24)
     torch.manual_seed(0)
     ref = GPT(**arch)
     torch.manual_seed(0)
     tp = pt.tensor.parallelize(GPT(**arch), group=g, plan=pt.tensor.GPT_PLAN)
     gen = torch.Generator().manual_seed(3)
-    x, y = torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen)
-    lr, lt = (F.cross_entropy(m(x).reshape(-1, 32), y.reshape(-1)) for m in (ref, tp))
+    x, y = torch.randint(0, 36, (4, 8), generator=gen), torch.randint(0, 36, (4, 8), generator=gen)
+    lr, lt = (F.cross_entropy(m(x).reshape(-1, 36), y.reshape(-1)) for m in (ref, tp))
     close(lt, lr, "gpt loss")
     lr.backward()
     lt.backward()
@@ -113,6 +113,8 @@ def gpt(g):
         grad = q.grad
         if style and style.startswith("colwise"):
             grad = _rows(grad, p, r, int(style.partition(":")[2] or 1))
+        elif style == "vocab":
+            grad = grad.chunk(p)[r]
         elif style == "rowwise" and kind == "weight":
             per = grad.shape[1] // p
             grad = grad[:, r * per:(r + 1) * per]
@@ -121,17 +123,51 @@ def gpt(g):
     assert mine < sum(q.numel() for q in ref.parameters()), "nothing was sharded"
 
 
+def vocab(g):
+    """VocabParallelEmbedding equals nn.Embedding; the vocabulary-parallel cross-entropy of a
+    column-parallel head equals F.cross_entropy of the whole logits, gradients included."""
+    import torch.nn.functional as F
+    p, r = g.world_size, g.rank
+    V, d = 6 * p, 5
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (3, 7), generator=gen)
+    target = torch.randint(0, V, (3, 7), generator=gen)
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(V, d), nn.Linear(d, V)
+    torch.manual_seed(0)
+    temb = pt.tensor.VocabParallelEmbedding(V, d, group=g)
+    thead = pt.tensor.ColumnParallelLinear(d, V, group=g)
+    h, th = emb(ids), temb(ids)
+    close(th, h, "vocab-parallel embedding")
+    ref = F.cross_entropy(head(h).reshape(-1, V), target.reshape(-1))
+    loss = pt.tensor.vocab_parallel_cross_entropy(thead(th), target, group=g)
+    close(loss, ref, "vocab-parallel cross-entropy")
+    ref.backward()
+    loss.backward()
+    rows = slice(r * V // p, (r + 1) * V // p)
+    close(temb.weight.grad, emb.weight.grad[rows], "embedding gradient")
+    close(thead.weight.grad, head.weight.grad[rows], "head gradient")
+    close(thead.bias.grad, head.bias.grad[rows], "head bias gradient")
+
+
 def bad_plans(g):
     from paratrain.train.models import GPT
     said = []
     for plan in ({"blocks.*.nothing": "colwise"}, {"blocks.*.ln1": "colwise"}, {"blocks.*.mlp.0": "diagonal"}):
         try:
-            pt.tensor.parallelize(GPT(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=4), group=g,
+            pt.tensor.parallelize(GPT(n_layer=1, n_head=6, n_embd=12, vocab_size=12, block_size=4), group=g,
                                   plan=plan)
         except ValueError as e:
             said.append(str(e))
     assert len(said) == 3, said
     assert "names no module" in said[0] and "is a LayerNorm" in said[1] and "'diagonal'" in said[2], said
+    try:
+        pt.tensor.parallelize(GPT(n_layer=1, n_head=6, n_embd=12, vocab_size=12, block_size=4), group=g,
+                              plan={"blocks.0.mlp.0": "vocab"})
+    except ValueError as e:
+        assert "'vocab' cuts an nn.Embedding" in str(e), e
+    else:
+        raise AssertionError("a Linear cut as a vocabulary was accepted")
 
 
 def refused(g):
@@ -148,6 +184,7 @@ def main():
     mlp(g, gather_output=True)
     collectives(g)
     gpt(g)
+    vocab(g)
     bad_plans(g)
     msg = refused(g) if g.world_size in (3, 4) else "out_features 10 cannot be cut (not tried: divides)"
     assert "out_features 10 cannot be cut" in msg, msg

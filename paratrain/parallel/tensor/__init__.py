@@ -9,5 +9,7 @@
 from . import functional
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .plan import GPT_PLAN, parallelize
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "GPT_PLAN", "RowParallelLinear", "functional", "parallelize"]
+__all__ = ["ColumnParallelLinear", "GPT_PLAN", "RowParallelLinear", "VocabParallelEmbedding", "functional",
+           "parallelize", "vocab_parallel_cross_entropy"]

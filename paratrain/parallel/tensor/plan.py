@@ -16,7 +16,9 @@ level (one name between dots); a value is how that ``nn.Linear`` is cut:
   cut alike so a rank holds whole heads of each;
 - ``"rowwise"``: by input features (RowParallelLinear). It takes a sharded
   input, what a colwise layer leaves, and leaves its output replicated (the
-  partial products summed by one all-reduce).
+  partial products summed by one all-reduce);
+- ``"vocab"``: an ``nn.Embedding`` by rows (VocabParallelEmbedding, vocab.py):
+  ids in, replicated rows out.
 
 Each module keeps its own weights: this rank's slice of them replaces it, so a
 model built from a seed and then parallelized equals the one-process model
@@ -30,8 +32,10 @@ import re
 from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .vocab import VocabParallelEmbedding
 
 GPT_PLAN = {
+    "tok_emb": "vocab",
     "blocks.*.attn.qkv": "colwise:3",
     "blocks.*.attn.proj": "rowwise",
     "blocks.*.mlp.0": "colwise",
@@ -45,9 +49,10 @@ def _pattern(key):
 
 def _style(value, key):
     kind, _, parts = str(value).partition(":")
-    if kind not in ("colwise", "rowwise") or (parts and (kind != "colwise" or not parts.isdigit() or int(parts) < 1)):
-        raise ValueError(f"parallelize: plan[{key!r}] = {value!r}; use 'colwise', 'colwise:k' (k stacked parts) "
-                         "or 'rowwise'")
+    if kind not in ("colwise", "rowwise", "vocab") or (
+            parts and (kind != "colwise" or not parts.isdigit() or int(parts) < 1)):
+        raise ValueError(f"parallelize: plan[{key!r}] = {value!r}; use 'colwise', 'colwise:k' (k stacked parts), "
+                         "'rowwise' or 'vocab'")
     return kind, int(parts or 1)
 
 
@@ -68,15 +73,20 @@ def parallelize(model, group=None, plan=None):
                              f"(its modules include: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''})")
         for name in matched:
             module = model.get_submodule(name)
-            if type(module) is not nn.Linear:
-                raise ValueError(f"parallelize: {name} is a {type(module).__name__}; 'colwise' and 'rowwise' "
-                                 "cut an nn.Linear")
+            wanted = nn.Embedding if style[0] == "vocab" else nn.Linear
+            if type(module) is not wanted:
+                raise ValueError(f"parallelize: {name} is a {type(module).__name__}; '{style[0]}' cuts an "
+                                 f"nn.{wanted.__name__}")
             chosen[name] = style
     for name, (kind, parts) in chosen.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
-        new = (ColumnParallelLinear.from_linear(old, group, parts=parts) if kind == "colwise"
-               else RowParallelLinear.from_linear(old, group))
+        if kind == "colwise":
+            new = ColumnParallelLinear.from_linear(old, group, parts=parts)
+        elif kind == "rowwise":
+            new = RowParallelLinear.from_linear(old, group)
+        else:
+            new = VocabParallelEmbedding.from_embedding(old, group)
         setattr(parent, attr, new)
     return model

@@ -1,0 +1,91 @@
+"""The vocabulary cut across a group: an embedding table by rows, and a
+cross-entropy that never gathers the full logits (Megatron-LM, arXiv
+1909.08053, sec. 3: "parallelizing the output embedding").
+
+- ``VocabParallelEmbedding(V, d)``: rank r holds rows r*V/p .. (r+1)*V/p - 1.
+  Each rank looks up the ids in its range (the others give zero rows) and an
+  all-reduce sums the p partial results: every rank ends with every id's row.
+- ``vocab_parallel_cross_entropy(logits, target, group)``: the logits of a
+  column-parallel head are cut along the vocabulary, rank r holding its V/p
+  columns. The softmax denominator is the all-reduce of the ranks' local sums
+  of exp (after subtracting the all-reduced maximum, for stability), and the
+  target's logit is the all-reduce of the one rank holding it: per token, 2
+  floats each instead of V. The gradient is computed in place, softmax minus
+  the one-hot target, on the rank's own columns.
+"""
+import torch
+from torch import nn
+
+from . import functional as tpf
+from .layers import _divisible, _size_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings, embedding_dim, group=None):
+        super().__init__()
+        self._shard(nn.Embedding(num_embeddings, embedding_dim), group)   # the one-process initialisation
+
+    @classmethod
+    def from_embedding(cls, embedding, group=None):
+        """This rank's rows of an existing nn.Embedding."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._shard(embedding, group)
+        return layer
+
+    def _shard(self, full, group):
+        self.group, p, r = _size_of(group)
+        self.num_embeddings, self.embedding_dim = full.num_embeddings, full.embedding_dim
+        per = _divisible(full.num_embeddings, p, "num_embeddings", "VocabParallelEmbedding")
+        self.start, self.end = r * per, (r + 1) * per
+        self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
+
+    def forward(self, ids):
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        rows = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return tpf.all_reduce(rows, self.group)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim} (rows {self.start}..{self.end - 1} on this rank)"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, start):
+        logits = logits.detach()
+        biggest = logits.max(dim=-1).values
+        group.all_reduce(biggest, op="max")
+        shifted = logits - biggest.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        group.all_reduce(total, op="sum")
+        n = logits.shape[-1]
+        inside = (target >= start) & (target < start + n)
+        local = (target - start).masked_fill(~inside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        group.all_reduce(picked, op="sum")
+        softmax = exp / total.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, inside)
+        return total.log() - picked          # per token: log sum exp - the target's logit
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, group=None, reduction="mean"):
+    """Cross-entropy of logits cut along the vocabulary (this rank's V/p columns,
+    rank order) against full target ids; the same loss on every rank."""
+    group, p, r = _size_of(group)
+    per_token = _VocabParallelCrossEntropy.apply(logits, target, group, r * logits.shape[-1])
+    if reduction == "mean":
+        return per_token.mean()
+    if reduction == "sum":
+        return per_token.sum()
+    if reduction == "none":
+        return per_token
+    raise ValueError(f"vocab_parallel_cross_entropy: reduction must be mean, sum or none, got {reduction!r}")
