@@ -7,7 +7,7 @@ from conftest import launch
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])   # 4: also pt.mesh(dp=2, tp=2) with DataParallel over dp
 def test_layers_and_collectives_equal_one_process(n):
     res = launch(n, "tensor_parallel.py")
     out = res.stdout + res.stderr

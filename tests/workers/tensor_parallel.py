@@ -170,6 +170,60 @@ def bad_plans(g):
         raise AssertionError("a Linear cut as a vocabulary was accepted")
 
 
+def heads_refused(g):
+    from paratrain.train.models import GPT
+    try:
+        pt.tensor.parallelize(GPT(n_layer=1, n_head=6, n_embd=24, vocab_size=36, block_size=4), group=g,
+                              plan=pt.tensor.GPT_PLAN)
+    except ValueError as e:
+        assert "feeds 6 attention heads, which cannot be cut into 4" in str(e), e
+    else:
+        raise AssertionError("6 heads cut 4 ways was accepted")
+
+
+def dp_by_tp(g):
+    """4 ranks as pt.mesh(dp=2, tp=2): the gpt model sharded over tp, DataParallel over dp,
+    each replica on half the batch, equals one process on the whole batch."""
+    import torch.nn.functional as F
+    from paratrain.parallel.tensor.layers import _rows
+    from paratrain.train.models import GPT
+    mesh = pt.mesh(dp=2, tp=2)
+    r = g.rank
+    assert list(mesh["tp"].ranks) == [r // 2 * 2, r // 2 * 2 + 1], mesh["tp"].ranks
+    assert list(mesh["dp"].ranks) == [r % 2, r % 2 + 2], mesh["dp"].ranks
+    assert mesh.coords == {"dp": r // 2, "pp": 0, "tp": r % 2}, mesh.coords
+    try:
+        pt.mesh(dp=3, tp=2)
+    except ValueError as e:
+        assert "dp x pp x tp = 3 x 1 x 2 = 6, but the job has 4 ranks" in str(e), e
+    else:
+        raise AssertionError("a mesh of 6 on 4 ranks was accepted")
+    arch = dict(vocab_size=36, block_size=8, n_layer=2, n_head=6, n_embd=24)
+    torch.manual_seed(0)
+    ref = GPT(**arch)
+    torch.manual_seed(0)
+    tp = pt.tensor.parallelize(GPT(**arch), group=mesh["tp"], plan=pt.tensor.GPT_PLAN)
+    model = pt.DataParallel(tp, group=mesh["dp"])
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 36, (6, 8), generator=gen), torch.randint(0, 36, (6, 8), generator=gen)
+    half = slice(3 * mesh.coords["dp"], 3 * mesh.coords["dp"] + 3)
+    F.cross_entropy(ref(x).reshape(-1, 36), y.reshape(-1)).backward()
+    F.cross_entropy(model(x[half]).reshape(-1, 36), y[half].reshape(-1)).backward()
+    t = mesh.coords["tp"]
+    styles = {key.replace("*", str(i)): v for key, v in pt.tensor.GPT_PLAN.items() for i in range(arch["n_layer"])}
+    held = dict(tp.named_parameters())
+    for name, q in ref.named_parameters():
+        module, _, kind = name.rpartition(".")
+        style, grad = styles.get(module), q.grad
+        if style and style.startswith("colwise"):
+            grad = _rows(grad, 2, t, int(style.partition(":")[2] or 1))
+        elif style == "rowwise" and kind == "weight":
+            grad = grad.chunk(2, dim=1)[t]
+        elif style == "vocab":
+            grad = grad.chunk(2)[t]
+        close(held[name].grad, grad, f"dp x tp gradient of {name}")
+
+
 def refused(g):
     try:
         pt.tensor.ColumnParallelLinear(8, 10, group=g)
@@ -183,9 +237,13 @@ def main():
     mlp(g, gather_output=False)
     mlp(g, gather_output=True)
     collectives(g)
-    gpt(g)
     vocab(g)
-    bad_plans(g)
+    if g.world_size == 4:
+        heads_refused(g)
+        dp_by_tp(g)
+    else:
+        gpt(g)
+        bad_plans(g)
     msg = refused(g) if g.world_size in (3, 4) else "out_features 10 cannot be cut (not tried: divides)"
     assert "out_features 10 cannot be cut" in msg, msg
     print(f"tensor parallel passed on rank {g.rank}", flush=True)

@@ -56,6 +56,18 @@ def _style(value, key):
     return kind, int(parts or 1)
 
 
+def _check_heads(parent, name, module, kind, parts, p):
+    """A fused projection cut by heads (``colwise:k`` inside a module with ``head_dim``,
+    as the gpt model's attention) must give every rank whole heads."""
+    head_dim = getattr(parent, "head_dim", None)
+    if kind != "colwise" or parts == 1 or not head_dim:
+        return
+    heads = module.out_features // parts // head_dim
+    if heads % p:
+        raise ValueError(f"parallelize: {name} feeds {heads} attention heads, which cannot be cut into {p} "
+                         f"equal groups (the tensor-parallel size); use a head count {p} divides")
+
+
 def parallelize(model, group=None, plan=None):
     """Shard ``model``'s modules named by ``plan`` across ``group``, in place; returns
     ``model``. Every rank must call it alike."""
@@ -81,6 +93,7 @@ def parallelize(model, group=None, plan=None):
     for name, (kind, parts) in chosen.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        _check_heads(parent, name, model.get_submodule(name), kind, parts, group.world_size)
         old = getattr(parent, attr)
         if kind == "colwise":
             new = ColumnParallelLinear.from_linear(old, group, parts=parts)
