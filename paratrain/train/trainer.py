@@ -106,11 +106,12 @@ def run(args):
     last_eval = {}
 
     def save(step):
+        model_state = strategy.model_state(task)   # on every worker: gathering a cut model is collective
         path = strategy.checkpoint_path(os.path.join(run_dir, "checkpoint.pt"), writing=True)
         if path:
             ckpt.save_checkpoint(path, {
                 "config": task.config, "model_name": task.name, "step": step,
-                "model": strategy.model_state(task), **strategy.state_dict()})
+                "model": model_state, **strategy.state_dict()})
 
     board.start()
     t_start = time.perf_counter()

@@ -121,6 +121,17 @@ def gpt(g):
         close(held[name].grad, grad, f"gpt gradient of {name}")
     mine = sum(q.numel() for q in tp.parameters())
     assert mine < sum(q.numel() for q in ref.parameters()), "nothing was sharded"
+    # the full checkpoint: gathered, it is the one-process model's; loaded into a fresh cut model, the same shards
+    full = pt.tensor.full_state_dict(tp)
+    whole = ref.state_dict()
+    assert set(full) == set(whole)
+    for k in whole:
+        close(full[k], whole[k], f"gathered {k}")
+    torch.manual_seed(1)   # other weights, to be overwritten
+    again = pt.tensor.parallelize(GPT(**arch), group=g, plan=pt.tensor.GPT_PLAN)
+    pt.tensor.load_full_state_dict(again, full)
+    for (k, a), (_, b) in zip(again.state_dict().items(), tp.state_dict().items()):
+        close(a, b, f"reloaded {k}")
 
 
 def vocab(g):

@@ -14,7 +14,7 @@ import paratrain as pt
 
 from ..coordination import GroupBoard, Lockstep
 from .base import ReplicaStep
-from ..options import positive_float
+from ..options import positive_float, positive_int
 
 HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
         "all-reduced after backward (DataParallelNaive)")
@@ -31,6 +31,9 @@ def add_options(parser):
     g.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (allreduce; default 25)")
     g.add_argument("--compression", choices=COMPRESSIONS, default="none",
                    help="cast buckets to fp16/bf16 for the all-reduce (allreduce)")
+    g.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size: each model cut across this many workers (gpt; default 1); "
+                        "--workers / --tp replicas average their gradients")
 
 
 def check(args, chosen):
@@ -38,6 +41,13 @@ def check(args, chosen):
     strategy given --algorithm, pass it on as it is (as they always have)."""
     if chosen and args.strategy == "allreduce" and args.algorithm and args.algorithm not in ALGORITHMS:
         return f"unknown --algorithm {args.algorithm!r}; choose direct, ring, tree or naive"
+    if args.tp > 1:
+        if not chosen or args.strategy != "allreduce":
+            return "--tp is for --strategy allreduce"
+        if args.model not in TP_PLANS:
+            return f"--tp cuts the {', '.join(TP_PLANS)} model (it has a tensor-parallel plan), not {args.model}"
+        if args.workers % args.tp:
+            return f"--workers {args.workers} is not a multiple of --tp {args.tp}"
     return None
 
 
@@ -48,7 +58,10 @@ def launcher_args(args):
 SUMMARY = {
     "backend": lambda step, args: step.group.backend,
     "algorithm": lambda step, args: args.algorithm or "default",
+    "tensor_parallel": lambda step, args: step.tp,
+    "parameter_bytes_per_worker": lambda step, args: sum(q.numel() * q.element_size() for q in step.model.parameters()),
 }
+TP_PLANS = ("gpt",)
 
 
 def make_optimizer(name, params, lr):
@@ -67,11 +80,16 @@ class AllReduceStep(ReplicaStep):
     finish_changes_weights = False
 
     def __init__(self, module, args, group, optimizer, lr):
+        self.tp, self.mesh, replicas = args.tp, None, group
+        if self.tp > 1:   # tensor parallel inside each replica, data parallel between them
+            self.mesh = pt.mesh(dp=group.world_size // self.tp, tp=self.tp)
+            pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN)
+            replicas = self.mesh["dp"]
         if args.strategy == "allreduce":
-            self.model = pt.DataParallel(module, group=group, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
+            self.model = pt.DataParallel(module, group=replicas, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
                                          compression=None if args.compression == "none" else args.compression)
         else:
-            self.model = pt.DataParallelNaive(module, group=group, algorithm=args.algorithm)
+            self.model = pt.DataParallelNaive(module, group=replicas, algorithm=args.algorithm)
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
         self.opt = make_optimizer(optimizer, self.model.parameters(), lr)
@@ -102,12 +120,45 @@ class AllReduceStep(ReplicaStep):
     def finish(self):
         pass
 
+    # ---- with --tp: data shards per replica, evaluation and checkpoints through every cut model ----
+
+    @property
+    def data_replicas(self):
+        return self.world_size // self.tp
+
+    @property
+    def data_rank(self):
+        return self.mesh.coords["dp"] if self.mesh else self.rank
+
+    def evaluate(self, task):
+        if self.tp == 1:
+            return super().evaluate(task)
+        result = task.evaluate(task.model)   # every rank: the cut model's forward is collective
+        return result if self.rank == 0 else None
+
+    def model_state(self, task):
+        """The whole model; with --tp gathered from the cut layers (one process's names and
+        shapes), so the checkpoint loads at any --tp or in one process."""
+        return pt.tensor.full_state_dict(task.model) if self.tp > 1 else task.model.state_dict()
+
+    def load_model_state(self, task, state):
+        if self.tp > 1:
+            pt.tensor.load_full_state_dict(task.model, state)
+        else:
+            task.model.load_state_dict(state)
+
     def state_dict(self):
         """The optimizer's state (momentum, Adam's moments): with it a resumed run
-        continues exactly where the stopped one was."""
-        return {"optimizer": self.opt.state_dict()}
+        continues exactly where the stopped one was. With --tp each worker's state is
+        of its own slices, so none is kept yet: a resumed --tp run restarts its optimizer."""
+        return {"optimizer": self.opt.state_dict() if self.tp == 1 else None}
 
     def load_state_dict(self, state):
+        if state.get("optimizer") is None:
+            if self.rank == 0:
+                print("[train] this checkpoint holds no optimizer state (written with --tp): the optimizer "
+                      "starts afresh", flush=True)
+            return
         self.opt.load_state_dict(state["optimizer"])
 
 
