@@ -53,15 +53,8 @@ def run_one(model, sizes, nproc, engines, args, tmp):
     steps = args.steps or (3 if model == "large" else 20)
     cfg = dict(sizes=sizes, engines=engines, batch=args.batch, rounds=args.rounds, steps=steps,
                warmup=2, timeout=args.timeout, result=str(Path(tmp) / f"{model}-{nproc}.json"))
-    path = Path(tmp) / f"cfg-{model}-{nproc}.json"
-    path.write_text(json.dumps(cfg))
-    env = launcher.worker_env(launcher.free_port_pair(), {"PARATRAIN_TIMEOUT": str(args.timeout)})
     print(f"[bench] {model} model, {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
-    code = launcher.wait(launcher.start(nproc, [str(path)], env, False, module="paratrain.bench.dp_worker"),
-                         args.timeout)
-    if code != 0:
-        raise RuntimeError(f"the {model}/{nproc}-worker run failed (exit code {code}); its errors are above")
-    return json.loads(Path(cfg["result"]).read_text())
+    return launcher.run_config(nproc, "paratrain.bench.dp_worker", cfg, args.timeout, tmp, f"{model}/{nproc}-worker")
 
 
 def summarize(raw, batch):

@@ -106,16 +106,23 @@ def make_engines(names, sizes, group, port, timeout):
             engines.append(Engine(name, model, group.barrier))
         elif name == "ddp":
             import torch.distributed as dist
-            if not dist.is_initialized():
-                from ..comm.world import bind_world_defaults_early
-                bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
-                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
-                                        world_size=group.world_size, timeout=timedelta(seconds=timeout))
+            init_gloo(group, port, timeout)
             model = torch.nn.parallel.DistributedDataParallel(build_model(sizes))
             engines.append(Engine(name, model, dist.barrier))
         else:
             raise ValueError(f"unknown engine {name!r}")
     return engines
+
+
+def init_gloo(group, port, timeout):
+    """torch.distributed over Gloo beside paratrain's group, once per process (the
+    competitor engines of the benchmarks), on the port after the job's."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        from ..comm.world import bind_world_defaults_early
+        bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
+                                world_size=group.world_size, timeout=timedelta(seconds=timeout))
 
 
 def main(cfg_path):

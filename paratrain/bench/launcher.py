@@ -157,3 +157,17 @@ def wait(procs, timeout):
     except BaseException:
         _terminate(procs)  # Ctrl-C: the workers are in their own session and did not get it
         raise
+
+
+def run_config(nproc, module, cfg, timeout, folder, name):
+    """Run ``module``'s workers on a JSON config (``cfg``, with a ``result`` path the
+    workers write), wait for them, and return that result; a failed run raises."""
+    import json
+    from pathlib import Path
+    path = Path(folder) / f"cfg-{name.replace('/', '-')}.json"
+    path.write_text(json.dumps(cfg))
+    env = worker_env(free_port_pair(), {"PARATRAIN_TIMEOUT": str(timeout)})
+    code = wait(start(nproc, [str(path)], env, False, module=module), timeout)
+    if code != 0:
+        raise RuntimeError(f"the {name} run failed (exit code {code}); its errors are above")
+    return json.loads(Path(cfg["result"]).read_text())

@@ -51,15 +51,8 @@ def parser():
 def run_one(nproc, engines, model, args, tmp):
     cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=1, timeout=args.timeout,
                result=str(Path(tmp) / f"pipeline-{nproc}.json"))
-    path = Path(tmp) / f"cfg-{nproc}.json"
-    path.write_text(json.dumps(cfg))
-    env = launcher.worker_env(launcher.free_port_pair(), {"PARATRAIN_TIMEOUT": str(args.timeout)})
     print(f"[bench] {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
-    code = launcher.wait(launcher.start(nproc, [str(path)], env, False, module="paratrain.bench.pipeline_worker"),
-                         args.timeout)
-    if code != 0:
-        raise RuntimeError(f"the {nproc}-worker run failed (exit code {code}); its errors are above")
-    return json.loads(Path(cfg["result"]).read_text())
+    return launcher.run_config(nproc, "paratrain.bench.pipeline_worker", cfg, args.timeout, tmp, f"{nproc}-worker")
 
 
 def summarize(single, piped, batch):

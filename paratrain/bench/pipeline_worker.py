@@ -20,11 +20,12 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .dp_worker import init_gloo, release_ddp
 
 
 def build_gpt(cfg):
@@ -137,18 +138,9 @@ def make_engines(cfg, group, port):
         if owner == "pt":
             engines.append(Ours(name, cfg, group, schedule, m))
         else:
-            _init_gloo(group, port, cfg["timeout"])
+            init_gloo(group, port, cfg["timeout"])
             engines.append(Torch(name, cfg, group, schedule, m, cfg["batch"]))
     return engines
-
-
-def _init_gloo(group, port, timeout):
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        from ..comm.world import bind_world_defaults_early
-        bind_world_defaults_early()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
-                                world_size=group.world_size, timeout=timedelta(seconds=timeout))
 
 
 def main(cfg_path):
@@ -186,19 +178,7 @@ def main(cfg_path):
                        "timelines": {e.name: e.timelines for e in engines if getattr(e, "timelines", None)}}, f)
     group.barrier()
     pt.destroy()
-    _release_gloo(engines)
-
-
-def _release_gloo(engines):
-    """Drop the torch engines before their Gloo group, while the interpreter is whole
-    (dp_worker.release_ddp says why the other orders hang or abort)."""
-    import gc
-
-    import torch.distributed as dist
-    engines.clear()
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    release_ddp(engines)   # torch's pipeline engines and their Gloo group, in the order that neither hangs nor aborts
 
 
 if __name__ == "__main__":
