@@ -72,7 +72,8 @@ def split(model, group=None, stages=None, split_points=None, by=None, sample=Non
         if how == "time" and sample is None:
             raise ValueError("split: by='time' measures each layer on a sample input: pass sample= "
                              "(a batch for the first stage), or by='params'")
-        costs = _agreed_costs(gm, model, layers, sample, how, group)
+        costs = ([layer_params(gm, nodes) for _, nodes in layers] if how == "params"
+                 else _measured_on_rank0(gm, model, layers, sample, group))
         starts = balance(costs, total)
     owner = {}
     for s in range(total):
@@ -181,16 +182,13 @@ def _starts_at(layers, split_points, total):
     return starts
 
 
-def _agreed_costs(gm, model, layers, sample, how, group):
-    """Each layer's cost, computed on rank 0 and broadcast: timings differ from rank
-    to rank, and every rank must cut at the same places."""
+def _measured_on_rank0(gm, model, layers, sample, group):
+    """Each layer's time, measured on rank 0 and broadcast: timings differ from rank
+    to rank, and every rank must cut at the same places. (Parameter counts are the
+    same everywhere and need no message.)"""
     costs = torch.zeros(len(layers), dtype=torch.float64)
     if group.rank == 0:
-        if how == "params":
-            values = [layer_params(gm, nodes) for _, nodes in layers]
-        else:
-            values = measure_layers(gm, model, layers, sample)
-        costs.copy_(torch.tensor(values, dtype=torch.float64))
+        costs.copy_(torch.tensor(measure_layers(gm, model, layers, sample), dtype=torch.float64))
     group.broadcast(costs, 0)
     return costs.tolist()
 

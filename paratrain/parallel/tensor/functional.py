@@ -53,9 +53,8 @@ def _piece(group, x, dim):
 
 
 def _scatter_sum(group, x, dim):
+    _piece(group, x, dim)   # a size the group does not divide raises its clear error here
     pieces = [p.contiguous() for p in x.detach().chunk(group.world_size, dim=dim)]
-    if x.shape[dim] % group.world_size:
-        _piece(group, x, dim)   # raises the clear error
     out = torch.empty_like(pieces[0])
     group.reduce_scatter(out, torch.cat([p.reshape(-1) for p in pieces]), op="sum")
     return out
