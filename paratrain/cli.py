@@ -6,6 +6,7 @@
     paratrain bench collectives -n 2         collective benchmark beside Gloo and MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
     paratrain bench pipeline                 pipeline schedules beside torch.distributed.pipelining
+    paratrain bench tensor                   tensor parallelism beside torch's parallelize_module
 """
 import sys
 
@@ -17,7 +18,7 @@ commands:
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
   bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`,
-           `paratrain bench parameter-server`, `paratrain bench pipeline`
+           `paratrain bench parameter-server`, `paratrain bench pipeline`, `paratrain bench tensor`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -39,7 +40,7 @@ def main(argv=None):
         return server_main(rest)
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
-                   "pipeline": "pipeline"}
+                   "pipeline": "pipeline", "tensor": "tensor"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

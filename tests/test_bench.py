@@ -148,3 +148,26 @@ def test_quick_pipeline_benchmark_reports_every_engine(tmp_path):
     for name in ENGINES:
         if name.startswith("pt/"):
             assert (tmp_path / f"pipeline-timeline-{name.replace('/', '-')}.png").exists(), name
+
+
+@pytest.mark.timeout(180)
+def test_quick_tensor_benchmark_matches_one_process_and_the_formula(tmp_path):
+    """paratrain bench tensor --quick: every engine starts from the same loss as one
+    process, each rank holds the plan's share of the parameters, and paratrain's
+    collectives move exactly Megatron's bytes (4 all-reduces of B x T x d a layer)."""
+    from paratrain.bench.tensor import QUICK
+    from paratrain.bench.tensor import main as tensor_main
+    assert tensor_main(["--quick", "--sizes", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "tensor.json").read_text())
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert set(rows) == {"single", "pt/tp2", "torch/tp2"}
+    for r in rows.values():
+        assert r["step_ms"] > 0
+        assert r["first_loss"] == pytest.approx(rows["single"]["first_loss"], rel=1e-5)
+        assert r["parameter_mb"] == pytest.approx(r["expected_parameter_mb"], rel=1e-9)
+    B, T, d, L = QUICK["batch"], QUICK["context"], QUICK["width"], QUICK["layers"]
+    ours = rows["pt/tp2"]
+    assert ours["step_traffic_mb"] * 1e6 == pytest.approx((4 * L + 1) * B * T * d * 4)
+    assert ours["traffic_calls"]["all_reduce"] == 4 * L + 1
+    assert 0.5 < ours["parameter_share"] < 0.6 and ours["optimizer_mb"] == pytest.approx(2 * ours["parameter_mb"], rel=1e-3)
+    assert (tmp_path / "tensor.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

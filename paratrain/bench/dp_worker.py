@@ -39,6 +39,8 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+from . import rounds
+
 
 def build_model(sizes):
     from ..train.models import MLP
@@ -134,29 +136,19 @@ def main(cfg_path):
     gen = torch.Generator().manual_seed(1 + group.rank)
     x = torch.randn(cfg["batch"], cfg["sizes"][0], generator=gen)
     y = torch.randint(0, cfg["sizes"][-1], (cfg["batch"],), generator=gen)
-    for e in engines:
-        for _ in range(cfg["warmup"]):
-            e.step(x, y)
-    times = {e.name: [] for e in engines}
     phases = {e.name: {p: [] for p in PHASES} for e in engines}
-    for r in range(cfg["rounds"]):
-        k = r % len(engines)
-        for e in engines[k:] + engines[:k]:
-            e.phases = dict.fromkeys(PHASES, 0.0)
-            e.barrier()
-            t0 = time.perf_counter()
-            for _ in range(cfg["steps"]):
-                e.step(x, y)
-            times[e.name].append((time.perf_counter() - t0) / cfg["steps"])
-            for p in PHASES:
-                phases[e.name][p].append(e.phases[p] / cfg["steps"])
-    # a round lasts as long as its slowest rank; its phases are rank 0's
-    flat = torch.tensor([t for e in engines for t in times[e.name]], dtype=torch.float64)
-    group.all_reduce(flat, op="max")
+
+    def reset(e):
+        e.phases = dict.fromkeys(PHASES, 0.0)
+
+    def record(e):
+        for p in PHASES:
+            phases[e.name][p].append(e.phases[p] / cfg["steps"])
+
+    times = rounds.interleaved(engines, cfg, group, x, y, before=reset, after=record)   # phases: rank 0's
     if group.rank == 0:
-        per = flat.view(len(engines), -1).tolist()
         with open(cfg["result"], "w") as f:
-            json.dump({"times": {e.name: per[i] for i, e in enumerate(engines)}, "phases": phases}, f)
+            json.dump({"times": times, "phases": phases}, f)
     group.barrier()
     pt.destroy()
     release_ddp(engines)

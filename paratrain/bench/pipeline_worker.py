@@ -19,12 +19,12 @@ memory (Pipeline.peak_activation_bytes). Rank 0 writes everything to JSON.
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import rounds
 from .dp_worker import init_gloo, release_ddp
 
 
@@ -152,27 +152,10 @@ def main(cfg_path):
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
     y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    for e in engines:
-        for _ in range(cfg["warmup"]):
-            e.step(x, y)
-    times = {e.name: [] for e in engines}
-    for r in range(cfg["rounds"]):
-        k = r % len(engines)
-        for e in engines[k:] + engines[:k]:
-            e.barrier()
-            t0 = time.perf_counter()
-            for _ in range(cfg["steps"]):
-                e.step(x, y)
-            times[e.name].append((time.perf_counter() - t0) / cfg["steps"])
-            e.after_round()
-        if group.rank == 0:
-            print(f"[bench] round {r + 1}/{cfg['rounds']} done", file=sys.stderr, flush=True)
-    flat = torch.tensor([t for e in engines for t in times[e.name]], dtype=torch.float64)
-    group.all_reduce(flat, op="max")
+    times = rounds.interleaved(engines, cfg, group, x, y, after=lambda e: e.after_round())
     if group.rank == 0:
-        per = flat.view(len(engines), -1).tolist()
         with open(cfg["result"], "w") as f:
-            json.dump({"times": {e.name: per[i] for i, e in enumerate(engines)},
+            json.dump({"times": times,
                        "bubble": {e.name: e.bubble for e in engines if e.bubble},
                        "peak_activation_mb": {e.name: e.peak_mb for e in engines if getattr(e, "peak_mb", None)},
                        "timelines": {e.name: e.timelines for e in engines if getattr(e, "timelines", None)}}, f)

@@ -27,12 +27,44 @@ sequence (Korthikanti et al., arXiv 2205.05198).
 
 Every rank must call these in the same order (they are collectives); ``dim``
 must divide by the group's size.
+
+``traffic`` counts what this process's collectives here moved (calls and
+bytes of the whole tensor each works on: the summed tensor of an all-reduce,
+the gathered result of an all-gather, the input of a reduce-scatter), so the
+training summary and ``paratrain bench tensor`` can set it beside the
+formula: per transformer layer, 2 all-reduces of B x T x d forward and 2
+backward.
 """
 import torch
 
 
+class Traffic:
+    """Calls and bytes per kind of collective, since the last ``reset()``."""
+
+    KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.calls = dict.fromkeys(self.KINDS, 0)
+        self.bytes = dict.fromkeys(self.KINDS, 0)
+
+    def add(self, kind, tensor):
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    @property
+    def total_bytes(self):
+        return sum(self.bytes.values())
+
+
+traffic = Traffic()
+
+
 def _sum(group, x):
     y = x.detach().clone(memory_format=torch.contiguous_format)
+    traffic.add("all_reduce", y)
     group.all_reduce(y, op="sum")
     return y
 
@@ -40,6 +72,7 @@ def _sum(group, x):
 def _gather(group, x, dim):
     x = x.detach().contiguous()
     flat = torch.empty(group.world_size * x.numel(), dtype=x.dtype)
+    traffic.add("all_gather", flat)
     group.all_gather(flat, x.reshape(-1))
     return torch.cat(list(flat.view(group.world_size, *x.shape)), dim=dim)
 
@@ -56,6 +89,7 @@ def _scatter_sum(group, x, dim):
     _piece(group, x, dim)   # a size the group does not divide raises its clear error here
     pieces = [p.contiguous() for p in x.detach().chunk(group.world_size, dim=dim)]
     out = torch.empty_like(pieces[0])
+    traffic.add("reduce_scatter", x)
     group.reduce_scatter(out, torch.cat([p.reshape(-1) for p in pieces]), op="sum")
     return out
 
@@ -119,6 +153,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, x, group, src):
         ctx.group, ctx.src = group, src
         y = x.detach().clone(memory_format=torch.contiguous_format)
+        traffic.add("broadcast", y)
         group.broadcast(y, src)
         return y
 

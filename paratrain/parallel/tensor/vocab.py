@@ -50,21 +50,26 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim} (rows {self.start}..{self.end - 1} on this rank)"
 
 
+def _reduce(group, t, op):
+    tpf.traffic.add("all_reduce", t)
+    group.all_reduce(t, op=op)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, start):
         logits = logits.detach()
         biggest = logits.max(dim=-1).values
-        group.all_reduce(biggest, op="max")
+        _reduce(group, biggest, "max")
         shifted = logits - biggest.unsqueeze(-1)
         exp = shifted.exp()
         total = exp.sum(dim=-1)
-        group.all_reduce(total, op="sum")
+        _reduce(group, total, "sum")
         n = logits.shape[-1]
         inside = (target >= start) & (target < start + n)
         local = (target - start).masked_fill(~inside, 0)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-        group.all_reduce(picked, op="sum")
+        _reduce(group, picked, "sum")
         softmax = exp / total.unsqueeze(-1)
         ctx.save_for_backward(softmax, local, inside)
         return total.log() - picked          # per token: log sum exp - the target's logit

@@ -1,0 +1,163 @@
+"""How fast is paratrain's tensor parallelism beside one process and torch's own?
+
+    paratrain bench tensor [--rounds 5] [--sizes 2,4] [--quick]
+    python benchmarks/tensor.py            (the same)
+
+The model of issue 26: the gpt task made bigger (8 blocks, width 256, 8
+heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank.
+One process alone runs it first (``single``); then for each tensor-parallel
+size n, n workers run paratrain's and torch's tensor parallelism in the same
+processes, interleaved round by round (tensor_worker.py). n = 4 on this
+2-core machine is oversubscribed: it shows the trend, not a speedup.
+
+Prints ms/step, samples/s, the speedup over one process and over torch at
+the same size, each engine's first loss (equal when both cut the same model
+right), parameter and Adam-state bytes per rank against the plan's
+accounting (what it cuts divided by n, embeddings and norms whole), and the
+bytes paratrain's collectives moved in one step against the Megatron
+formula: per layer 2 all-reduces of B x T x d forward and 2 backward, plus
+the token embedding's one. Writes benchmarks/results/tensor.json and
+tensor.png (step time against the tensor-parallel size, both engines).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from . import launcher
+
+MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
+QUICK = dict(layers=2, width=64, heads=4, context=32, batch=8)
+OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="paratrain bench tensor",
+                                description="paratrain tensor parallelism vs one process and torch's parallelize_module")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
+    p.add_argument("--sizes", default="2,4", help="tensor-parallel sizes beside one process (default 2,4)")
+    p.add_argument("--engines", default="pt,torch", help="pt, torch or both (default both)")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
+    p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    return p
+
+
+def run_one(nproc, engines, model, args, tmp):
+    cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=1, timeout=args.timeout,
+               result=str(Path(tmp) / f"tensor-{nproc}.json"))
+    print(f"[bench] {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
+    return launcher.run_config(nproc, "paratrain.bench.tensor_worker", cfg, args.timeout, tmp, f"{nproc}-worker")
+
+
+def formula_bytes(model):
+    """Bytes of paratrain's collectives in one step of the gpt plan, per layer and in all
+    (Megatron, arXiv 1909.08053, sec. 3): 4 all-reduces of B x T x d per layer, and the
+    token embedding's forward one (its backward is the identity)."""
+    activation = model["batch"] * model["context"] * model["width"] * 4
+    return 4 * activation, (4 * model["layers"] + 1) * activation
+
+
+def summarize(results, model):
+    one = statistics.median(results[1]["times"]["single"])
+    per_layer_formula, step_formula = formula_bytes(model)
+    rows = []
+    for n, result in sorted(results.items()):
+        medians = {e: statistics.median(t) for e, t in result["times"].items()}
+        for engine, step in medians.items():
+            owner = engine.split("/")[0]
+            sizes, traffic = result["sizes"][engine], result["traffic"].get(engine)
+            moved = sum(traffic["bytes"].values()) if traffic else None
+            rows.append(dict(
+                engine=engine, tp=n, step_ms=step * 1e3, samples_per_s=model["batch"] / step, vs_single=one / step,
+                vs_torch=medians[f"torch/tp{n}"] / step if owner == "pt" and f"torch/tp{n}" in medians else None,
+                first_loss=result["first_loss"][engine],
+                parameter_mb=sizes["parameter_bytes"] / 1e6, expected_parameter_mb=sizes["expected_parameter_bytes"] / 1e6,
+                optimizer_mb=sizes["optimizer_bytes"] / 1e6,
+                step_traffic_mb=None if moved is None else moved / 1e6,
+                step_traffic_formula_mb=None if moved is None else step_formula / 1e6,
+                layer_traffic_mb=None if moved is None else (moved - (step_formula - model["layers"] * per_layer_formula))
+                / model["layers"] / 1e6,
+                layer_traffic_formula_mb=None if moved is None else per_layer_formula / 1e6,
+                traffic_calls=traffic["calls"] if traffic else None))
+    single_params = next(r["parameter_mb"] for r in rows if r["engine"] == "single")
+    for r in rows:
+        r["parameter_share"] = r["parameter_mb"] / single_params
+    return rows
+
+
+def table(rows):
+    from rich.table import Table
+    t = Table(title="tensor parallelism: ms/step and samples/s, medians of interleaved rounds")
+    for c in ("engine", "step ms", "samples/s", "vs 1 process", "vs torch, same size", "first loss",
+              "params MB/rank (plan's accounting)", "share of 1 process", "Adam state MB/rank",
+              "collectives MB/step (formula)", "MB/layer (formula)"):
+        t.add_column(c, justify="left" if c == "engine" else "right")
+    f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+    for r in rows:
+        t.add_row(r["engine"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}", f"{r['vs_single']:.2f}x",
+                  f(r["vs_torch"], "{:.2f}x"), f"{r['first_loss']:.6f}",
+                  f"{r['parameter_mb']:.2f} ({r['expected_parameter_mb']:.2f})", f"{r['parameter_share']:.1%}",
+                  f"{r['optimizer_mb']:.2f}",
+                  "-" if r["step_traffic_mb"] is None else f"{r['step_traffic_mb']:.1f} ({r['step_traffic_formula_mb']:.1f})",
+                  "-" if r["layer_traffic_mb"] is None else f"{r['layer_traffic_mb']:.2f} ({r['layer_traffic_formula_mb']:.2f})")
+    return t
+
+
+def plot(path, rows):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    single = next(r for r in rows if r["engine"] == "single")
+    for owner, colour, label in (("pt", "#4C72B0", "paratrain"), ("torch", "#DD8452", "torch parallelize_module")):
+        mine = sorted((r for r in rows if r["engine"].startswith(owner + "/")), key=lambda r: r["tp"])
+        if mine:
+            ax.plot([1] + [r["tp"] for r in mine], [single["step_ms"]] + [r["step_ms"] for r in mine], "o-",
+                    color=colour, label=label)
+    sizes = sorted({r["tp"] for r in rows})
+    ax.plot(sizes, [single["step_ms"] / n for n in sizes], ":", color="grey", label="one process / n")
+    ax.set_xticks(sizes)
+    ax.set_xlabel("tensor-parallel size (workers; 4 oversubscribes 2 cores)")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("gpt task, tensor parallelism: step time against size")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    model = dict(QUICK if args.quick else MODEL)
+    if args.quick:
+        args.rounds, args.steps = 2, 1
+    owners = [e.strip() for e in args.engines.split(",") if e.strip()]
+    sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        results[1] = run_one(1, ["single"], model, args, tmp)
+        for n in sizes:
+            results[n] = run_one(n, [f"{owner}/tp{n}" for owner in owners], model, args, tmp)
+    rows = summarize(results, model)
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(model, rounds=args.rounds, steps=args.steps, sizes=sizes, cpu_count=os.cpu_count(), quick=args.quick)
+    (out / "tensor.json").write_text(json.dumps(dict(meta, rows=rows, raw=results), indent=1))
+    png = plot(out / "tensor.png", rows)
+    print(f"wrote {out / 'tensor.json'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
