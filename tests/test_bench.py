@@ -160,7 +160,7 @@ def test_quick_tensor_benchmark_matches_one_process_and_the_formula(tmp_path):
     assert tensor_main(["--quick", "--sizes", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "tensor.json").read_text())
     rows = {r["engine"]: r for r in data["rows"]}
-    assert set(rows) == {"single", "pt/tp2", "torch/tp2"}
+    assert set(rows) == {"single", "pt/tp2", "pt-sp/tp2", "torch/tp2"}
     for r in rows.values():
         assert r["step_ms"] > 0
         assert r["first_loss"] == pytest.approx(rows["single"]["first_loss"], rel=1e-5)
@@ -169,5 +169,9 @@ def test_quick_tensor_benchmark_matches_one_process_and_the_formula(tmp_path):
     ours = rows["pt/tp2"]
     assert ours["step_traffic_mb"] * 1e6 == pytest.approx((4 * L + 1) * B * T * d * 4)
     assert ours["traffic_calls"]["all_reduce"] == 4 * L + 1
+    sp = rows["pt-sp/tp2"]   # reduce-scatters and all-gathers of B x T x d instead, and the norms' sums
+    assert sp["traffic_calls"] == {"all_reduce": 1 + 6 * L + 2, "all_gather": 4 * L + 2, "reduce_scatter": 4 * L,
+                                   "broadcast": 0}
+    assert sp["step_traffic_mb"] * 1e6 == pytest.approx((8 * L + 3) * B * T * d * 4 + (6 * L + 2) * d * 4)
     assert 0.5 < ours["parameter_share"] < 0.6 and ours["optimizer_mb"] == pytest.approx(2 * ours["parameter_mb"], rel=1e-3)
     assert (tmp_path / "tensor.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,8 @@ The model of issue 26: the gpt task made bigger (8 blocks, width 256, 8
 heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank.
 One process alone runs it first (``single``); then for each tensor-parallel
 size n, n workers run paratrain's and torch's tensor parallelism in the same
-processes, interleaved round by round (tensor_worker.py). n = 4 on this
+processes, interleaved round by round (tensor_worker.py), ours with and
+without sequence parallelism. n = 4 on this
 2-core machine is oversubscribed: it shows the trend, not a speedup.
 
 Prints ms/step, samples/s, the speedup over one process and over torch at
@@ -40,7 +41,8 @@ def parser():
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
     p.add_argument("--sizes", default="2,4", help="tensor-parallel sizes beside one process (default 2,4)")
-    p.add_argument("--engines", default="pt,torch", help="pt, torch or both (default both)")
+    p.add_argument("--engines", default="pt,pt-sp,torch",
+                   help="pt, pt-sp (sequence parallelism), torch (default all three)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
     p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
@@ -54,27 +56,37 @@ def run_one(nproc, engines, model, args, tmp):
     return launcher.run_config(nproc, "paratrain.bench.tensor_worker", cfg, args.timeout, tmp, f"{nproc}-worker")
 
 
-def formula_bytes(model):
-    """Bytes of paratrain's collectives in one step of the gpt plan, per layer and in all
-    (Megatron, arXiv 1909.08053, sec. 3): 4 all-reduces of B x T x d per layer, and the
-    token embedding's forward one (its backward is the identity)."""
-    activation = model["batch"] * model["context"] * model["width"] * 4
-    return 4 * activation, (4 * model["layers"] + 1) * activation
+def formula_bytes(model, sequence_parallel=False):
+    """Bytes of paratrain's collectives in one step of the gpt plan, per layer and in all,
+    each collective counted as the whole tensor it works on (functional.traffic).
+
+    Megatron (arXiv 1909.08053, sec. 3): 4 all-reduces of B x T x d per layer (2 forward,
+    2 backward) and the token embedding's forward one. Sequence parallelism (arXiv
+    2205.05198, sec. 4.2.2): each becomes a reduce-scatter plus an all-gather (the same
+    bytes on the wire as one all-reduce, counted here as two), plus the region's ends (a
+    gather forward at the final norm, one backward at the first block) and the
+    sums of the norms' and row layers' bias gradients (6 vectors of d a layer, 2 more)."""
+    B, T, d, L = model["batch"], model["context"], model["width"], model["layers"]
+    activation = B * T * d * 4
+    if not sequence_parallel:
+        return 4 * activation, (4 * L + 1) * activation
+    layer = 8 * activation + 6 * d * 4
+    return layer, L * layer + 3 * activation + 2 * d * 4
 
 
 def summarize(results, model):
     one = statistics.median(results[1]["times"]["single"])
-    per_layer_formula, step_formula = formula_bytes(model)
     rows = []
     for n, result in sorted(results.items()):
         medians = {e: statistics.median(t) for e, t in result["times"].items()}
         for engine, step in medians.items():
             owner = engine.split("/")[0]
+            per_layer_formula, step_formula = formula_bytes(model, sequence_parallel=owner == "pt-sp")
             sizes, traffic = result["sizes"][engine], result["traffic"].get(engine)
             moved = sum(traffic["bytes"].values()) if traffic else None
             rows.append(dict(
                 engine=engine, tp=n, step_ms=step * 1e3, samples_per_s=model["batch"] / step, vs_single=one / step,
-                vs_torch=medians[f"torch/tp{n}"] / step if owner == "pt" and f"torch/tp{n}" in medians else None,
+                vs_torch=medians[f"torch/tp{n}"] / step if owner != "torch" and f"torch/tp{n}" in medians else None,
                 first_loss=result["first_loss"][engine],
                 parameter_mb=sizes["parameter_bytes"] / 1e6, expected_parameter_mb=sizes["expected_parameter_bytes"] / 1e6,
                 optimizer_mb=sizes["optimizer_bytes"] / 1e6,
@@ -115,7 +127,8 @@ def plot(path, rows):
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     single = next(r for r in rows if r["engine"] == "single")
-    for owner, colour, label in (("pt", "#4C72B0", "paratrain"), ("torch", "#DD8452", "torch parallelize_module")):
+    for owner, colour, label in (("pt", "#4C72B0", "paratrain"), ("pt-sp", "#55A868", "paratrain, sequence parallel"),
+                                 ("torch", "#DD8452", "torch parallelize_module")):
         mine = sorted((r for r in rows if r["engine"].startswith(owner + "/")), key=lambda r: r["tp"])
         if mine:
             ax.plot([1] + [r["tp"] for r in mine], [single["step_ms"]] + [r["step_ms"] for r in mine], "o-",

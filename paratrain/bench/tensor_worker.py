@@ -8,7 +8,7 @@ Each engine is a full training step (forward, backward, Adam) of the same GPT
   ``pt.tensor.parallelize(model, plan=pt.tensor.GPT_PLAN)``: q, k, v and the
   MLP's first layer by columns, attention's output and the MLP's second layer
   by rows, the token embedding by vocabulary rows; collectives on the shm
-  engine;
+  engine; ``pt-sp/tp<n>``: the same with ``sequence_parallel=True``;
 - ``torch/tp<n>``: torch's own tensor parallelism on the same weights,
   ``parallelize_module`` with ``ColwiseParallel`` on q, k, v and the MLP's
   first layer and ``RowwiseParallel`` on attention's output and the MLP's
@@ -46,13 +46,14 @@ def optimizer_bytes(opt):
 def expected_bytes(model, plan, p):
     """Parameter bytes per rank if what ``plan`` cuts is divided by p and the rest is
     replicated (embeddings, norms, a row layer's bias), from the one-process model."""
-    from ..parallel.tensor.plan import _pattern
+    from ..parallel.tensor.plan import LAYER_STYLES, _pattern, _styles
     cut = set()
-    for key, style in plan.items():
+    for key, value in plan.items():
+        kinds = [kind for kind, _ in _styles(value, key) if kind in LAYER_STYLES]
         for name, module in model.named_modules():
-            if name and _pattern(key).match(name):
+            if kinds and name and _pattern(key).match(name):
                 cut.add(f"{name}.weight")
-                if style.startswith("colwise") and getattr(module, "bias", None) is not None:
+                if kinds[0] == "colwise" and getattr(module, "bias", None) is not None:
                     cut.add(f"{name}.bias")
     return sum(q.numel() * q.element_size() / (p if n in cut else 1) for n, q in model.named_parameters())
 
@@ -79,9 +80,10 @@ class Engine:
 
 
 class Ours(Engine):
-    def __init__(self, name, cfg, group):
+    def __init__(self, name, cfg, group, sequence_parallel=False):
         import paratrain as pt
-        model = pt.tensor.parallelize(build_gpt(cfg), group=group, plan=pt.tensor.GPT_PLAN)
+        model = pt.tensor.parallelize(build_gpt(cfg), group=group, plan=pt.tensor.GPT_PLAN,
+                                      sequence_parallel=sequence_parallel)
         super().__init__(name, model, group.barrier, pt.tensor.GPT_PLAN, group.world_size)
 
     def traffic(self, x, y):
@@ -140,8 +142,8 @@ def make_engines(cfg, group, port):
     for name in cfg["engines"]:
         if name == "single":
             engines.append(Engine(name, build_gpt(cfg), lambda: None, None, 1))
-        elif name.startswith("pt/"):
-            engines.append(Ours(name, cfg, group))
+        elif name.startswith(("pt/", "pt-sp/")):
+            engines.append(Ours(name, cfg, group, sequence_parallel=name.startswith("pt-sp/")))
         elif name.startswith("torch/"):
             init_gloo(group, port, cfg["timeout"])
             engines.append(Torch(name, cfg, group))

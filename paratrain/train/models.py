@@ -74,10 +74,12 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x):
-        B, T, _ = x.shape
         # sizes from qkv's output, not x: under tensor parallelism (pt.tensor.parallelize) a
-        # rank's qkv yields only its own heads, and proj takes only their width
-        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # rank's qkv yields only its own heads, and proj takes only their width; under sequence
+        # parallelism x holds this rank's tokens and qkv's output every token
+        qkv = self.qkv(x)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
         heads = q.shape[-1] // self.head_dim
         q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # softmax(q k^T / sqrt(d) + causal mask) v, fused; no dropout_p, so deterministic.

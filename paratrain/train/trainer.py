@@ -106,12 +106,13 @@ def run(args):
     last_eval = {}
 
     def save(step):
-        model_state = strategy.model_state(task)   # on every worker: gathering a cut model is collective
+        model_state = strategy.model_state(task)   # on every worker: gathering a cut model is collective,
+        extra = strategy.state_dict()              # and so is its optimizer's state
         path = strategy.checkpoint_path(os.path.join(run_dir, "checkpoint.pt"), writing=True)
         if path:
             ckpt.save_checkpoint(path, {
                 "config": task.config, "model_name": task.name, "step": step,
-                "model": model_state, **strategy.state_dict()})
+                "model": model_state, **extra})
 
     board.start()
     t_start = time.perf_counter()

@@ -85,23 +85,37 @@ def collectives(g):
     close(x.grad, torch.full_like(whole, p * (p + 1) / 2), "copy_to_group backward")
 
 
-def gpt(g):
-    """The gpt model, sharded by pt.tensor.parallelize with its plan, equals the one-process model."""
+def gpt(g, sequence_parallel=False):
+    """The gpt model, sharded by pt.tensor.parallelize with its plan, equals the one-process
+    model; with sequence parallelism too, where each rank's LayerNorms see 1/p of the tokens
+    and the collectives are Korthikanti et al.'s, counted one by one."""
     from paratrain.parallel.tensor.layers import _rows
     from paratrain.train.models import GPT
     import torch.nn.functional as F
     p, r = g.world_size, g.rank
-    arch = dict(vocab_size=36, block_size=8, n_layer=2, n_head=6, n_embd=24)
+    arch = dict(vocab_size=36, block_size=12, n_layer=2, n_head=6, n_embd=24)
+    L, T = arch["n_layer"], arch["block_size"]
     torch.manual_seed(0)
     ref = GPT(**arch)
     torch.manual_seed(0)
-    tp = pt.tensor.parallelize(GPT(**arch), group=g, plan=pt.tensor.GPT_PLAN)
+    tp = pt.tensor.parallelize(GPT(**arch), group=g, plan=pt.tensor.GPT_PLAN, sequence_parallel=sequence_parallel)
+    seen = []
+    tp.blocks[1].ln2.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     gen = torch.Generator().manual_seed(3)
-    x, y = torch.randint(0, 36, (4, 8), generator=gen), torch.randint(0, 36, (4, 8), generator=gen)
+    x, y = torch.randint(0, 36, (4, T), generator=gen), torch.randint(0, 36, (4, T), generator=gen)
+    pt.tensor.traffic.reset()
     lr, lt = (F.cross_entropy(m(x).reshape(-1, 36), y.reshape(-1)) for m in (ref, tp))
     close(lt, lr, "gpt loss")
+    assert seen == [(4, T // p if sequence_parallel else T, 24)], seen
     lr.backward()
     lt.backward()
+    calls = pt.tensor.traffic.calls
+    if sequence_parallel:   # per layer 2 gathers + 2 reduce-scatters forward, the same backward; norms and
+        # rowwise biases summed (6 a layer, 2 for ln_f); the embedding's all-reduce; the region's ends
+        assert calls == {"all_reduce": 1 + 6 * L + 2, "all_gather": 4 * L + 2, "reduce_scatter": 4 * L,
+                         "broadcast": 0}, calls
+    else:                   # Megatron: 2 all-reduces a layer forward, 2 backward, and the embedding's
+        assert calls == {"all_reduce": 4 * L + 1, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}, calls
     styles = {}
     for key, value in pt.tensor.GPT_PLAN.items():
         for i in range(arch["n_layer"]):
@@ -132,6 +146,20 @@ def gpt(g):
     pt.tensor.load_full_state_dict(again, full)
     for (k, a), (_, b) in zip(again.state_dict().items(), tp.state_dict().items()):
         close(a, b, f"reloaded {k}")
+    # Adam's state, gathered whole, is the one-process optimizer's; loaded back, this rank's slices
+    opt_ref, opt_tp = torch.optim.Adam(ref.parameters()), torch.optim.Adam(tp.parameters())
+    opt_ref.step()
+    opt_tp.step()
+    whole_state, ref_state = pt.tensor.full_optimizer_state(tp, opt_tp), opt_ref.state_dict()
+    assert whole_state["param_groups"] == ref_state["param_groups"]
+    for i, entries in ref_state["state"].items():
+        for k, v in entries.items():
+            close(whole_state["state"][i][k], v, f"gathered Adam {k} of parameter {i}")
+    opt_again = torch.optim.Adam(again.parameters())
+    pt.tensor.load_full_optimizer_state(again, opt_again, whole_state)
+    for (i, a), (_, b) in zip(opt_again.state_dict()["state"].items(), opt_tp.state_dict()["state"].items()):
+        for k in a:
+            close(a[k], b[k], f"reloaded Adam {k} of parameter {i}")
 
 
 def vocab(g):
@@ -179,6 +207,25 @@ def bad_plans(g):
         assert "'vocab' cuts an nn.Embedding" in str(e), e
     else:
         raise AssertionError("a Linear cut as a vocabulary was accepted")
+    small = dict(n_layer=1, n_head=6, n_embd=12, vocab_size=12, block_size=5)
+    said = []
+    for plan, sp in (({"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, True),
+                     ({"blocks.0.mlp.0": "colwise", "blocks.*.mlp.0": "colwise"}, False),
+                     ({"blocks.0.mlp.0": "colwise+rowwise"}, False)):
+        try:
+            pt.tensor.parallelize(GPT(**small), group=g, plan=plan, sequence_parallel=sp)
+        except ValueError as e:
+            said.append(str(e))
+    assert len(said) == 3, said
+    assert "names no module as 'split_input'" in said[0] and "named by two plan keys" in said[1], said
+    assert "cuts one layer two ways" in said[2], said
+    model = pt.tensor.parallelize(GPT(**small), group=g, plan=pt.tensor.GPT_PLAN, sequence_parallel=True)
+    try:   # 5 tokens do not cut into 2 or 3 equal pieces
+        model(torch.zeros(2, 5, dtype=torch.long))
+    except ValueError as e:
+        assert f"of size 5 cannot be cut into {g.world_size} equal pieces" in str(e), e
+    else:
+        raise AssertionError("a sequence of 5 cut into equal pieces was accepted")
 
 
 def heads_refused(g):
@@ -254,6 +301,7 @@ def main():
         dp_by_tp(g)
     else:
         gpt(g)
+        gpt(g, sequence_parallel=True)
         bad_plans(g)
     msg = refused(g) if g.world_size in (3, 4) else "out_features 10 cannot be cut (not tried: divides)"
     assert "out_features 10 cannot be cut" in msg, msg

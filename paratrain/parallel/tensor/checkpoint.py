@@ -5,7 +5,14 @@ into the tensors one process would have (the same names and shapes as the
 model before ``parallelize``), on every rank; ``load_full_state_dict(model,
 state)`` gives each cut module this rank's slice of them. So a checkpoint
 written at TP = 2 loads at TP = 1 (a plain ``load_state_dict``), 2 or 3.
-Both are collective over the model's groups: every rank calls them.
+
+``full_optimizer_state(model, opt)`` and ``load_full_optimizer_state(model,
+opt, state)`` do the same for an optimizer over ``model.parameters()``: its
+per-parameter tensors shaped as the parameter (Adam's two moments, SGD's
+momentum) are cut as the parameter is, so the state dict is the one a single
+process's optimizer would have and a resumed run continues exactly, at any
+tensor-parallel size. All four are collective over the model's groups:
+every rank calls them.
 """
 import torch
 
@@ -53,3 +60,51 @@ def load_full_state_dict(model, state):
                 key = f"{prefix}.{name}" if prefix else name
                 local[key] = _slice(module, name, state[key])
     model.load_state_dict(local)
+
+
+def _cut_parameters(model):
+    """{id(parameter): (cut module, its parameter name)} for the parameters tensor parallelism cut."""
+    return {id(t): (module, name) for _, module in model.named_modules() if isinstance(module, CUT)
+            for name, t in module.named_parameters(recurse=False)}
+
+
+def _per_parameter(opt):
+    sd = opt.state_dict()
+    params = [q for group in opt.param_groups for q in group["params"]]
+    return sd, params
+
+
+def full_optimizer_state(model, opt):
+    """``opt.state_dict()`` with every cut parameter's state gathered whole (its own
+    tensors are not touched)."""
+    sd, params = _per_parameter(opt)
+    cut = _cut_parameters(model)
+    state = {}
+    for i, q in enumerate(params):
+        if i not in sd["state"]:
+            continue
+        state[i] = dict(sd["state"][i])   # a copy: the optimizer's own dict stays as it is
+        if id(q) in cut:
+            module, name = cut[id(q)]
+            for k, v in state[i].items():
+                if torch.is_tensor(v) and v.shape == q.shape:
+                    state[i][k] = _whole(module, name, v.detach())
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def load_full_optimizer_state(model, opt, full):
+    """Give ``opt`` this rank's slices of a whole optimizer state (``full_optimizer_state``,
+    or a one-process optimizer's ``state_dict()``)."""
+    _, params = _per_parameter(opt)
+    cut = _cut_parameters(model)
+    state = {}
+    for i, entries in full["state"].items():
+        i = int(i)
+        q = params[i]
+        state[i] = dict(entries)
+        if id(q) in cut:
+            module, name = cut[id(q)]
+            for k, v in entries.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state[i][k] = _slice(module, name, v)
+    opt.load_state_dict({"state": state, "param_groups": full["param_groups"]})

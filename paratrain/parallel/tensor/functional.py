@@ -15,6 +15,7 @@ conjugate:
 | ``all_reduce``: partial sums -> replicated sum | identity | g |
 | ``copy_to_group``: replicated -> used by sharded work | all-reduce (sum) of the ranks' gradients | f |
 | ``all_gather`` (along ``dim``): shards -> replicated whole | this rank's slice of the gradient | |
+| ``all_gather(reduce_grad=True)``: shards -> whole, used by sharded work | reduce-scatter of the gradients | |
 | ``reduce_scatter`` (along ``dim``): partial sums -> summed shards | all-gather of the gradients | |
 | ``broadcast`` from ``src``: src's tensor -> replicated | the gradient on src, zeros elsewhere | |
 | ``split`` (along ``dim``): replicated -> this rank's shard | all-gather of the gradients | |
@@ -126,6 +127,17 @@ class _AllGather(torch.autograd.Function):
         return _piece(ctx.group, g, ctx.dim).contiguous(), None, None
 
 
+class _AllGatherForShardedWork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(group, x, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _scatter_sum(ctx.group, g, ctx.dim), None, None
+
+
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -172,9 +184,16 @@ def copy_to_group(x, group):
     return _CopyToGroup.apply(x, group)
 
 
-def all_gather(x, group, dim=-1):
-    """Every rank's ``x`` concatenated along ``dim``, in rank order; backward: this rank's slice."""
-    return _AllGather.apply(x, group, dim % x.dim())
+def all_gather(x, group, dim=-1, reduce_grad=False):
+    """Every rank's ``x`` concatenated along ``dim``, in rank order; backward: this rank's slice.
+
+    ``reduce_grad=True`` when the whole feeds sharded work, as sequence
+    parallelism's gather before a column-parallel layer (Korthikanti et al.,
+    arXiv 2205.05198, sec. 4.2.2): each rank's gradient of the whole is then
+    only its heads' part, and backward reduce-scatters them (sums, then keeps
+    this rank's slice)."""
+    kind = _AllGatherForShardedWork if reduce_grad else _AllGather
+    return kind.apply(x, group, dim % x.dim())
 
 
 def split(x, group, dim=-1):
@@ -185,6 +204,14 @@ def split(x, group, dim=-1):
 def reduce_scatter(x, group, dim=-1):
     """Piece ``rank`` (along ``dim``) of the sum of every rank's ``x``; backward: all-gather."""
     return _ReduceScatter.apply(x, group, dim % x.dim())
+
+
+def sum_gradient(param, group):
+    """Sum ``param``'s gradient over the group as backward produces it, before it is
+    accumulated into ``.grad`` (so a DataParallel above sees the sum). For a
+    replicated parameter used on a sequence shard (a LayerNorm under sequence
+    parallelism): each rank's gradient covers its tokens only."""
+    return param.register_hook(lambda g: _sum(group, g))
 
 
 def broadcast(x, group, src=0):

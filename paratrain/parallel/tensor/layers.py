@@ -12,6 +12,15 @@ A column layer followed by a row layer (an MLP, attention's projections)
 costs one all-reduce forward (the row layer's) and one backward (the column
 layer's input gradient): the conjugate pair f and g (functional.py).
 
+``sequence_parallel=True`` (Korthikanti et al., arXiv 2205.05198, sec. 4.2.2):
+outside the pair, activations are cut along the sequence (dimension
+``sequence_dim``), so the column layer all-gathers its input along it (and
+reduce-scatters the gradient) and the row layer reduce-scatters its output
+along it instead of all-reducing: the same bytes, but what lies between
+(LayerNorm, dropout, the residual) holds 1/p of the tokens. The row layer's
+bias is then added to this rank's tokens only, and its gradient is summed
+over the group.
+
 Both start from the weights a single process would have with the same seed:
 the whole ``nn.Linear`` is made first, drawing from the generator exactly as
 ``nn.Linear(in, out)`` does, and this rank keeps its slice. So a tensor-
@@ -48,21 +57,23 @@ class ColumnParallelLinear(nn.Module):
     """parts: the output stacks that many equal blocks (a fused q, k, v projection: 3),
     each cut across the group alike, so a rank holds its own heads of each."""
 
-    def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False, parts=1):
+    def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False, parts=1,
+                 sequence_parallel=False, sequence_dim=1):
         super().__init__()
         full = nn.Linear(in_features, out_features, bias=bias)   # the one-process initialisation
-        self._shard(full, group, gather_output, parts)
+        self._shard(full, group, gather_output, parts, sequence_parallel, sequence_dim)
 
     @classmethod
-    def from_linear(cls, linear, group=None, gather_output=False, parts=1):
+    def from_linear(cls, linear, group=None, gather_output=False, parts=1, sequence_parallel=False, sequence_dim=1):
         """This rank's share of an existing nn.Linear (its weights, not new ones)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._shard(linear, group, gather_output, parts)
+        layer._shard(linear, group, gather_output, parts, sequence_parallel, sequence_dim)
         return layer
 
-    def _shard(self, full, group, gather_output, parts):
+    def _shard(self, full, group, gather_output, parts, sequence_parallel, sequence_dim):
         self.group, p, r = _size_of(group)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.in_features, self.out_features, self.parts = full.in_features, full.out_features, parts
         _divisible(full.out_features, p * parts, "out_features", "ColumnParallelLinear")
         if gather_output and parts > 1:
@@ -73,7 +84,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(_rows(full.bias.detach(), p, r, parts)) if full.bias is not None else None
 
     def forward(self, x):
-        y = F.linear(tpf.copy_to_group(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:   # this rank's tokens in, every token out
+            x = tpf.all_gather(x, self.group, dim=self.sequence_dim, reduce_grad=True)
+        else:
+            x = tpf.copy_to_group(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return tpf.all_gather(y, self.group, dim=-1) if self.gather_output else y
 
     def extra_repr(self):
@@ -82,31 +97,43 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True):
+    def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True,
+                 sequence_parallel=False, sequence_dim=1):
         super().__init__()
-        self._shard(nn.Linear(in_features, out_features, bias=bias), group, input_is_parallel)
+        self._shard(nn.Linear(in_features, out_features, bias=bias), group, input_is_parallel, sequence_parallel,
+                    sequence_dim)
 
     @classmethod
-    def from_linear(cls, linear, group=None, input_is_parallel=True):
+    def from_linear(cls, linear, group=None, input_is_parallel=True, sequence_parallel=False, sequence_dim=1):
         """This rank's share of an existing nn.Linear (its weights, not new ones)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._shard(linear, group, input_is_parallel)
+        layer._shard(linear, group, input_is_parallel, sequence_parallel, sequence_dim)
         return layer
 
-    def _shard(self, full, group, input_is_parallel):
+    def _shard(self, full, group, input_is_parallel, sequence_parallel, sequence_dim):
         self.group, p, r = _size_of(group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel takes the input a column-parallel layer leaves "
+                             "(input_is_parallel=True)")
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.in_features, self.out_features = full.in_features, full.out_features
         per = _divisible(full.in_features, p, "in_features", "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
         self.weight = nn.Parameter(full.weight.detach()[:, r * per:(r + 1) * per].clone())
         bias = full.bias
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None   # replicated, added once
+        if self.bias is not None and sequence_parallel:
+            tpf.sum_gradient(self.bias, self.group)   # added to this rank's tokens only
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = tpf.split(x, self.group, dim=-1)
-        y = tpf.all_reduce(F.linear(x, self.weight), self.group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:   # summed, and this rank keeps its tokens
+            y = tpf.reduce_scatter(partial, self.group, dim=self.sequence_dim)
+        else:
+            y = tpf.all_reduce(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):

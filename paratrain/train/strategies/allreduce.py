@@ -34,6 +34,8 @@ def add_options(parser):
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: each model cut across this many workers (gpt; default 1); "
                         "--workers / --tp replicas average their gradients")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorms and residuals on 1/tp of the tokens each (Korthikanti et al.)")
 
 
 def check(args, chosen):
@@ -48,6 +50,8 @@ def check(args, chosen):
             return f"--tp cuts the {', '.join(TP_PLANS)} model (it has a tensor-parallel plan), not {args.model}"
         if args.workers % args.tp:
             return f"--workers {args.workers} is not a multiple of --tp {args.tp}"
+    elif args.sequence_parallel:
+        return "--sequence-parallel cuts the tokens among tensor-parallel workers; give --tp 2 or more"
     return None
 
 
@@ -59,7 +63,15 @@ SUMMARY = {
     "backend": lambda step, args: step.group.backend,
     "algorithm": lambda step, args: args.algorithm or "default",
     "tensor_parallel": lambda step, args: step.tp,
+    "sequence_parallel": lambda step, args: args.sequence_parallel if step.tp > 1 else None,
     "parameter_bytes_per_worker": lambda step, args: sum(q.numel() * q.element_size() for q in step.model.parameters()),
+    "optimizer_bytes_per_worker": lambda step, args: sum(v.numel() * v.element_size() for s in step.opt.state.values()
+                                                         for v in s.values() if torch.is_tensor(v)),
+    # with --tp: what the cut layers' collectives moved in the last step (pt.tensor.traffic), by kind,
+    # and per transformer block (the step's bytes over the blocks; the token embedding's share included)
+    "tensor_parallel_bytes_per_step": lambda step, args: step.tp_traffic,
+    "tensor_parallel_bytes_per_layer": lambda step, args: (
+        round(sum(step.tp_traffic.values()) / len(step.model.module.blocks)) if step.tp_traffic else None),
 }
 TP_PLANS = ("gpt",)
 
@@ -80,10 +92,11 @@ class AllReduceStep(ReplicaStep):
     finish_changes_weights = False
 
     def __init__(self, module, args, group, optimizer, lr):
-        self.tp, self.mesh, replicas = args.tp, None, group
+        self.tp, self.mesh, replicas, self.tp_traffic = args.tp, None, group, None
         if self.tp > 1:   # tensor parallel inside each replica, data parallel between them
             self.mesh = pt.mesh(dp=group.world_size // self.tp, tp=self.tp)
-            pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN)
+            pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN,
+                                  sequence_parallel=args.sequence_parallel)
             replicas = self.mesh["dp"]
         if args.strategy == "allreduce":
             self.model = pt.DataParallel(module, group=replicas, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
@@ -100,9 +113,12 @@ class AllReduceStep(ReplicaStep):
         return GroupBoard(self.group), Lockstep(settings.steps, start)
 
     def before_step(self):
-        pass
+        if self.tp > 1:
+            pt.tensor.traffic.reset()
 
     def after_backward(self):
+        if self.tp > 1:
+            self.tp_traffic = dict(pt.tensor.traffic.bytes)
         self.opt.step()
         self.opt.zero_grad()   # gradients to None: the cheaper way into the buckets (DataParallel.zero_grad)
 
@@ -149,17 +165,21 @@ class AllReduceStep(ReplicaStep):
 
     def state_dict(self):
         """The optimizer's state (momentum, Adam's moments): with it a resumed run
-        continues exactly where the stopped one was. With --tp each worker's state is
-        of its own slices, so none is kept yet: a resumed --tp run restarts its optimizer."""
-        return {"optimizer": self.opt.state_dict() if self.tp == 1 else None}
+        continues exactly where the stopped one was. With --tp it is gathered whole, as
+        the model is (collective: every worker calls this), so it resumes at any --tp."""
+        if self.tp == 1:
+            return {"optimizer": self.opt.state_dict()}
+        return {"optimizer": pt.tensor.full_optimizer_state(self.model.module, self.opt)}
 
     def load_state_dict(self, state):
-        if state.get("optimizer") is None:
+        if state.get("optimizer") is None:   # written by a --tp run before optimizer states were gathered
             if self.rank == 0:
-                print("[train] this checkpoint holds no optimizer state (written with --tp): the optimizer "
-                      "starts afresh", flush=True)
+                print("[train] this checkpoint holds no optimizer state: the optimizer starts afresh", flush=True)
             return
-        self.opt.load_state_dict(state["optimizer"])
+        if self.tp == 1:
+            self.opt.load_state_dict(state["optimizer"])
+        else:
+            pt.tensor.load_full_optimizer_state(self.model.module, self.opt, state["optimizer"])
 
 
 def make_step(task, args, settings):
