@@ -38,12 +38,42 @@ def test_tp2_with_sequence_parallelism_reaches_one_process_and_resumes_anywhere(
     ok(train(tmp_path / "wide", *common, "--steps", "6", "--workers", "4", "--tp", "2", "--resume", str(one)))
 
 
+def _stages(folder):
+    (run,) = run_dirs(folder)
+    whole = {}
+    for path in sorted(run.glob("checkpoint*.pt")):   # one file per stage, each gathered over --tp
+        whole.update(torch.load(path, weights_only=True)["model"])
+    return whole, run / "checkpoint.pt"
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_of_tensor_parallel_stages_reaches_one_process_and_resumes(tmp_path):
+    """--strategy pipeline --stages 2 --tp 2 on 4 workers: each stage cut inside its
+    layers across 2 workers; its per-stage checkpoints, gathered, are one process's
+    parameters, and a resume continues as one process's own resume does."""
+    common = ["--model", "gpt", "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "4", "--eval-every", "2"]
+    cut = ["--workers", "4", "--strategy", "pipeline", "--stages", "2", "--tp", "2", "--microbatches", "2"]
+    ok(train(tmp_path / "one", *common, "--steps", "4", "--workers", "1"))
+    res = train(tmp_path / "cut", *common, "--steps", "4", *cut)
+    ok(res)
+    assert "tensor-parallel size" in res.stdout
+    whole, first = _stages(tmp_path / "cut")
+    _same(_model(tmp_path / "one"), whole)
+    one = run_dirs(tmp_path / "one")[0] / "checkpoint.pt"
+    ok(train(tmp_path / "one-on", *common, "--steps", "6", "--workers", "1", "--resume", str(one)))
+    ok(train(tmp_path / "cut-on", *common, "--steps", "6", *cut, "--resume", str(first)))
+    _same(_model(tmp_path / "one-on"), _stages(tmp_path / "cut-on")[0])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,message", [
     (["--tp", "2", "--model", "digits"], "--tp cuts the gpt model"),
     (["--tp", "3", "--model", "gpt"], "--workers 2 is not a multiple of --tp 3"),
     (["--tp", "2", "--model", "gpt", "--strategy", "ps"], "--tp is for --strategy allreduce"),
     (["--model", "gpt", "--sequence-parallel"], "give --tp 2 or more"),
+    (["--model", "gpt", "--strategy", "pipeline", "--tp", "2"], "--workers 2 is not a multiple of --stages x --tp = 4"),
+    (["--model", "gpt", "--strategy", "pipeline", "--workers", "4", "--tp", "2", "--sequence-parallel"],
+     "--sequence-parallel is for --strategy allreduce"),
 ])
 def test_bad_tp_options_are_refused_before_anything_starts(tmp_path, args, message):
     res = train(tmp_path, *args)

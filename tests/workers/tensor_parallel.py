@@ -282,6 +282,56 @@ def dp_by_tp(g):
         close(held[name].grad, grad, f"dp x tp gradient of {name}")
 
 
+def pp_by_tp(g):
+    """4 ranks as pt.mesh(pp=2, tp=2): the gpt model cut inside its layers across tp, then
+    between them into 2 stages (each stage's workers cutting alike), equals one process:
+    the loss and every gradient, with 1F1B and with ZB-H1 (whose deferred weight
+    gradients must not run a collective)."""
+    import torch.nn.functional as F
+    from paratrain.parallel.tensor.layers import _rows
+    from paratrain.train.models import GPT
+    mesh = pt.mesh(pp=2, tp=2)
+    assert list(mesh["pp"].ranks) == [g.rank % 2, g.rank % 2 + 2], mesh["pp"].ranks
+    arch = dict(vocab_size=36, block_size=12, n_layer=2, n_head=6, n_embd=24)
+    torch.manual_seed(0)
+    ref = GPT(**arch)
+    torch.manual_seed(0)
+    model = GPT(**arch)
+    points = pt.pipeline.choose_cut(model, 2, sample=torch.zeros(2, 12, dtype=torch.long))   # timed: rank 0's
+    pt.tensor.parallelize(model, group=mesh["tp"], plan=pt.tensor.GPT_PLAN)
+    stage = pt.pipeline.split(model, group=mesh["pp"], split_points=points, verbose=False)
+    names = {id(q): n for n, q in model.named_parameters()}
+    gen = torch.Generator().manual_seed(9)
+    x, y = torch.randint(0, 36, (4, 12), generator=gen), torch.randint(0, 36, (4, 12), generator=gen)
+
+    def lm(out, target):
+        return F.cross_entropy(out.reshape(-1, 36), target.reshape(-1))
+    want = lm(ref(x), y)
+    want.backward()
+    grads = dict(ref.named_parameters())
+    styles = {key.replace("*", str(i)): v for key, v in pt.tensor.GPT_PLAN.items() for i in range(arch["n_layer"])}
+    t = mesh.coords["tp"]
+    for schedule in ("1f1b", "zb-h1"):
+        for q in stage.parameters():
+            q.grad = None
+        pipe = pt.Pipeline(stage, group=mesh["pp"], microbatches=2, schedule=schedule, loss_fn=lm)
+        loss = pipe.step(x if stage.is_first else None, y if stage.is_last else None)
+        close(torch.as_tensor(loss, dtype=torch.float64), want.detach(), f"pp x tp loss ({schedule})")
+        held = list(stage.parameters())
+        assert held, "this stage holds no parameters"
+        for q in held:
+            name = names[id(q)]
+            module, _, kind = name.rpartition(".")
+            style, grad = styles.get(module), grads[name].grad
+            if style and style.startswith("colwise"):
+                grad = _rows(grad, 2, t, int(style.partition(":")[2] or 1))
+            elif style == "rowwise" and kind == "weight":
+                grad = grad.chunk(2, dim=1)[t]
+            elif style == "vocab":
+                grad = grad.chunk(2)[t]
+            close(q.grad, grad, f"pp x tp gradient of {name} ({schedule})")
+
+
 def refused(g):
     try:
         pt.tensor.ColumnParallelLinear(8, 10, group=g)
@@ -299,6 +349,7 @@ def main():
     if g.world_size == 4:
         heads_refused(g)
         dp_by_tp(g)
+        pp_by_tp(g)
     else:
         gpt(g)
         gpt(g, sequence_parallel=True)

@@ -10,6 +10,6 @@ runs it.
 """
 from .engine import Pipeline
 from .schedules import SCHEDULES
-from .split import Stage, split
+from .split import Stage, choose_cut, split
 
-__all__ = ["Pipeline", "SCHEDULES", "Stage", "split"]
+__all__ = ["Pipeline", "SCHEDULES", "Stage", "choose_cut", "split"]

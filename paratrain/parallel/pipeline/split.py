@@ -58,23 +58,12 @@ def split(model, group=None, stages=None, split_points=None, by=None, sample=Non
         raise ValueError(f"split: virtual must be at least 1, got {virtual}")
     total = p * int(virtual)
     gm = trace(model)
-    layers = find_layers(gm)
-    if len(layers) < total:
-        raise ValueError(f"split: {total} stages but the model has only {len(layers)} layers "
-                         f"({', '.join(key for key, _ in layers)}); use fewer stages")
+    layers = _layers_for(gm, total)
     if split_points is not None:
         starts = _starts_at(layers, split_points, total)
         how, costs = "split_points", [layer_params(gm, nodes) for _, nodes in layers]
     else:
-        how = by or ("time" if sample is not None else "params")
-        if how not in ("time", "params"):
-            raise ValueError(f"split: by must be 'time' or 'params', got {by!r}")
-        if how == "time" and sample is None:
-            raise ValueError("split: by='time' measures each layer on a sample input: pass sample= "
-                             "(a batch for the first stage), or by='params'")
-        costs = ([layer_params(gm, nodes) for _, nodes in layers] if how == "params"
-                 else _measured_on_rank0(gm, model, layers, sample, group))
-        starts = balance(costs, total)
+        starts, costs, how = _balanced(gm, model, layers, total, by, sample, group)
     owner = {}
     for s in range(total):
         end = starts[s + 1] if s + 1 < total else len(layers)
@@ -91,11 +80,63 @@ def split(model, group=None, stages=None, split_points=None, by=None, sample=Non
     return Stage([plan.chunk(s) for s in mine], mine, total, p, report)
 
 
+def choose_cut(model, stages, by=None, sample=None, virtual=1, group=None, verbose=False):
+    """The layer names where stages 1 .. stages*virtual - 1 start, as ``split`` would
+    choose them, the same on every rank of ``group`` (default: the world; measured on
+    its rank 0). For a cut that several pipelines must share (data-parallel replicas,
+    tensor-parallel ranks): choose once over all of them, then ``split(...,
+    split_points=...)`` in each. verbose: rank 0 prints each stage's cost."""
+    from ...comm import world
+    group = group or world()
+    total = int(stages) * int(virtual)
+    gm = trace(model)
+    layers = _layers_for(gm, total)
+    starts, costs, how = _balanced(gm, model, layers, total, by, sample, group)
+    if verbose and group.rank == 0:
+        bounds = list(zip(starts, starts[1:] + [len(layers)]))
+        unit = " ms forward+backward" if how == "time" else " parameters"
+        print(f"[pipeline] cut by {how}: " + ", ".join(
+            f"stage {k} {layers[a][0]}..{layers[b - 1][0]} {sum(costs[a:b]):,.1f}{unit}"
+            for k, (a, b) in enumerate(bounds)), file=sys.stderr, flush=True)
+    return [layers[i][0] for i in starts[1:]]
+
+
+def _layers_for(gm, total):
+    layers = find_layers(gm)
+    if len(layers) < total:
+        raise ValueError(f"split: {total} stages but the model has only {len(layers)} layers "
+                         f"({', '.join(key for key, _ in layers)}); use fewer stages")
+    return layers
+
+
+def _balanced(gm, model, layers, total, by, sample, group):
+    """(first layer of each stage, each layer's cost, how it was measured)."""
+    how = by or ("time" if sample is not None else "params")
+    if how not in ("time", "params"):
+        raise ValueError(f"split: by must be 'time' or 'params', got {by!r}")
+    if how == "time" and sample is None:
+        raise ValueError("split: by='time' measures each layer on a sample input: pass sample= "
+                         "(a batch for the first stage), or by='params'")
+    costs = ([layer_params(gm, nodes) for _, nodes in layers] if how == "params"
+             else _measured_on_rank0(gm, model, layers, sample, group))
+    return balance(costs, total), costs, how
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with tensor-parallel layers kept whole (their forward is a
+    collective, not operations to cut between), so a model cut inside its layers
+    can then be cut between them (3D parallelism)."""
+
+    def is_leaf_module(self, m, qualname):
+        from ..tensor.checkpoint import CUT
+        return isinstance(m, CUT) or super().is_leaf_module(m, qualname)
+
+
 def trace(model):
     if isinstance(model, fx.GraphModule):
         return model
     try:
-        return fx.symbolic_trace(model)
+        return fx.GraphModule(model, _Tracer().trace(model), model.__class__.__name__)
     except Exception as e:  # noqa: BLE001 - fx raises many kinds; all mean the same to a user
         raise ValueError(
             f"split: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {e}). A pipeline cuts "

@@ -52,14 +52,17 @@ def full_state_dict(model):
     return state
 
 
-def load_full_state_dict(model, state):
+def load_full_state_dict(model, state, strict=True):
+    """``strict=False``: ``state`` may hold only some of the model's tensors (a
+    pipeline stage's), and only those are loaded."""
     local = dict(state)
     for prefix, module in model.named_modules():
         if isinstance(module, CUT):
             for name, _ in module.named_parameters(recurse=False):
                 key = f"{prefix}.{name}" if prefix else name
-                local[key] = _slice(module, name, state[key])
-    model.load_state_dict(local)
+                if key in state or strict:
+                    local[key] = _slice(module, name, state[key])
+    model.load_state_dict(local, strict=strict)
 
 
 def _cut_parameters(model):

@@ -100,14 +100,15 @@ def _check_heads(parent, name, module, kind, parts, p):
                          f"equal groups (the tensor-parallel size); use a head count {p} divides")
 
 
-def _choose(model, plan):
-    """{module name: [(kind, parts)]}, every key matched and every kind on a module it fits."""
+def _choose(model, plan, strict=True):
+    """{module name: [(kind, parts)]}, every key matched (unless not strict) and every
+    kind on a module it fits."""
     names = [name for name, _ in model.named_modules() if name]
     chosen = {}
     for key, value in plan.items():
         styles = _styles(value, key)
         matched = [n for n in names if _pattern(key).match(n)]
-        if not matched:
+        if not matched and strict:
             raise ValueError(f"parallelize: plan key {key!r} names no module of {type(model).__name__} "
                              f"(its modules include: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''})")
         for name in matched:
@@ -137,14 +138,16 @@ def _sequence_region(model, name, kinds, group, dim):
         module.register_forward_hook(lambda m, args, out: tpf.all_gather(out, group, dim=dim))
 
 
-def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_dim=1):
+def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_dim=1, strict=True):
     """Shard ``model``'s modules named by ``plan`` across ``group``, in place; returns
-    ``model``. Every rank must call it alike. ``sequence_parallel``: see above."""
+    ``model``. Every rank must call it alike. ``sequence_parallel``: see above.
+    ``strict=False`` lets plan keys name no module (a part of a model, which holds
+    only some of the layers the plan names)."""
     from ...comm import world
     group = group or world()
     if not plan:
         raise ValueError("parallelize: give a plan, {module path: 'colwise' | 'colwise:k' | 'rowwise' | 'vocab'}")
-    chosen = _choose(model, plan)
+    chosen = _choose(model, plan, strict)
     if sequence_parallel and not any(kind == "split_input" for styles in chosen.values() for kind, _ in styles):
         raise ValueError("parallelize: sequence_parallel=True, but the plan names no module as 'split_input' "
                          "(where the sequence is first cut) nor 'gather_output' (where it is gathered again); "

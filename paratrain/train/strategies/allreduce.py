@@ -33,7 +33,8 @@ def add_options(parser):
                    help="cast buckets to fp16/bf16 for the all-reduce (allreduce)")
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: each model cut across this many workers (gpt; default 1); "
-                        "--workers / --tp replicas average their gradients")
+                        "--workers / --tp replicas average their gradients; with --strategy pipeline, each stage "
+                        "cut so (3D)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorms and residuals on 1/tp of the tokens each (Korthikanti et al.)")
 
@@ -43,9 +44,9 @@ def check(args, chosen):
     strategy given --algorithm, pass it on as it is (as they always have)."""
     if chosen and args.strategy == "allreduce" and args.algorithm and args.algorithm not in ALGORITHMS:
         return f"unknown --algorithm {args.algorithm!r}; choose direct, ring, tree or naive"
-    if args.tp > 1:
-        if not chosen or args.strategy != "allreduce":
-            return "--tp is for --strategy allreduce"
+    if args.tp > 1:   # --tp is also the pipeline's (3D: strategies/pipeline.py checks its own multiple)
+        if args.strategy not in ("allreduce", "pipeline"):
+            return "--tp is for --strategy allreduce or pipeline"
         if args.model not in TP_PLANS:
             return f"--tp cuts the {', '.join(TP_PLANS)} model (it has a tensor-parallel plan), not {args.model}"
         if args.workers % args.tp:

@@ -52,8 +52,11 @@ def check(args, chosen):
     if args.model not in CUTTABLE:
         return f"--strategy pipeline cuts the {', '.join(CUTTABLE)} models, not {args.model}"
     stages = args.stages or 2
-    if args.workers % stages:
-        return f"--workers {args.workers} is not a multiple of --stages {stages} (each pipeline needs {stages} workers)"
+    if args.workers % (stages * args.tp):
+        of = f"--stages {stages}" if args.tp == 1 else f"--stages x --tp = {stages * args.tp}"
+        return f"--workers {args.workers} is not a multiple of {of} (each pipeline needs {stages * args.tp} workers)"
+    if args.sequence_parallel:
+        return "--sequence-parallel is for --strategy allreduce (not with a pipeline yet)"
     if args.virtual and args.virtual > 1 and (args.schedule or "1f1b") != "interleaved":
         return "--virtual is for --schedule interleaved"
     return None
@@ -72,6 +75,7 @@ SUMMARY = {
     "pipeline_bubble": lambda step, args: step.bubble,
     "pipeline_bubble_formula": lambda step, args: step.bubble_formula,
     "pipeline_parameters_per_stage": lambda step, args: step.params_per_stage,
+    "tensor_parallel": lambda step, args: step.tp,
     "pipeline_timeline": lambda step, args: step.timeline_png,
 }
 
@@ -84,19 +88,24 @@ class PipelineStep(ReplicaStep):
         world = pt.init(backend=args.backend)
         self.group = world
         self.rank, self.world_size = world.rank, world.world_size
-        self.stages = args.stages or 2
-        replicas = self.world_size // self.stages
-        pipes = [pt.new_group(list(range(r * self.stages, (r + 1) * self.stages))) for r in range(replicas)]
-        dps = [pt.new_group(list(range(i, self.world_size, self.stages))) for i in range(self.stages)]
-        self.pipe_group = pipes[self.rank // self.stages]
-        self.dp_group = dps[self.rank % self.stages] if replicas > 1 else None
-        self.replicas, self.replica = replicas, self.rank // self.stages
+        self.stages, self.tp = args.stages or 2, args.tp
+        replicas = self.world_size // (self.stages * self.tp)
+        self.mesh = pt.mesh(dp=replicas, pp=self.stages, tp=self.tp)
+        self.pipe_group = self.mesh["pp"]
+        self.dp_group = self.mesh["dp"] if replicas > 1 else None
+        self.replicas, self.replica = replicas, self.mesh.coords["dp"]
         m = args.microbatches or 4
         schedule = args.schedule or "1f1b"
         virtual = args.virtual or (2 if schedule == "interleaved" else 1)
         sample = _sample_inputs(task, max(1, settings.batch_size // m))
+        # one cut for every pipeline (replicas and tensor-parallel ranks alike), timed on the whole
+        # model on rank 0; then each layer is cut inside across --tp, then the model between layers
+        points = pt.pipeline.choose_cut(task.model, self.stages, sample=sample, virtual=virtual, group=world,
+                                        verbose=self.rank == 0)
+        if self.tp > 1:
+            pt.tensor.parallelize(task.model, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN)
         self.names = {id(q): n for n, q in task.model.named_parameters()}
-        self.stage = pt.pipeline.split(task.model, group=self.pipe_group, virtual=virtual, sample=sample,
+        self.stage = pt.pipeline.split(task.model, group=self.pipe_group, virtual=virtual, split_points=points,
                                        verbose=self.rank == 0)
         self.pipe = pt.Pipeline(self.stage, group=self.pipe_group, microbatches=m, schedule=schedule,
                                 loss_fn=_loss_of(task), dp_group=self.dp_group)
@@ -107,8 +116,8 @@ class PipelineStep(ReplicaStep):
         self.bubble = self.bubble_formula = self.timeline_png = None
         counts = torch.zeros(self.world_size, dtype=torch.int64)
         mine = torch.tensor([sum(q.numel() for q in self.stage.parameters())], dtype=torch.int64)
-        world.all_gather(counts, mine)
-        self.params_per_stage = counts[:self.stages].tolist()
+        world.all_gather(counts, mine)   # per worker: with --tp, each holds its slices of its stage
+        self.params_per_stage = [int(counts[self.mesh.rank_at(pp=k)]) for k in range(self.stages)]
 
     @property
     def data_replicas(self):
@@ -142,29 +151,42 @@ class PipelineStep(ReplicaStep):
     # ---- checkpoints: one file per stage ---------------------------------------------------------
 
     def checkpoint_path(self, path, writing):
-        if writing and self.replica != 0:
+        """One file per stage, written by the first replica's first tensor-parallel worker
+        (with --tp the stage is gathered whole first), read by every worker of that stage."""
+        if writing and (self.replica != 0 or self.mesh.coords["tp"] != 0):
             return None
-        k = self.rank % self.stages
+        k = self.mesh.coords["pp"]
         if k == 0:
             return path
         root, ext = os.path.splitext(path)
         return f"{root}.stage{k}{ext}"
 
     def model_state(self, task):
+        mine = {self.names[id(q)] for q in self.stage.parameters()}
+        if self.tp > 1:   # collective over the tensor-parallel group: every worker calls it
+            return {k: v for k, v in pt.tensor.full_state_dict(task.model).items() if k in mine}
         return {self.names[id(q)]: q.detach().clone() for q in self.stage.parameters()}
 
     def load_model_state(self, task, state):
         mine = {self.names[id(q)] for q in self.stage.parameters()}
         if set(state) != mine:
             raise ValueError(f"this checkpoint holds {len(state)} tensors of another stage or cut than stage "
-                             f"{self.rank % self.stages}'s {len(mine)}: resume with the same --stages and --workers")
-        task.model.load_state_dict(state, strict=False)
+                             f"{self.mesh.coords['pp']}'s {len(mine)}: resume with the same --stages")
+        if self.tp > 1:
+            pt.tensor.load_full_state_dict(task.model, state, strict=False)
+        else:
+            task.model.load_state_dict(state, strict=False)
 
     def state_dict(self):
+        if self.tp > 1:   # gathered whole, as the stage's parameters are
+            return {"optimizer": pt.tensor.full_optimizer_state(self.stage, self.opt)}
         return {"optimizer": self.opt.state_dict()}
 
     def load_state_dict(self, state):
-        self.opt.load_state_dict(state["optimizer"])
+        if self.tp > 1:
+            pt.tensor.load_full_optimizer_state(self.stage, self.opt, state["optimizer"])
+        else:
+            self.opt.load_state_dict(state["optimizer"])
 
     # ---- the end: the last step's timeline -------------------------------------------------------
 
