@@ -13,3 +13,18 @@ def test_layers_and_collectives_equal_one_process(n):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert out.count("tensor parallel passed on rank") == n, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_written_at_tp2_resumes_at_tp3_and_in_one_process(tmp_path):
+    """The gathered model and Adam state, written by 2 ranks, resliced for 3 (and for 1:
+    a TP = 1 'group' of one rank) equal one process's after the same step, and one
+    more step later."""
+    path = str(tmp_path / "tp2.pt")
+    res = launch(2, "tensor_checkpoint.py", "save", path)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    for n in (3, 1):
+        res = launch(n, "tensor_checkpoint.py", "load", path)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-4000:]
+        assert out.count("tensor checkpoint load passed on rank") == n, out[-4000:]

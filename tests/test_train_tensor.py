@@ -35,7 +35,9 @@ def test_tp2_with_sequence_parallelism_reaches_one_process_and_resumes_anywhere(
     ok(res)
     assert "starts afresh" not in res.stdout
     _same(_model(tmp_path / "one-on"), _model(tmp_path / "cut-on"))
-    ok(train(tmp_path / "wide", *common, "--steps", "6", "--workers", "4", "--tp", "2", "--resume", str(one)))
+    res = train(tmp_path / "wide", *common, "--steps", "6", "--dp", "2", "--tp", "2", "--resume", str(one))
+    ok(res)
+    assert "on 4 workers" in res.stdout
 
 
 def _stages(folder):
@@ -52,7 +54,7 @@ def test_pipeline_of_tensor_parallel_stages_reaches_one_process_and_resumes(tmp_
     layers across 2 workers; its per-stage checkpoints, gathered, are one process's
     parameters, and a resume continues as one process's own resume does."""
     common = ["--model", "gpt", "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "4", "--eval-every", "2"]
-    cut = ["--workers", "4", "--strategy", "pipeline", "--stages", "2", "--tp", "2", "--microbatches", "2"]
+    cut = ["--pp", "2", "--tp", "2", "--microbatches", "2"]   # 4 workers: 1 replica x 2 stages x 2
     ok(train(tmp_path / "one", *common, "--steps", "4", "--workers", "1"))
     res = train(tmp_path / "cut", *common, "--steps", "4", *cut)
     ok(res)
@@ -68,10 +70,15 @@ def test_pipeline_of_tensor_parallel_stages_reaches_one_process_and_resumes(tmp_
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,message", [
     (["--tp", "2", "--model", "digits"], "--tp cuts the gpt model"),
-    (["--tp", "3", "--model", "gpt"], "--workers 2 is not a multiple of --tp 3"),
+    (["--tp", "3", "--model", "gpt", "--workers", "2"], "--workers 2 is not a multiple of --tp 3"),
+    (["--tp", "3", "--model", "gpt"], "--tp 3: VocabParallelEmbedding: num_embeddings 256 cannot be cut into 3"),
+    (["--dp", "2", "--tp", "2", "--model", "gpt", "--workers", "2"], "--dp x --pp x --tp = 2 x 1 x 2 = 4"),
+    (["--pp", "2", "--stages", "3", "--model", "gpt"], "--pp 2 and --stages 3 disagree"),
+    (["--pp", "2", "--strategy", "ps"], "it is not for --strategy ps"),
     (["--tp", "2", "--model", "gpt", "--strategy", "ps"], "--tp is for --strategy allreduce"),
     (["--model", "gpt", "--sequence-parallel"], "give --tp 2 or more"),
-    (["--model", "gpt", "--strategy", "pipeline", "--tp", "2"], "--workers 2 is not a multiple of --stages x --tp = 4"),
+    (["--model", "gpt", "--strategy", "pipeline", "--tp", "2", "-n", "2"],
+     "--workers 2 is not a multiple of --stages x --tp = 4"),
     (["--model", "gpt", "--strategy", "pipeline", "--workers", "4", "--tp", "2", "--sequence-parallel"],
      "--sequence-parallel is for --strategy allreduce"),
 ])

@@ -12,7 +12,7 @@ import sys
 import time
 
 from . import strategies
-from .options import build_parser
+from .options import build_parser, resolve_layout
 
 
 def new_run_dir(root, model):
@@ -51,7 +51,7 @@ def main(argv=None):
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a bad flag: argparse said why
         return e.code if isinstance(e.code, int) else 2
-    problem = check(args)
+    problem = resolve_layout(args, argv) or check(args)
     if problem:
         print(f"paratrain train: error: {problem}", file=sys.stderr)
         return 2

@@ -49,6 +49,10 @@ def build_parser():
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the task's")
     p.add_argument("--strategy", choices=list(STRATEGIES), default=DEFAULT,
                    help="; ".join(module.HELP for module in modules()))
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel replicas: sets --workers to dp x pp x tp")
+    p.add_argument("--pp", type=positive_int, default=None,
+                   help="pipeline stages: --strategy pipeline --stages PP")
     p.add_argument("--straggler", type=straggler_spec, default=None, metavar="RANK:FACTOR",
                    help="make worker RANK compute FACTOR times slower on every step (a persistently slow "
                         "machine): it sleeps (FACTOR - 1) x its measured forward+backward time")
@@ -74,3 +78,30 @@ def build_parser():
     for module in modules():   # each strategy's own flags, in a group of its own after these
         module.add_options(p)
     return p
+
+
+def _given(argv, *flags):
+    return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in argv)
+
+
+def resolve_layout(args, argv):
+    """The mesh's names, ``--dp``, ``--pp`` and ``--tp`` (as pt.mesh), into what the
+    strategies read: ``--pp N`` (N > 1) is the pipeline strategy with N stages, and
+    ``--dp D`` makes ``--workers`` D x pp x tp (D = 1 when only --pp or --tp is
+    given and --workers is not). Run on the front-end and on every
+    worker (which get the same words). Returns what is wrong, or None."""
+    if args.pp is not None and args.pp > 1:
+        if _given(argv, "--strategy") and args.strategy != "pipeline":
+            return f"--pp cuts the model into a pipeline; it is not for --strategy {args.strategy}"
+        if args.stages is not None and args.stages != args.pp:
+            return f"--pp {args.pp} and --stages {args.stages} disagree; give one of them"
+        args.strategy, args.stages = "pipeline", args.pp
+    if args.dp is not None or _given(argv, "--pp", "--tp"):
+        stages = (args.stages or 2) if args.strategy == "pipeline" else 1
+        n = (args.dp or 1) * stages * args.tp
+        if not _given(argv, "--workers", "-n"):
+            args.workers = n
+        elif args.dp is not None and args.workers != n:
+            return (f"--workers {args.workers}, but --dp x --pp x --tp = {args.dp} x {stages} x {args.tp} = {n}; "
+                    "give one or the other")
+    return None

@@ -9,9 +9,9 @@
 from . import functional
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .checkpoint import full_optimizer_state, full_state_dict, load_full_optimizer_state, load_full_state_dict
-from .plan import GPT_PLAN, parallelize
+from .plan import GPT_PLAN, check_plan, parallelize
 from .functional import traffic
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "GPT_PLAN", "RowParallelLinear", "VocabParallelEmbedding", "full_optimizer_state",
+__all__ = ["ColumnParallelLinear", "GPT_PLAN", "check_plan", "RowParallelLinear", "VocabParallelEmbedding", "full_optimizer_state",
            "full_state_dict", "functional", "load_full_optimizer_state", "load_full_state_dict", "parallelize", "traffic", "vocab_parallel_cross_entropy"]

@@ -49,7 +49,7 @@ import re
 
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, _divisible
 from .vocab import VocabParallelEmbedding
 
 GPT_PLAN = {
@@ -125,6 +125,27 @@ def _choose(model, plan, strict=True):
     return chosen
 
 
+def check_plan(model, plan, size, strict=True):
+    """Raise the ValueError ``parallelize`` would, without a group and without touching
+    the model: plan keys, module kinds, and every width, vocabulary and head count
+    ``size`` must divide. For a front-end that refuses bad options before starting
+    any worker."""
+    chosen = _choose(model, plan, strict)
+    for name, styles in chosen.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = model.get_submodule(name)
+        for kind, parts in styles:
+            if kind == "colwise":
+                _divisible(module.out_features, size * parts, "out_features", "ColumnParallelLinear")
+                _check_heads(parent, name, module, kind, parts, size)
+            elif kind == "rowwise":
+                _divisible(module.in_features, size, "in_features", "RowParallelLinear")
+            elif kind == "vocab":
+                _divisible(module.num_embeddings, size, "num_embeddings", "VocabParallelEmbedding")
+    return chosen
+
+
 def _sequence_region(model, name, kinds, group, dim):
     """The hooks of 'split_input', 'sequence' and 'gather_output' on module ``name``."""
     from . import functional as tpf
@@ -147,7 +168,7 @@ def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_
     group = group or world()
     if not plan:
         raise ValueError("parallelize: give a plan, {module path: 'colwise' | 'colwise:k' | 'rowwise' | 'vocab'}")
-    chosen = _choose(model, plan, strict)
+    chosen = check_plan(model, plan, group.world_size, strict)
     if sequence_parallel and not any(kind == "split_input" for styles in chosen.values() for kind, _ in styles):
         raise ValueError("parallelize: sequence_parallel=True, but the plan names no module as 'split_input' "
                          "(where the sequence is first cut) nor 'gather_output' (where it is gathered again); "

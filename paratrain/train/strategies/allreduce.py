@@ -51,6 +51,11 @@ def check(args, chosen):
             return f"--tp cuts the {', '.join(TP_PLANS)} model (it has a tensor-parallel plan), not {args.model}"
         if args.workers % args.tp:
             return f"--workers {args.workers} is not a multiple of --tp {args.tp}"
+        from ..tasks import build_task
+        try:   # widths, vocabulary and heads --tp must divide, before any worker starts
+            pt.tensor.check_plan(build_task(args.model, seed=args.seed).model, pt.tensor.GPT_PLAN, args.tp)
+        except ValueError as e:
+            return f"--tp {args.tp}: {e}"
     elif args.sequence_parallel:
         return "--sequence-parallel cuts the tokens among tensor-parallel workers; give --tp 2 or more"
     return None

@@ -76,6 +76,9 @@ SUMMARY = {
     "pipeline_bubble_formula": lambda step, args: step.bubble_formula,
     "pipeline_parameters_per_stage": lambda step, args: step.params_per_stage,
     "tensor_parallel": lambda step, args: step.tp,
+    # with --tp: rank 0's stage, the last step (pt.tensor.traffic), and over that stage's transformer blocks
+    "tensor_parallel_bytes_per_step": lambda step, args: step.tp_traffic,
+    "tensor_parallel_bytes_per_layer": lambda step, args: step.tp_bytes_per_block(),
     "pipeline_timeline": lambda step, args: step.timeline_png,
 }
 
@@ -88,7 +91,7 @@ class PipelineStep(ReplicaStep):
         world = pt.init(backend=args.backend)
         self.group = world
         self.rank, self.world_size = world.rank, world.world_size
-        self.stages, self.tp = args.stages or 2, args.tp
+        self.stages, self.tp, self.tp_traffic = args.stages or 2, args.tp, None
         replicas = self.world_size // (self.stages * self.tp)
         self.mesh = pt.mesh(dp=replicas, pp=self.stages, tp=self.tp)
         self.pipe_group = self.mesh["pp"]
@@ -127,6 +130,11 @@ class PipelineStep(ReplicaStep):
     def data_rank(self):
         return self.replica
 
+    def tp_bytes_per_block(self):
+        blocks = {name.split(".")[1] for name in (self.names[id(q)] for q in self.stage.parameters())
+                  if name.startswith("blocks.")}
+        return round(sum(self.tp_traffic.values()) / len(blocks)) if self.tp_traffic and blocks else None
+
     def coordination(self, settings, start):
         return GroupBoard(self.group), Lockstep(settings.steps, start)
 
@@ -135,9 +143,12 @@ class PipelineStep(ReplicaStep):
         return self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
 
     def before_step(self):
-        pass
+        if self.tp > 1:
+            pt.tensor.traffic.reset()
 
     def after_backward(self):
+        if self.tp > 1:
+            self.tp_traffic = dict(pt.tensor.traffic.bytes)
         self.opt.step()
         self.opt.zero_grad()
 
