@@ -15,6 +15,17 @@ def test_layers_and_collectives_equal_one_process(n):
     assert out.count("tensor parallel passed on rank") == n, out[-4000:]
 
 
+@pytest.mark.timeout(180)
+def test_the_mesh_puts_tensor_parallel_groups_inside_a_host():
+    """Two pretend hosts of 2 ranks, the hierarchical backend: pt.mesh(dp=2, tp=2) gives
+    each TP group the shm engine and DP the path between hosts, and DP x TP still equals
+    one process (with every other check of the worker)."""
+    res = launch(4, "tensor_parallel.py", "hierarchical", env={"PARATRAIN_PRETEND_HOSTS": "2"})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert out.count("tensor parallel passed on rank") == 4, out[-4000:]
+
+
 @pytest.mark.timeout(120)
 def test_a_checkpoint_written_at_tp2_resumes_at_tp3_and_in_one_process(tmp_path):
     """The gathered model and Adam state, written by 2 ranks, resliced for 3 (and for 1:

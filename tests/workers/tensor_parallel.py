@@ -248,6 +248,9 @@ def dp_by_tp(g):
     mesh = pt.mesh(dp=2, tp=2)
     r = g.rank
     assert list(mesh["tp"].ranks) == [r // 2 * 2, r // 2 * 2 + 1], mesh["tp"].ranks
+    if g.backend == "hierarchical":   # 2 pretend hosts: each TP group on one (shm), DP between them
+        assert mesh["tp"].backend == "shm" and mesh["dp"].backend == "hierarchical", (mesh["tp"].backend,
+                                                                                      mesh["dp"].backend)
     assert list(mesh["dp"].ranks) == [r % 2, r % 2 + 2], mesh["dp"].ranks
     assert mesh.coords == {"dp": r // 2, "pp": 0, "tp": r % 2}, mesh.coords
     try:
@@ -341,7 +344,7 @@ def refused(g):
 
 
 def main():
-    g = pt.init()
+    g = pt.init(backend=sys.argv[1] if len(sys.argv) > 1 else None)
     mlp(g, gather_output=False)
     mlp(g, gather_output=True)
     collectives(g)
