@@ -19,6 +19,7 @@ _API.update({name: "paratrain.parallel" for name in (
     "DataParallel", "DataParallelNaive", "DistributedSampler")})
 _API["Pipeline"] = "paratrain.parallel.pipeline"
 _API["mesh"] = "paratrain.parallel.mesh"
+_API["ZeRO"] = "paratrain.parallel.zero"
 _NAMESPACES = {"ps": "paratrain.ps", "pipeline": "paratrain.parallel.pipeline",   # pt.ps.connect(), pt.pipeline.split()
                "tensor": "paratrain.parallel.tensor",                              # pt.tensor.ColumnParallelLinear
                "functional": "paratrain.parallel.tensor.functional"}               # pt.functional.all_reduce

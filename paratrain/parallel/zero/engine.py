@@ -1,0 +1,229 @@
+"""pt.ZeRO: data parallelism without its redundancy (Rajbhandari et al., "ZeRO",
+arXiv 1910.02054, sec. 5).
+
+    engine = pt.ZeRO(model, torch.optim.Adam, stage=2, group=g, lr=1e-3)
+    loss = loss_fn(engine(x), y)
+    loss.backward()
+    engine.step()
+    engine.zero_grad()
+
+Every replica of plain data parallelism holds all parameters (4 bytes each in
+fp32), all gradients (4) and all optimizer state (8 for Adam's two moments):
+16 bytes a parameter, though each rank could hold 1/N of what it only updates.
+Parameters are laid out in units and shards as layout.py says; rank r owns
+chunk r of every unit, and its optimizer steps only those chunks (an
+elementwise optimizer, as Adam and SGD with momentum are, gives the same
+numbers on a flat chunk as on the tensors it came from):
+
+- stage 1 (P_os): the optimizer state is sharded. Backward leaves full
+  gradients; ``step`` reduce-scatters (averages) each unit's gradients so rank
+  r gets its chunk, steps, then all-gathers the updated chunks back into the
+  model's parameters (which are views of each unit's flat buffer).
+- stage 2 (P_os+g): gradients too. As backward finishes a unit, its gradients
+  are reduce-scattered into the owner's chunk and the full ones dropped, so no
+  full gradient outlives its unit. Units are reduced in one fixed order on
+  every rank (the reverse of the model's: the order backward produces them),
+  a unit ready early waiting for the ones before it, and whatever backward did
+  not reach (unused parameters) at its end: every rank runs the same
+  collectives in the same order, as DDP's buckets do (arXiv 2006.15704, sec.
+  3.2.3).
+- stage 3 (P_os+g+p): parameters too. A unit's full parameters exist only
+  from just before its forward to just after it, and again around its
+  backward: its flat buffer's storage is all-gathered from the chunks, then
+  resized to nothing (FSDP's way, arXiv 2304.11277 sec. 3.2), the tensors
+  autograd saved keeping their shape and finding their values again when the
+  buffer is re-gathered before the unit's backward.
+
+The memory this holds is measured by ``memory()`` (the storages actually
+allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
+(4+4)P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
+"""
+import math
+
+import torch
+from torch import nn
+
+from .layout import units_of
+
+STAGES = (1, 2, 3)
+
+
+class ZeRO:
+    def __init__(self, model, optimizer_class, stage=1, group=None, **optimizer_kwargs):
+        from ...comm import world
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO: stage must be 1, 2 or 3, got {stage!r}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ZeRO: model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
+            raise TypeError("ZeRO: give the optimizer's class and its keyword arguments, e.g. "
+                            "pt.ZeRO(model, torch.optim.Adam, stage=2, lr=1e-3), not an optimizer object")
+        self.module, self.stage = model, stage
+        self.group = group or world()
+        self.world_size, self.rank = self.group.world_size, self.group.rank
+        self.units = units_of(model, self.world_size)
+        self.order = list(reversed(self.units))     # the order backward finishes them
+        for u in self.units:
+            self._shard(u)
+        self.optimizer = optimizer_class([u.shard for u in self.units], **optimizer_kwargs)
+        self._round_reset()
+        self._stage1_reduced = False
+        if stage >= 2:
+            for u in self.units:
+                for _, p in u.params:
+                    p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
+        if stage == 3:
+            for u in self.units:
+                u.module.register_forward_pre_hook(lambda m, args, u=u: self._gather(u))
+                u.module.register_forward_hook(lambda m, args, out, u=u: self._free(u))
+                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._gather(u))
+
+    # ---- layout -----------------------------------------------------------------------------
+
+    def _shard(self, u):
+        """Pack the unit in a flat buffer (rank 0's values: every rank starts alike),
+        make its parameters views of it, and take this rank's chunk."""
+        flat = u.flat_of([p.detach() for _, p in u.params])
+        if self.stage == 3:   # a buffer handed to a collective is seen by numpy, whose view makes a
+            sent = flat.clone()   # storage unresizable for good: stage 3 resizes, so collectives get a copy
+            self.group.broadcast(sent, 0)
+            flat.copy_(sent)
+        else:
+            self.group.broadcast(flat, 0)
+        u.flat = flat
+        for (_, p), view in zip(u.params, u.views(flat)):
+            p.data = view
+        mine = flat[self.rank * u.chunk:(self.rank + 1) * u.chunk]
+        if self.stage < 3:
+            u.shard = nn.Parameter(mine)        # a view: stepping it writes the model's own parameters
+        else:
+            u.shard = nn.Parameter(mine.clone())
+            u.gathered = True
+            self._free(u)
+
+    def _gather(self, u):
+        if self.stage < 3 or u.gathered:
+            return
+        whole = torch.empty(u.padded, dtype=u.flat.dtype)   # not u.flat itself: see _shard
+        self.group.all_gather(whole, u.shard.detach())
+        u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+        u.flat.copy_(whole)
+        u.gathered = True
+
+    def _free(self, u):
+        if self.stage < 3 or not u.gathered:
+            return
+        u.flat.untyped_storage().resize_(0)
+        u.gathered = False
+
+    # ---- gradients --------------------------------------------------------------------------
+
+    def _round_reset(self):
+        self._ready = {id(u): 0 for u in self.units}
+        self._next = 0
+        self._queued = False
+
+    def _on_grad(self, u):
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._ready[id(u)] += 1
+        while self._next < len(self.order) and self._ready[id(self.order[self._next])] == len(self.order[self._next].params):
+            self._reduce(self.order[self._next])
+            self._next += 1
+
+    def _end_of_backward(self):
+        """The units backward did not reach (unused parameters), in the same order on every rank."""
+        while self._next < len(self.order):
+            self._reduce(self.order[self._next])
+            self._next += 1
+        self._round_reset()
+
+    def _reduce(self, u):
+        """This rank's chunk of the unit's averaged gradient, added to the shard's; the
+        full gradients dropped (stage 3: and the gathered parameters)."""
+        flat = u.flat_of([p.grad for _, p in u.params])
+        mine = torch.empty(u.chunk, dtype=flat.dtype)
+        self.group.reduce_scatter(mine, flat, op="avg")
+        if u.shard.grad is None:
+            u.shard.grad = mine
+        else:
+            u.shard.grad.add_(mine)
+        for _, p in u.params:
+            p.grad = None
+        self._free(u)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _stage1_gradients(self):
+        if self.stage == 1 and not self._stage1_reduced:
+            for u in self.order:
+                self._reduce(u)
+            self._stage1_reduced = True
+
+    def clip_grad_norm_(self, max_norm):
+        """Scale the gradients so their global 2-norm is at most ``max_norm`` (as
+        torch.nn.utils.clip_grad_norm_), the norm summed over every rank's chunks;
+        returns the norm before clipping."""
+        self._stage1_gradients()
+        local = torch.zeros(1, dtype=torch.float64)
+        for u in self.units:
+            if u.shard.grad is not None:
+                local += u.shard.grad.double().pow(2).sum()
+        self.group.all_reduce(local, op="sum")
+        norm = math.sqrt(float(local))
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for u in self.units:
+                if u.shard.grad is not None:
+                    u.shard.grad.mul_(coef)
+        return torch.tensor(norm)
+
+    def step(self):
+        self._stage1_gradients()
+        self.optimizer.step()
+        if self.stage < 3:   # every rank's updated chunks back into every rank's parameters
+            for u in self.units:
+                self.group.all_gather(u.flat, u.shard.detach().clone())
+
+    def zero_grad(self):
+        for u in self.units:
+            u.shard.grad = None
+            for _, p in u.params:
+                p.grad = None
+        self._stage1_reduced = False
+
+    # ---- what it holds ----------------------------------------------------------------------
+
+    def full_state_dict(self):
+        """The whole model's state dict (stage 3 gathers each unit for it); on every rank."""
+        for u in self.units:
+            self._gather(u)
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for u in self.units:
+            self._free(u)
+        return state
+
+    def memory(self):
+        """Bytes this rank holds, measured as the storages allocated (each counted once):
+        parameters (the model's, and stage 3's own chunks), gradients, optimizer state."""
+        seen = set()
+
+        def held(tensors):
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr(), storage.nbytes()
+                if key not in seen and storage.nbytes():
+                    seen.add(key)
+                    total += storage.nbytes()
+            return total
+        params = held([p for u in self.units for _, p in u.params] + [u.shard for u in self.units])
+        grads = held([p.grad for u in self.units for _, p in u.params] + [u.shard.grad for u in self.units])
+        state = held([v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+        return {"parameters": params, "gradients": grads, "optimizer": state}
