@@ -13,3 +13,17 @@ def test_zero_stages_equal_data_parallel_and_hold_the_papers_bytes(n):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert out.count("zero passed on rank") == n, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_at,loaded_at", [(1, 3), (3, 2), (2, 1)])
+def test_a_checkpoint_of_2_ranks_resumes_exactly_on_3(tmp_path, saved_at, loaded_at):
+    """Written at world size 2 (stage saved_at), the gathered model and Adam state load
+    at world size 3 (stage loaded_at) equal to one process, and one step later too."""
+    path = str(tmp_path / "zero.pt")
+    res = launch(2, "zero.py", "save", path, str(saved_at))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    res = launch(3, "zero.py", "load", path, str(loaded_at))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert out.count("zero checkpoint load passed on rank") == 3, out[-4000:]

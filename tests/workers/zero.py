@@ -112,8 +112,59 @@ def bad_input(g):
         raise AssertionError("tied weights were accepted")
 
 
+def one_process_reference(steps, ranks_per_step):
+    """One process, Adam, each step on the batches of that step's ranks together:
+    what ZeRO (as any data parallelism) must equal."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for k, ranks in zip(range(steps), ranks_per_step):
+        xs, ys = zip(*(batch(r, k) for r in range(ranks)))
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def checkpoint(g, mode, path, stage):
+    """save (2 ranks): two steps, then the full model and optimizer state to ``path``.
+    load (3 ranks, another stage): resliced, equal to one process after those two
+    steps, model and Adam state; one more step on 3 ranks, still equal."""
+    torch.manual_seed(0)
+    engine = pt.ZeRO(Net(), torch.optim.Adam, stage=stage, group=g, lr=1e-2)
+    if mode == "save":
+        for k in range(2):
+            x, y = batch(g.rank, k)
+            F.cross_entropy(engine(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+        state = {"model": engine.full_state_dict(), "optimizer": engine.full_optimizer_state()}
+        if g.rank == 0:
+            torch.save(state, path)
+        return
+    saved = torch.load(path, weights_only=True)
+    engine.load_full_state_dict(saved["model"])
+    engine.load_full_optimizer_state(saved["optimizer"])
+    ref, ref_opt = one_process_reference(2, [2, 2])
+    close(engine.full_state_dict(), ref.state_dict(), "resumed")
+    mine, want = engine.full_optimizer_state(), ref_opt.state_dict()
+    assert mine["param_groups"] == want["param_groups"], (mine["param_groups"], want["param_groups"])
+    for i, entries in want["state"].items():
+        close(mine["state"][i], entries, f"resumed Adam state of parameter {i}")
+    x, y = batch(g.rank, 2)
+    F.cross_entropy(engine(x), y).backward()
+    engine.step()
+    ref, _ = one_process_reference(3, [2, 2, g.world_size])
+    close(engine.full_state_dict(), ref.state_dict(), "one step after resuming")
+
+
 def main():
     g = pt.init()
+    if len(sys.argv) > 1:   # save PATH STAGE | load PATH STAGE
+        checkpoint(g, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+        print(f"zero checkpoint {sys.argv[1]} passed on rank {g.rank}", flush=True)
+        pt.destroy()
+        return
     for stage in (1, 2, 3):
         for kind in ("adam", "sgd"):
             equal_to_data_parallel(g, stage, kind)

@@ -207,6 +207,65 @@ class ZeRO:
             self._free(u)
         return state
 
+    def load_full_state_dict(self, state):
+        """Load a whole model's state dict (a one-process model's, or ``full_state_dict``):
+        the model's parameters and this rank's chunks of them."""
+        missing = [f"{u.name}.{n}" if u.name != "(root)" else n for u in self.units for n, _ in u.params
+                   if (f"{u.name}.{n}" if u.name != "(root)" else n) not in state]
+        if missing:
+            raise ValueError(f"ZeRO: the state dict has no {', '.join(missing[:5])}; it is not this model's")
+        for u in self.units:
+            prefix = "" if u.name == "(root)" else u.name + "."
+            flat = u.flat_of([state[prefix + n] for n, _ in u.params])
+            with torch.no_grad():
+                u.shard.copy_(flat[self.rank * u.chunk:(self.rank + 1) * u.chunk])
+                if self.stage < 3:
+                    u.flat.copy_(flat)
+        buffers = {k: v for k, v in state.items() if k in dict(self.module.named_buffers())}
+        self.module.load_state_dict(buffers, strict=False)
+
+    def full_optimizer_state(self):
+        """The optimizer's state as a one-process optimizer over ``model.parameters()``
+        would have it (each chunk's moments all-gathered and cut back into the
+        parameters' shapes): loadable by one process, or by ``load_full_optimizer_state``
+        at any world size. Collective: every rank calls it."""
+        sd = self.optimizer.state_dict()
+        index = {id(q): i for i, q in enumerate(self.module.parameters())}
+        state = {}
+        for k, u in enumerate(self.units):
+            for key, v in sd["state"].get(k, {}).items():
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == u.chunk:
+                    whole = torch.empty(u.padded, dtype=v.dtype)
+                    self.group.all_gather(whole, v.detach().contiguous())
+                    pieces = [t.clone() for t in u.views(whole)]
+                else:   # a per-tensor scalar (Adam's step): the same for each of the unit's parameters
+                    pieces = [v.clone() if torch.is_tensor(v) else v for _ in u.params]
+                for (_, q), piece in zip(u.params, pieces):
+                    state.setdefault(index[id(q)], {})[key] = piece
+        groups = [dict(sd["param_groups"][0], params=list(range(len(index))))]
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state(self, full):
+        """This rank's chunks of a one-process optimizer state (``full_optimizer_state``)."""
+        if len(full["param_groups"]) != 1:
+            raise ValueError("ZeRO: an optimizer state with several parameter groups cannot be loaded; "
+                             "ZeRO steps one group over every chunk")
+        index = {id(q): i for i, q in enumerate(self.module.parameters())}
+        state = {}
+        for k, u in enumerate(self.units):
+            entries = [full["state"].get(index[id(q)], full["state"].get(str(index[id(q)]))) for _, q in u.params]
+            if any(e is None for e in entries):
+                continue
+            state[k] = {}
+            for key, first in entries[0].items():
+                if torch.is_tensor(first) and first.dim() > 0:
+                    flat = u.flat_of([e[key] for e in entries])
+                    state[k][key] = flat[self.rank * u.chunk:(self.rank + 1) * u.chunk].clone()
+                else:
+                    state[k][key] = first.clone() if torch.is_tensor(first) else first
+        group = dict(full["param_groups"][0], params=list(range(len(self.units))))
+        self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
+
     def memory(self):
         """Bytes this rank holds, measured as the storages allocated (each counted once):
         parameters (the model's, and stage 3's own chunks), gradients, optimizer state."""
