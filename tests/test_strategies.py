@@ -19,17 +19,17 @@ import torch
 from paratrain.train import job, strategies, trainer
 from paratrain.train.coordination import Lockstep
 from paratrain.train.options import build_parser
-from paratrain.train.strategies import STRATEGIES, allreduce, pipeline, ps
+from paratrain.train.strategies import STRATEGIES, allreduce, pipeline, ps, zero
 from paratrain.train.strategies.base import ReplicaStep
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERFACE = ("HELP", "SPARSE", "add_options", "check", "launcher_args", "SUMMARY", "make_step")
 
 
-def test_the_table_lists_the_four_strategies_and_each_module_has_the_interface():
-    assert list(STRATEGIES) == ["allreduce", "allreduce-naive", "ps", "pipeline"]
+def test_the_table_lists_the_five_strategies_and_each_module_has_the_interface():
+    assert list(STRATEGIES) == ["allreduce", "allreduce-naive", "ps", "pipeline", "zero"]
     assert STRATEGIES["allreduce"] is STRATEGIES["allreduce-naive"] is allreduce and STRATEGIES["ps"] is ps
-    assert strategies.modules() == [allreduce, ps, pipeline]
+    assert strategies.modules() == [allreduce, ps, pipeline, zero]
     for module in strategies.modules():
         missing = [name for name in INTERFACE if not hasattr(module, name)]
         assert not missing, (module.__name__, missing)
@@ -129,12 +129,12 @@ def test_strategy_choices_and_flags_come_from_the_table(fake):
     parser = build_parser()
     assert parser.parse_args(["--strategy", "fake", "--fake-level", "2"]).fake_level == 2
     text = " ".join(parser.format_help().split())   # (argparse wraps the help at 80 columns)
-    assert "{allreduce,allreduce-naive,ps,pipeline,fake}" in text and "fake: one worker, a local SGD" in text
+    assert "{allreduce,allreduce-naive,ps,pipeline,zero,fake}" in text and "fake: one worker, a local SGD" in text
     for group in ("--strategy allreduce, allreduce-naive:", "--strategy ps:", "--strategy pipeline:",
-                  "--strategy fake:"):
+                  "--strategy zero:", "--strategy fake:"):
         assert group in text
     for flag in ("--algorithm", "--bucket-mb", "--compression", "--servers", "--consistency", "--staleness",
-                 "--predict-weights", "--stages", "--microbatches", "--schedule", "--virtual"):
+                 "--predict-weights", "--stages", "--microbatches", "--schedule", "--virtual", "--stage"):
         assert flag in text
 
 

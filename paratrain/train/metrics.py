@@ -252,6 +252,12 @@ ROWS = {
     "sequence_parallel": ("sequence parallelism", None),
     "parameter_bytes_per_worker": ("parameters per worker", lambda v, s: format_bytes(v)),
     "optimizer_bytes_per_worker": ("optimizer state per worker", lambda v, s: format_bytes(v)),
+    "zero_stage": ("ZeRO stage", None),
+    "zero_bytes_per_worker": ("held per worker after backward (measured)",
+                              lambda v, s: ", ".join(f"{k} {format_bytes(n)}" for k, n in v.items())
+                              + f"; {format_bytes(sum(v.values()))} in all"
+                              + (f", against the paper's {format_bytes(s['zero_bytes_formula'])}"
+                                 if s.get("zero_bytes_formula") else "")),
     "tensor_parallel_bytes_per_step": ("tensor-parallel collectives, last step",
                                        lambda v, s: ", ".join(f"{k.replace('_', '-')} {format_bytes(n)}"
                                                               for k, n in v.items() if n)),
@@ -282,6 +288,7 @@ ROWS = {
     "time_comm_s": ("rank 0: communication (total, incl. any overlapped with backward)",
                     lambda v, s: format_seconds(v)),
     "bytes_communicated": ("bytes communicated", lambda v, s: format_bytes(v)),
+    "zero_bytes_formula": (None, None),   # shown within the row above
     "run_dir": ("run dir", None),
     "plot": ("plot", None),
     "checkpoint": ("checkpoint", None),
@@ -337,7 +344,7 @@ def render_summary(summary, console=None):
     other = [k for k in summary if k not in ROWS and k != "per_worker"]
     for key in known + other:
         value = summary[key]
-        if value is None:
+        if value is None or (key in ROWS and ROWS[key][0] is None):   # no label: shown within another row
             continue
         label = ROWS[key][0] if key in ROWS else key
         table.add_row(label, _cell(key, value, summary))

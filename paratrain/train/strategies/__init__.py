@@ -38,9 +38,9 @@ strategy whose workers each hold the whole model):
     checkpoint_path(path, writing)   the file this worker writes (None: none) or resumes from
     model_state(task), load_model_state(task, state)   the model's part in its checkpoint
 """
-from . import allreduce, pipeline, ps
+from . import allreduce, pipeline, ps, zero
 
-STRATEGIES = {"allreduce": allreduce, "allreduce-naive": allreduce, "ps": ps, "pipeline": pipeline}
+STRATEGIES = {"allreduce": allreduce, "allreduce-naive": allreduce, "ps": ps, "pipeline": pipeline, "zero": zero}
 DEFAULT = "allreduce"
 
 

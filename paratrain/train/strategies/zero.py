@@ -1,0 +1,111 @@
+"""``--strategy zero``: data parallelism with its redundancy removed (pt.ZeRO, parallel/zero/).
+
+Every worker reads its own shard of the data, as with allreduce; what differs
+is what each holds: with ``--stage 1`` the optimizer's state is cut among the
+workers, with ``--stage 2`` the gradients too, with ``--stage 3`` the
+parameters too (gathered layer by layer around its forward and backward).
+The summary shows the bytes each worker held after the last backward,
+measured, beside the ZeRO paper's formula.
+
+Checkpoints hold the whole model and the whole optimizer state (gathered:
+what one process's optimizer over the model would hold), so a run resumes
+exactly at another --workers, --stage or --strategy allreduce.
+"""
+import torch
+
+import paratrain as pt
+
+from ...parallel.data import CommStats
+from .allreduce import AllReduceStep
+
+HELP = ("zero: data parallelism with the optimizer state (--stage 1), the gradients (2) and the parameters "
+        "(3) cut among the workers (pt.ZeRO)")
+SPARSE = False
+DEFAULT_STAGE = 2   # the paper's P_os+g: a quarter of the memory at DP's communication volume
+
+
+def add_options(parser):
+    g = parser.add_argument_group("--strategy zero")
+    g.add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
+                   help=f"what is cut: 1 optimizer state, 2 and gradients, 3 and parameters (default {DEFAULT_STAGE})")
+
+
+def check(args, chosen):
+    if not chosen:
+        return "--stage is for --strategy zero" if args.stage is not None else None
+    if args.compression != "none":
+        return "--compression is for --strategy allreduce (ZeRO's reduce-scatters are not compressed)"
+    return None
+
+
+def launcher_args(args):
+    return []
+
+
+def formula(stage, P, N):
+    """Bytes a worker holds for P fp32 parameters and Adam (K = 8) over N workers
+    (Rajbhandari et al., arXiv 1910.02054, sec. 5.1, fig. 1)."""
+    return {1: (4 + 4) * P + 8 * P / N, 2: 4 * P + 12 * P / N, 3: 16 * P / N}[stage]
+
+
+SUMMARY = {
+    "backend": lambda step, args: step.group.backend,
+    "zero_stage": lambda step, args: step.engine.stage,
+    "zero_bytes_per_worker": lambda step, args: step.held,
+    "zero_bytes_formula": lambda step, args: (round(formula(step.engine.stage, step.numel, step.world_size))
+                                              if step.adam else None),
+}
+
+
+def optimizer_class(name, lr):
+    if name == "sgd":
+        return torch.optim.SGD, dict(lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam, dict(lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
+
+
+class ZeroStep(AllReduceStep):
+    """allreduce's step with pt.ZeRO in place of DataParallel and the optimizer."""
+
+    def __init__(self, task, args, settings):
+        group = pt.init(backend=args.backend)
+        self.group, self.rank, self.world_size = group, group.rank, group.world_size
+        self.tp, self.mesh, self.tp_traffic = 1, None, None
+        cls, kwargs = optimizer_class(settings.optimizer, settings.lr)
+        self.engine = pt.ZeRO(task.model, cls, stage=args.stage or DEFAULT_STAGE, group=group, **kwargs)
+        self.model, self.adam = self.engine, cls is torch.optim.Adam
+        self.numel = sum(q.numel() for q in task.model.parameters())
+        self.stats, self.held = CommStats(), None
+        self._loss = torch.zeros(1, dtype=torch.float64)
+
+    def after_backward(self):
+        self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
+        self.engine.step()
+        self.engine.zero_grad()
+
+    def evaluate(self, task):
+        if self.engine.stage < 3:
+            return super().evaluate(task)
+        result = task.evaluate(task.model)   # every worker: stage 3 gathers each layer collectively
+        return result if self.rank == 0 else None
+
+    def model_state(self, task):
+        return self.engine.full_state_dict()   # stage 3: collective
+
+    def load_model_state(self, task, state):
+        self.engine.load_full_state_dict(state)
+
+    def state_dict(self):
+        return {"optimizer": self.engine.full_optimizer_state()}   # collective: every worker calls it
+
+    def load_state_dict(self, state):
+        if state.get("optimizer") is None:
+            if self.rank == 0:
+                print("[train] this checkpoint holds no optimizer state: the optimizer starts afresh", flush=True)
+            return
+        self.engine.load_full_optimizer_state(state["optimizer"])
+
+
+def make_step(task, args, settings):
+    return ZeroStep(task, args, settings)

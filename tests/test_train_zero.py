@@ -1,0 +1,52 @@
+"""`paratrain train --strategy zero --stage N`: pt.ZeRO end to end through the CLI,
+against --strategy allreduce on the same job."""
+import json
+
+import pytest
+import torch
+
+from test_train import ok, run_dirs, train
+
+
+def _run(folder):
+    (run,) = run_dirs(folder)
+    return run, torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+
+
+def _same(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), k
+
+
+@pytest.mark.timeout(300)
+def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(tmp_path):
+    common = ["--model", "digits", "--optimizer", "adam", "--lr", "0.01", "--eval-every", "2"]
+    ok(train(tmp_path / "dp", *common, "--steps", "4"))
+    ok(train(tmp_path / "z3", *common, "--steps", "4", "--strategy", "zero", "--stage", "3"))
+    dp_run, dp = _run(tmp_path / "dp")
+    z3_run, z3 = _run(tmp_path / "z3")
+    _same(dp, z3)
+    summary = json.loads((z3_run / "summary.json").read_text())
+    held, formula = sum(summary["zero_bytes_per_worker"].values()), summary["zero_bytes_formula"]
+    assert abs(held - formula) <= 0.10 * formula, (summary["zero_bytes_per_worker"], formula)
+    # the ZeRO checkpoint (whole model, whole Adam state) resumes at stage 1 on 3 workers
+    # exactly as allreduce's own checkpoint resumes allreduce on 3 workers
+    ok(train(tmp_path / "dp-on", *common, "--steps", "6", "--workers", "3", "--resume", str(dp_run / "checkpoint.pt")))
+    res = train(tmp_path / "z-on", *common, "--steps", "6", "--workers", "3", "--strategy", "zero", "--stage", "1",
+                "--resume", str(z3_run / "checkpoint.pt"))
+    ok(res)
+    assert "starts afresh" not in res.stdout
+    _same(_run(tmp_path / "dp-on")[1], _run(tmp_path / "z-on")[1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,message", [
+    (["--stage", "2"], "--stage is for --strategy zero"),
+    (["--strategy", "zero", "--stage", "4"], "invalid choice: 4"),
+    (["--strategy", "zero", "--compression", "bf16"], "--compression is for --strategy allreduce"),
+    (["--strategy", "zero", "--tp", "2", "--model", "gpt"], "--tp is for --strategy allreduce or pipeline"),
+])
+def test_bad_zero_options_are_refused_before_anything_starts(tmp_path, args, message):
+    res = train(tmp_path, *args)
+    assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
