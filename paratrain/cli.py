@@ -7,6 +7,7 @@
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
     paratrain bench pipeline                 pipeline schedules beside torch.distributed.pipelining
     paratrain bench tensor                   tensor parallelism beside torch's parallelize_module
+    paratrain bench zero                     pt.ZeRO beside DataParallel, ZeroRedundancyOptimizer and FSDP2
 """
 import sys
 
@@ -18,7 +19,8 @@ commands:
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
   bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`,
-           `paratrain bench parameter-server`, `paratrain bench pipeline`, `paratrain bench tensor`
+           `paratrain bench parameter-server`, `paratrain bench pipeline`, `paratrain bench tensor`,
+           `paratrain bench zero`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -40,7 +42,7 @@ def main(argv=None):
         return server_main(rest)
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
-                   "pipeline": "pipeline", "tensor": "tensor"}
+                   "pipeline": "pipeline", "tensor": "tensor", "zero": "zero"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

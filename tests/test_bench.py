@@ -175,3 +175,23 @@ def test_quick_tensor_benchmark_matches_one_process_and_the_formula(tmp_path):
     assert sp["step_traffic_mb"] * 1e6 == pytest.approx((8 * L + 3) * B * T * d * 4 + (6 * L + 2) * d * 4)
     assert 0.5 < ours["parameter_share"] < 0.6 and ours["optimizer_mb"] == pytest.approx(2 * ours["parameter_mb"], rel=1e-3)
     assert (tmp_path / "tensor.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(180)
+def test_quick_zero_benchmark_compares_every_engine_from_the_same_start(tmp_path):
+    """paratrain bench zero --quick: every engine starts from the same loss, our stages hold
+    the paper's bytes (within 10%), and DDP and FSDP2 hold what DP and stage 3 do."""
+    from paratrain.bench.zero import ENGINES
+    from paratrain.bench.zero import main as zero_main
+    assert zero_main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "zero.json").read_text())
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert set(rows) == set(ENGINES)
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["first_loss"] == pytest.approx(rows["pt/dp"]["first_loss"], rel=1e-5)
+        if r["formula_mb"]:
+            assert r["total_mb"] == pytest.approx(r["formula_mb"], rel=0.10)
+    assert rows["pt/zero3"]["total_mb"] < rows["pt/zero2"]["total_mb"] < rows["pt/zero1"]["total_mb"] < rows["pt/dp"]["total_mb"]
+    assert rows["torch/ddp"]["total_mb"] == pytest.approx(rows["pt/dp"]["total_mb"], rel=0.02)
+    assert set(rows["pt/zero1"]["vs"]) == {"pt/dp", "torch/zero1"} and set(rows["pt/zero3"]["vs"]) == {"torch/fsdp2"}
+    assert (tmp_path / "zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,18 +38,33 @@ The memory this holds is measured by ``memory()`` (the storages actually
 allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
 (4+4)P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
 """
+import ctypes
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
-from .layout import units_of
+from .layout import bucket_units, layer_units
 
 STAGES = (1, 2, 3)
 
 
+def _untracked(t):
+    """A numpy array on ``t``'s memory that torch does not know of. The collectives
+    take numpy views of torch tensors, and torch marks a storage that numpy has seen
+    unresizable for good; stage 3 frees and re-allocates its buffers' storage
+    (``resize_``), so it hands them over this way. Valid while the storage keeps
+    its size: for the length of one call."""
+    raw = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(raw, dtype=_NUMPY[t.dtype])
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
 class ZeRO:
-    def __init__(self, model, optimizer_class, stage=1, group=None, **optimizer_kwargs):
+    def __init__(self, model, optimizer_class, stage=1, group=None, bucket_mb=25.0, **optimizer_kwargs):
         from ...comm import world
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 1, 2 or 3, got {stage!r}")
@@ -61,7 +76,8 @@ class ZeRO:
         self.module, self.stage = model, stage
         self.group = group or world()
         self.world_size, self.rank = self.group.world_size, self.group.rank
-        self.units = units_of(model, self.world_size)
+        self.units = (layer_units(model, self.world_size) if stage == 3
+                      else bucket_units(model, self.world_size, bucket_mb * 1e6))
         self.order = list(reversed(self.units))     # the order backward finishes them
         for u in self.units:
             self._shard(u)
@@ -84,12 +100,7 @@ class ZeRO:
         """Pack the unit in a flat buffer (rank 0's values: every rank starts alike),
         make its parameters views of it, and take this rank's chunk."""
         flat = u.flat_of([p.detach() for _, p in u.params])
-        if self.stage == 3:   # a buffer handed to a collective is seen by numpy, whose view makes a
-            sent = flat.clone()   # storage unresizable for good: stage 3 resizes, so collectives get a copy
-            self.group.broadcast(sent, 0)
-            flat.copy_(sent)
-        else:
-            self.group.broadcast(flat, 0)
+        self.group.broadcast(_untracked(flat) if self.stage == 3 else flat, 0)
         u.flat = flat
         for (_, p), view in zip(u.params, u.views(flat)):
             p.data = view
@@ -104,10 +115,8 @@ class ZeRO:
     def _gather(self, u):
         if self.stage < 3 or u.gathered:
             return
-        whole = torch.empty(u.padded, dtype=u.flat.dtype)   # not u.flat itself: see _shard
-        self.group.all_gather(whole, u.shard.detach())
         u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-        u.flat.copy_(whole)
+        self.group.all_gather(_untracked(u.flat), u.shard.detach())
         u.gathered = True
 
     def _free(self, u):
@@ -210,19 +219,23 @@ class ZeRO:
     def load_full_state_dict(self, state):
         """Load a whole model's state dict (a one-process model's, or ``full_state_dict``):
         the model's parameters and this rank's chunks of them."""
-        missing = [f"{u.name}.{n}" if u.name != "(root)" else n for u in self.units for n, _ in u.params
-                   if (f"{u.name}.{n}" if u.name != "(root)" else n) not in state]
+        missing = [name for u in self.units for name in self._names(u) if name not in state]
         if missing:
             raise ValueError(f"ZeRO: the state dict has no {', '.join(missing[:5])}; it is not this model's")
         for u in self.units:
-            prefix = "" if u.name == "(root)" else u.name + "."
-            flat = u.flat_of([state[prefix + n] for n, _ in u.params])
+            flat = u.flat_of([state[name] for name in self._names(u)])
             with torch.no_grad():
                 u.shard.copy_(flat[self.rank * u.chunk:(self.rank + 1) * u.chunk])
                 if self.stage < 3:
                     u.flat.copy_(flat)
         buffers = {k: v for k, v in state.items() if k in dict(self.module.named_buffers())}
         self.module.load_state_dict(buffers, strict=False)
+
+    def _names(self, u):
+        """The unit's parameters' names in the model's state dict."""
+        if u.module is None or u.name == "(root)":
+            return [n for n, _ in u.params]
+        return [f"{u.name}.{n}" for n, _ in u.params]
 
     def full_optimizer_state(self):
         """The optimizer's state as a one-process optimizer over ``model.parameters()``

@@ -1,7 +1,10 @@
 """How ZeRO lays a model's parameters out in shards.
 
-A *unit* is a module that owns parameters directly (a Linear, an Embedding, a
-LayerNorm; the root too if it holds any itself). Its parameters are packed
+A *unit* is a run of parameters handled together: under stage 3 a layer of
+the model (``layer_units``: an embedding, a transformer block, the head),
+gathered around its forward and backward; under stages 1 and 2 a bucket of
+up to 25 MB (``bucket_units``), so a step costs few, large collectives. A
+unit's parameters are packed
 one after the other in a flat buffer, padded to a multiple of the world size
 W, and cut into W equal chunks: rank r owns chunk r of every unit. So each
 unit's collectives (reduce-scatter of its gradients, all-gather of its
@@ -22,8 +25,8 @@ import torch
 @dataclass
 class Unit:
     name: str
-    module: torch.nn.Module
-    params: list                      # [(attribute name, nn.Parameter)] in the module's order
+    module: torch.nn.Module           # the layer (stage 3), or None (a bucket)
+    params: list                      # [(name, nn.Parameter)] in the model's order
     world: int
     offsets: list = field(default_factory=list)
 
@@ -50,21 +53,69 @@ class Unit:
         return [flat[at:at + p.numel()].view_as(p) for (_, p), at in zip(self.params, self.offsets)]
 
 
-def units_of(model, world):
-    """Every module owning parameters directly, in registration order; a parameter
-    object reached twice (tied weights) is refused: under stage 3 it would live in
-    one unit and be needed gathered in another's forward."""
-    units, seen = [], {}
-    for name, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        for n, p in own:
-            where = f"{name}.{n}" if name else n
-            if id(p) in seen:
-                raise ValueError(f"ZeRO: {where} is the same parameter as {seen[id(p)]} (tied weights); "
-                                 "ZeRO shards each parameter once: untie them")
-            seen[id(p)] = where
-        if own:
-            units.append(Unit(name or "(root)", module, own, world))
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def _check_untied(model):
+    seen = {}
+    for name, q in model.named_parameters(remove_duplicate=False):
+        if id(q) in seen:
+            raise ValueError(f"ZeRO: {name} is the same parameter as {seen[id(q)]} (tied weights); "
+                             "ZeRO shards each parameter once: untie them")
+        seen[id(q)] = name
+
+
+def _trainable(module, recurse):
+    return [(n, q) for n, q in module.named_parameters(recurse=recurse) if q.requires_grad]
+
+
+def layer_units(model, world):
+    """Stage 3's units: the model's layers, each gathered whole around its own forward.
+    A layer is a module with parameters reached from the root through containers only
+    (ModuleList, ModuleDict, Sequential: a GPT's embeddings, each block, the final
+    norm and the head; each Linear of an MLP); the root's own parameters are one more."""
+    _check_untied(model)
+    units = []
+    if _trainable(model, recurse=False):
+        units.append(Unit("(root)", model, _trainable(model, recurse=False), world))
+
+    def visit(prefix, module):
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, CONTAINERS):
+                if _trainable(child, recurse=False):
+                    units.append(Unit(path, child, _trainable(child, recurse=False), world))
+                visit(path + ".", child)
+            elif _trainable(child, recurse=True):
+                units.append(Unit(path, child, _trainable(child, recurse=True), world))
+    visit("", model)
+    return _nonempty(units)
+
+
+def bucket_units(model, world, bucket_bytes):
+    """Stages 1 and 2's units: buckets of consecutive parameters of at most
+    ``bucket_bytes`` (a larger parameter alone), filled from the model's last
+    parameter back, the order backward produces their gradients, and returned in
+    the model's order. Fewer, larger collectives than per layer: nothing needs a
+    layer's parameters gathered at a time of its own."""
+    _check_untied(model)
+    named = _trainable(model, recurse=True)
+    buckets, current, size = [], [], 0
+    for name, q in reversed(named):
+        nbytes = q.numel() * q.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, q))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    units = [Unit(f"bucket {len(buckets) - 1 - i} ({b[-1][0]}..{b[0][0]})", None, list(reversed(b)), world)
+             for i, b in enumerate(buckets)]
+    return _nonempty(list(reversed(units)))
+
+
+def _nonempty(units):
     if not units:
         raise ValueError("ZeRO: the model has no parameters that require gradients")
     return units
