@@ -58,13 +58,20 @@ class CastHook(AllReduceHook):
 
 
 def make_hook(compression=None, algorithm=None):
-    """A hook from a name ("none", "fp16", "bf16") or a hook object, as given."""
+    """A hook from a name ("none", "fp16", "bf16", "topk:0.01", "onebit") or a hook
+    object, as given (compression/ has the compressors)."""
     if compression is None or compression == "none":
         return AllReduceHook(algorithm)
     if compression == "fp16":
         return CastHook(torch.float16, algorithm)
     if compression == "bf16":
         return CastHook(torch.bfloat16, algorithm)
+    if isinstance(compression, str):
+        from .compression import parse
+        hook = parse(compression)
+        if hook is not None:
+            return hook
     if callable(compression):
         return compression
-    raise ValueError(f"unknown compression {compression!r}; use 'none', 'fp16', 'bf16' or a hook object")
+    raise ValueError(f"unknown compression {compression!r}; use 'none', 'fp16', 'bf16', 'topk:<ratio>', "
+                     "'onebit' or a hook object")

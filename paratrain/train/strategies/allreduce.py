@@ -20,7 +20,26 @@ HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduc
         "all-reduced after backward (DataParallelNaive)")
 SPARSE = False
 ALGORITHMS = ("direct", "ring", "tree", "naive")
-COMPRESSIONS = ("none", "fp16", "bf16")
+COMPRESSIONS = ("none", "fp16", "bf16", "topk:<ratio>", "onebit")
+
+
+def compression_spec(text):
+    import argparse
+    kind, _, arg = text.partition(":")
+    if text in ("none", "fp16", "bf16", "onebit"):
+        return text
+    if kind == "topk":
+        try:
+            ratio = float(arg or 0.01)
+        except ValueError:
+            ratio = -1
+        if 0 < ratio <= 1:
+            return f"topk:{ratio}"
+        raise argparse.ArgumentTypeError(f"{text!r}: topk takes the fraction of entries sent, in (0, 1], "
+                                         "e.g. topk:0.01")
+    if kind == "powersgd":
+        raise argparse.ArgumentTypeError("powersgd is not built yet (issue 27); use topk:<ratio> or onebit")
+    raise argparse.ArgumentTypeError(f"unknown compression {text!r}; choose {', '.join(COMPRESSIONS)}")
 
 
 def add_options(parser):
@@ -29,8 +48,9 @@ def add_options(parser):
                    help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
                         "and back)")
     g.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (allreduce; default 25)")
-    g.add_argument("--compression", choices=COMPRESSIONS, default="none",
-                   help="cast buckets to fp16/bf16 for the all-reduce (allreduce)")
+    g.add_argument("--compression", type=compression_spec, default="none",
+                   help="how gradient buckets travel (allreduce): none, fp16 / bf16 (cast), topk:<ratio> (the "
+                        "largest entries, error feedback; e.g. topk:0.01), onebit (scaled signs, error feedback)")
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: each model cut across this many workers (gpt; default 1); "
                         "--workers / --tp replicas average their gradients; with --strategy pipeline, each stage "

@@ -1,0 +1,26 @@
+"""Gradient compression behind DataParallel's hook (issue 27, started).
+
+    pt.DataParallel(model, compression=TopK(0.01, momentum=0.9))   # topk.py: DGC
+    pt.DataParallel(model, compression="onebit")                    # onebit.py: scaled sign
+    paratrain train --compression topk:0.01 | onebit | fp16 | bf16
+
+base.py states the hook contract; fp16/bf16 casts stay in comm_hooks.py.
+"""
+from .base import Compressor
+from .onebit import OneBit
+from .topk import TopK
+
+__all__ = ["Compressor", "OneBit", "TopK"]
+
+
+def parse(spec):
+    """A compressor from a CLI word: 'topk:0.01', 'onebit'; None for the others."""
+    kind, _, arg = spec.partition(":")
+    if kind == "topk":
+        try:
+            return TopK(float(arg or 0.01))
+        except ValueError as e:
+            raise ValueError(f"--compression {spec}: {e}; e.g. topk:0.01 (the fraction of entries sent)") from None
+    if kind == "onebit":
+        return OneBit()
+    return None

@@ -1,0 +1,25 @@
+"""What a gradient compressor is to DataParallel (comm_hooks.py's contract, widened).
+
+DataParallel calls ``hook(group, index, flat)`` for each bucket, in the same
+bucket order on every rank; the hook leaves the (approximate) average of the
+ranks' buckets in ``flat``. A compressor may send any payload of any size
+with any collective on the way (indices and values, signs and a scale,
+low-rank factors) and keep its own state per bucket (residuals, momentum,
+warm starts); ``wire_bytes(flat)`` says what one rank sent for that bucket,
+for the run's summary. ``sent[index]``: what this rank contributed last time
+(for checking error feedback).
+"""
+
+
+class Compressor:
+    def __init__(self):
+        self.sent = {}
+
+    def prepare(self, group, flats):
+        pass
+
+    def wire_bytes(self, flat):
+        raise NotImplementedError
+
+    def __call__(self, group, index, flat):
+        raise NotImplementedError

@@ -1,0 +1,71 @@
+"""Top-k sparsification with error feedback (Lin et al., "Deep Gradient Compression",
+arXiv 1712.01887).
+
+Each rank sends only the k = ratio x n entries of largest magnitude of its
+bucket, as (index, value) pairs: an all-gather of k int32 indices and k
+values from every rank, then each rank adds them all up (the average of the
+sparse gradients). What was not sent is not lost:
+
+- **error feedback** (sec. 3.1, "gradient accumulation"): the unsent rest is
+  kept as a residual and added to the next step's gradient, so every
+  gradient entry is sent eventually, and the sum of what was sent plus the
+  residual always equals the sum of the gradients;
+- **momentum correction** (sec. 3.2, ``momentum=m``): the momentum is
+  accumulated here, before the sparsification, as u = m u + g, v = v + u,
+  and what is sent is top-k of v (use the optimizer without momentum then);
+  the entries sent are cleared from u and v alike (momentum factor masking);
+- **warm-up** (sec. 3.3, ``warmup_steps``): the density starts at 1 (no
+  compression) and falls geometrically to ``ratio`` over the first steps.
+"""
+import torch
+
+from .base import Compressor
+
+
+class TopK(Compressor):
+    def __init__(self, ratio=0.01, momentum=0.0, warmup_steps=0):
+        super().__init__()
+        if not 0 < ratio <= 1:
+            raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"top-k momentum must be in [0, 1), got {momentum}")
+        self.ratio, self.momentum, self.warmup_steps = ratio, momentum, int(warmup_steps)
+        self.residual, self.velocity, self.steps = {}, {}, {}
+
+    def density(self, step):
+        if self.warmup_steps <= 0 or step >= self.warmup_steps:
+            return self.ratio
+        return self.ratio ** (step / self.warmup_steps)   # 1 at step 0, ratio at the end of warm-up
+
+    def k_of(self, n, step):
+        return max(1, min(n, int(round(self.density(step) * n))))
+
+    def wire_bytes(self, flat):
+        return self.k_of(flat.numel(), self.steps.get(id(flat), 0)) * (4 + flat.element_size())
+
+    def __call__(self, group, index, flat):
+        n = flat.numel()
+        step = self.steps.get(index, 0)
+        acc = self.residual.get(index)
+        if self.momentum:
+            u = self.velocity.setdefault(index, torch.zeros_like(flat))
+            u.mul_(self.momentum).add_(flat)
+            acc = u.clone() if acc is None else acc.add_(u)
+        else:
+            acc = flat.clone() if acc is None else acc.add_(flat)
+        k = self.k_of(n, step)
+        chosen = acc.abs().topk(k, sorted=False).indices
+        values = acc[chosen]
+        acc[chosen] = 0.0                   # sent: what stays is the residual
+        if self.momentum:
+            self.velocity[index][chosen] = 0.0
+        self.residual[index] = acc
+        self.steps[index] = step + 1
+        self.sent[index] = (chosen, values)   # for tests: this rank's own contribution
+        all_idx = torch.empty(group.world_size * k, dtype=torch.int32)
+        all_val = torch.empty(group.world_size * k, dtype=flat.dtype)
+        group.all_gather(all_idx, chosen.to(torch.int32))
+        group.all_gather(all_val, values.contiguous())
+        flat.zero_()
+        flat.index_add_(0, all_idx.long(), all_val)
+        flat.div_(group.world_size)

@@ -1,0 +1,46 @@
+"""Gradient compression (issue 27): top-k and 1-bit with error feedback, on real
+collectives (tests/workers/compression.py), and through paratrain train."""
+import pytest
+
+from conftest import launch
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3])
+def test_compressors_lose_nothing_and_return_the_average_of_what_was_sent(n):
+    res = launch(n, "compression.py")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert out.count("compression passed on rank") == n, out[-4000:]
+
+
+def _summary(folder):
+    import json
+
+    from test_train import run_dirs
+    (run,) = run_dirs(folder)
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_compressed_training_reaches_the_uncompressed_accuracy_on_digits(tmp_path):
+    """paratrain train (digits, its defaults: 500 steps of SGD with momentum on 2 workers)
+    with --compression topk:0.01 and onebit ends within 1 accuracy point of the same run
+    uncompressed, having sent at most 5% of its bytes."""
+    from test_train import ok, train
+    ok(train(tmp_path / "none", "--compression", "none"))
+    plain = _summary(tmp_path / "none")
+    for spec in ("topk:0.01", "onebit"):
+        ok(train(tmp_path / spec.replace(":", "-"), "--compression", spec))
+        got = _summary(tmp_path / spec.replace(":", "-"))
+        assert got["accuracy"] >= plain["accuracy"] - 0.01, (spec, got["accuracy"], plain["accuracy"])
+        assert got["bytes_communicated"] <= 0.05 * plain["bytes_communicated"], (spec, got["bytes_communicated"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec,message", [("topk:2", "in (0, 1]"), ("powersgd:4", "not built yet"),
+                                          ("zip", "unknown compression 'zip'")])
+def test_bad_compression_is_refused_before_anything_starts(tmp_path, spec, message):
+    from test_train import train
+    res = train(tmp_path, "--compression", spec)
+    assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
