@@ -25,20 +25,21 @@ def _summary(folder):
 @pytest.mark.timeout(300)
 def test_compressed_training_reaches_the_uncompressed_accuracy_on_digits(tmp_path):
     """paratrain train (digits, its defaults: 500 steps of SGD with momentum on 2 workers)
-    with --compression topk:0.01 and onebit ends within 1 accuracy point of the same run
-    uncompressed, having sent at most 5% of its bytes."""
+    with --compression topk:0.01, onebit and powersgd:4 ends within 1 accuracy point of
+    the same run uncompressed, having sent a small share of its bytes."""
     from test_train import ok, train
     ok(train(tmp_path / "none", "--compression", "none"))
     plain = _summary(tmp_path / "none")
-    for spec in ("topk:0.01", "onebit"):
+    # PowerSGD sends the digits CNN's many small tensors (biases, 3x3 kernels) whole: 9% of the bytes
+    for spec, share in (("topk:0.01", 0.05), ("onebit", 0.05), ("powersgd:4", 0.10)):
         ok(train(tmp_path / spec.replace(":", "-"), "--compression", spec))
         got = _summary(tmp_path / spec.replace(":", "-"))
         assert got["accuracy"] >= plain["accuracy"] - 0.01, (spec, got["accuracy"], plain["accuracy"])
-        assert got["bytes_communicated"] <= 0.05 * plain["bytes_communicated"], (spec, got["bytes_communicated"])
+        assert got["bytes_communicated"] <= share * plain["bytes_communicated"], (spec, got["bytes_communicated"])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("spec,message", [("topk:2", "in (0, 1]"), ("powersgd:4", "not built yet"),
+@pytest.mark.parametrize("spec,message", [("topk:2", "in (0, 1]"), ("powersgd:x", "powersgd takes the rank"),
                                           ("zip", "unknown compression 'zip'")])
 def test_bad_compression_is_refused_before_anything_starts(tmp_path, spec, message):
     from test_train import train

@@ -231,7 +231,11 @@ class DataParallel(_DataParallelBase):
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.hook = make_hook(compression, algorithm)
         self.buckets = bucketing.build(self.group, self._params, int(bucket_mb * 1e6))
-        self.hook.prepare(self.group, [b.flat for b in self.buckets])
+        if getattr(self.hook, "wants_shapes", False):   # a compressor of matrices (compression/base.py)
+            self.hook.prepare(self.group, [b.flat for b in self.buckets],
+                              shapes=[[tuple(v.shape) for v in b.views] for b in self.buckets])
+        else:
+            self.hook.prepare(self.group, [b.flat for b in self.buckets])
         self._where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):

@@ -2,15 +2,17 @@
 
     pt.DataParallel(model, compression=TopK(0.01, momentum=0.9))   # topk.py: DGC
     pt.DataParallel(model, compression="onebit")                    # onebit.py: scaled sign
-    paratrain train --compression topk:0.01 | onebit | fp16 | bf16
+    pt.DataParallel(model, compression=PowerSGD(4))                 # powersgd.py: rank-4 power iteration
+    paratrain train --compression topk:0.01 | powersgd:4 | onebit | fp16 | bf16
 
 base.py states the hook contract; fp16/bf16 casts stay in comm_hooks.py.
 """
 from .base import Compressor
 from .onebit import OneBit
+from .powersgd import PowerSGD
 from .topk import TopK
 
-__all__ = ["Compressor", "OneBit", "TopK"]
+__all__ = ["Compressor", "OneBit", "PowerSGD", "TopK"]
 
 
 def parse(spec):
@@ -23,4 +25,9 @@ def parse(spec):
             raise ValueError(f"--compression {spec}: {e}; e.g. topk:0.01 (the fraction of entries sent)") from None
     if kind == "onebit":
         return OneBit()
+    if kind == "powersgd":
+        try:
+            return PowerSGD(int(arg or 4))
+        except ValueError as e:
+            raise ValueError(f"--compression {spec}: {e}; e.g. powersgd:4 (the rank)") from None
     return None

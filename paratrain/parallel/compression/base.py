@@ -7,15 +7,19 @@ with any collective on the way (indices and values, signs and a scale,
 low-rank factors) and keep its own state per bucket (residuals, momentum,
 warm starts); ``wire_bytes(flat)`` says what one rank sent for that bucket,
 for the run's summary. ``sent[index]``: what this rank contributed last time
-(for checking error feedback).
+(for checking error feedback). A compressor with ``wants_shapes = True`` is
+told, in ``prepare(group, flats, shapes=)``, the shapes of the gradients
+each bucket holds, in order (PowerSGD compresses matrices, not a flat run).
 """
 
 
 class Compressor:
+    wants_shapes = False
+
     def __init__(self):
         self.sent = {}
 
-    def prepare(self, group, flats):
+    def prepare(self, group, flats, shapes=None):
         pass
 
     def wire_bytes(self, flat):

@@ -20,7 +20,7 @@ HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduc
         "all-reduced after backward (DataParallelNaive)")
 SPARSE = False
 ALGORITHMS = ("direct", "ring", "tree", "naive")
-COMPRESSIONS = ("none", "fp16", "bf16", "topk:<ratio>", "onebit")
+COMPRESSIONS = ("none", "fp16", "bf16", "topk:<ratio>", "powersgd:<rank>", "onebit")
 
 
 def compression_spec(text):
@@ -38,7 +38,9 @@ def compression_spec(text):
         raise argparse.ArgumentTypeError(f"{text!r}: topk takes the fraction of entries sent, in (0, 1], "
                                          "e.g. topk:0.01")
     if kind == "powersgd":
-        raise argparse.ArgumentTypeError("powersgd is not built yet (issue 27); use topk:<ratio> or onebit")
+        if (arg or "4").isdigit() and int(arg or 4) >= 1:
+            return f"powersgd:{int(arg or 4)}"
+        raise argparse.ArgumentTypeError(f"{text!r}: powersgd takes the rank, a positive integer, e.g. powersgd:4")
     raise argparse.ArgumentTypeError(f"unknown compression {text!r}; choose {', '.join(COMPRESSIONS)}")
 
 
@@ -50,7 +52,8 @@ def add_options(parser):
     g.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (allreduce; default 25)")
     g.add_argument("--compression", type=compression_spec, default="none",
                    help="how gradient buckets travel (allreduce): none, fp16 / bf16 (cast), topk:<ratio> (the "
-                        "largest entries, error feedback; e.g. topk:0.01), onebit (scaled signs, error feedback)")
+                        "largest entries, error feedback; e.g. topk:0.01), powersgd:<rank> (low-rank, e.g. powersgd:4), "
+                        "onebit (scaled signs, error feedback)")
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: each model cut across this many workers (gpt; default 1); "
                         "--workers / --tp replicas average their gradients; with --strategy pipeline, each stage "
