@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import outputs
+from conftest import ROOT, WORKERS, outputs
 from paratrain.launch import binding, free_port, main
 from paratrain.launch.watch import GRACE
 
@@ -496,3 +496,34 @@ def test_cpu_sets_follow_a_narrowed_mask_in_order():
     assert binding.oversubscribed(2, 2, cpus) and not binding.oversubscribed(3, 1, cpus)
     with pytest.raises(ValueError, match="unknown binding 'socket'"):
         binding.cpu_sets("socket", 2, 1, cpus)
+
+
+def _can_link():
+    import shutil
+    return os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _can_link(), reason="--link needs root and unshare, ip, tc")
+def test_link_runs_pretend_hosts_in_a_namespace_with_a_limited_loopback():
+    """--link 1gbit --nnodes 2 -n 2: 4 workers as 2 pretend hosts, in a network namespace
+    whose loopback has a 1 Gbit/s token bucket; the host's own loopback is untouched."""
+    res = subprocess.run([sys.executable, "-m", "paratrain.run", "--link", "1gbit", "--nnodes", "2", "-n", "2",
+                          str(WORKERS / "link.py")], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "link: rank" in line]
+    assert len(lines) == 4, out[-3000:]
+    for line in lines:
+        assert "of 4, backend hierarchical, pretend hosts 2, all_reduce right" in line, line
+        assert "tbf" in line and "rate 1Gbit" in line, line
+    host = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    assert "tbf" not in host, host
+
+
+@pytest.mark.timeout(30)
+def test_link_says_what_it_needs(monkeypatch):
+    from paratrain.launch import link
+    assert "give a rate as tc writes it" in link.check("fast")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "--link needs root" in link.check("1gbit") and "not running as root" in link.check("1gbit")

@@ -92,6 +92,9 @@ def build_parser():
     p.add_argument("--ps-addrs", metavar="ADDRS", default=None,
                    help="use parameter servers started elsewhere (`paratrain server` prints the value: "
                         "tcp://HOST:PORT,...); starts none here; works with --nnodes")
+    p.add_argument("--link", metavar="RATE", default=None,
+                   help="pretend hosts joined by a slow link: the --nnodes nodes run here, in a private network "
+                        "namespace whose loopback is limited to RATE (e.g. 1gbit; needs root; launch/link.py)")
     p.add_argument("--worker-failure", choices=("stop", "continue"), default="stop",
                    help="when a worker dies: stop the job (default), or go on without it and tell the "
                         "parameter servers it left (asynchronous training: ASP, SSP)")
@@ -253,6 +256,17 @@ def main(argv=None, on_line=None):
     except SystemExit as e:  # --help, or a bad option: argparse has printed why
         return e.code if isinstance(e.code, int) else 2
     args.args = script_args
+    if args.link is not None:
+        from . import link
+        if not link.inside():
+            problem = link.check(args.link)
+            if problem is not None:
+                say(f"paratrain run: error: {problem}")
+                return 2
+            import subprocess
+            return subprocess.call(link.command(args.link, sys.executable, argv),
+                                   env=dict(os.environ, **{link.INSIDE: "1"}))
+        link.as_pretend_hosts(args)
     problem = _check(args)
     if problem is None:
         port, problem = _choose_port(args)

@@ -1,0 +1,50 @@
+"""``paratrain run --link RATE --nnodes N``: pretend hosts joined by a slow link, on one machine.
+
+The launcher starts again inside a private network namespace (``unshare -n``)
+whose loopback is rate-limited by a token bucket:
+
+    tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency 20ms
+
+and runs all N x -n workers there as N pretend hosts (PARATRAIN_PRETEND_HOSTS):
+shared memory inside each pretend host stays at full speed, while whatever
+crosses between them (Gloo or ZeroMQ over 127.0.0.1, the rendezvous store)
+meets a real bandwidth limit, as between machines. The namespace ends with
+the job. It needs root (a network namespace and tc) and uses loopback only.
+"""
+import os
+import re
+import shutil
+
+INSIDE = "PARATRAIN_LINK_INSIDE"
+RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
+TOOLS = ("unshare", "ip", "tc")
+
+
+def check(rate):
+    """What stops --link RATE here, or None."""
+    if not RATE.match(rate):
+        return f"--link {rate!r}: give a rate as tc writes it, e.g. 100mbit, 1gbit, 10gbit"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if os.geteuid() != 0 or missing:
+        why = "it is not running as root" if os.geteuid() != 0 else f"{', '.join(missing)} not found"
+        return (f"--link needs root and the unshare, ip and tc commands ({why}): it runs the job in a private "
+                "network namespace (unshare -n) and limits that namespace's loopback with tc; run as root, "
+                "or drop --link")
+    return None
+
+
+def inside():
+    return os.environ.get(INSIDE) == "1"
+
+
+def command(rate, python, argv):
+    """The launcher again, inside a fresh network namespace with a limited loopback."""
+    setup = 'ip link set lo up && tc qdisc add dev lo root tbf rate "$0" burst 512kb latency 20ms && exec "$@"'
+    return ["unshare", "-n", "--", "sh", "-c", setup, rate, python, "-m", "paratrain.run", *argv]
+
+
+def as_pretend_hosts(args):
+    """Inside: the --nnodes nodes become pretend hosts of this one launcher."""
+    hosts = args.nnodes
+    args.nproc, args.nnodes, args.node_rank = args.nproc * hosts, 1, 0
+    os.environ["PARATRAIN_PRETEND_HOSTS"] = str(hosts)
