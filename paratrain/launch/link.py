@@ -15,16 +15,20 @@ import os
 import re
 import shutil
 
-INSIDE = "PARATRAIN_LINK_INSIDE"
 RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 TOOLS = ("unshare", "ip", "tc")
+
+
+def _tool(name):
+    """unshare, ip and tc, also where a PATH without sbin would not look."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
 
 
 def check(rate):
     """What stops --link RATE here, or None."""
     if not RATE.match(rate):
         return f"--link {rate!r}: give a rate as tc writes it, e.g. 100mbit, 1gbit, 10gbit"
-    missing = [t for t in TOOLS if shutil.which(t) is None]
+    missing = [t for t in TOOLS if _tool(t) is None]
     if os.geteuid() != 0 or missing:
         why = "it is not running as root" if os.geteuid() != 0 else f"{', '.join(missing)} not found"
         return (f"--link needs root and the unshare, ip and tc commands ({why}): it runs the job in a private "
@@ -33,14 +37,14 @@ def check(rate):
     return None
 
 
-def inside():
-    return os.environ.get(INSIDE) == "1"
+INSIDE = "--inside-link"   # a hidden flag: the launcher started in the namespace
 
 
 def command(rate, python, argv):
     """The launcher again, inside a fresh network namespace with a limited loopback."""
-    setup = 'ip link set lo up && tc qdisc add dev lo root tbf rate "$0" burst 512kb latency 20ms && exec "$@"'
-    return ["unshare", "-n", "--", "sh", "-c", setup, rate, python, "-m", "paratrain.run", *argv]
+    ip, tc = _tool("ip"), _tool("tc")
+    setup = f'{ip} link set lo up && {tc} qdisc add dev lo root tbf rate "$0" burst 512kb latency 20ms && exec "$@"'
+    return [_tool("unshare"), "-n", "--", "sh", "-c", setup, rate, python, "-m", "paratrain.run", INSIDE, *argv]
 
 
 def as_pretend_hosts(args):

@@ -95,6 +95,7 @@ def build_parser():
     p.add_argument("--link", metavar="RATE", default=None,
                    help="pretend hosts joined by a slow link: the --nnodes nodes run here, in a private network "
                         "namespace whose loopback is limited to RATE (e.g. 1gbit; needs root; launch/link.py)")
+    p.add_argument("--inside-link", action="store_true", help=argparse.SUPPRESS)   # launch/link.py
     p.add_argument("--worker-failure", choices=("stop", "continue"), default="stop",
                    help="when a worker dies: stop the job (default), or go on without it and tell the "
                         "parameter servers it left (asynchronous training: ASP, SSP)")
@@ -258,14 +259,13 @@ def main(argv=None, on_line=None):
     args.args = script_args
     if args.link is not None:
         from . import link
-        if not link.inside():
+        if not args.inside_link:
             problem = link.check(args.link)
             if problem is not None:
                 say(f"paratrain run: error: {problem}")
                 return 2
             import subprocess
-            return subprocess.call(link.command(args.link, sys.executable, argv),
-                                   env=dict(os.environ, **{link.INSIDE: "1"}))
+            return subprocess.call(link.command(args.link, sys.executable, argv))
         link.as_pretend_hosts(args)
     problem = _check(args)
     if problem is None:

@@ -40,6 +40,7 @@ allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
 """
 import ctypes
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -89,6 +90,10 @@ class ZeRO:
                 for _, p in u.params:
                     p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
         if stage == 3:
+            # the first layer takes token ids (no gradient): torch warns that its pre-hook fires on the
+            # outputs' gradients alone, which is all stage 3 asks of it
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed "
+                                                      "with respect to module outputs")
             for u in self.units:
                 u.module.register_forward_pre_hook(lambda m, args, u=u: self._gather(u))
                 u.module.register_forward_hook(lambda m, args, out, u=u: self._free(u))
