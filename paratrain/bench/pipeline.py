@@ -19,40 +19,25 @@ Writes benchmarks/results/pipeline.json, pipeline.png, and the timeline of
 each of our engines' last step (pipeline-timeline-<engine>.png).
 """
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-from . import launcher
+from . import gpt_runs
 
 MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
 QUICK = dict(layers=4, width=64, heads=4, context=32, batch=8)
 ENGINES = ["pt/gpipe/m2", "pt/gpipe/m4", "pt/gpipe/m8", "pt/1f1b/m2", "pt/1f1b/m4", "pt/1f1b/m8",
            "pt/zb-h1/m4", "pt/zb-h1/m8", "pt/interleaved/m8",
            "torch/gpipe/m2", "torch/gpipe/m4", "torch/gpipe/m8", "torch/1f1b/m2", "torch/1f1b/m4", "torch/1f1b/m8"]
-OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def parser():
     p = argparse.ArgumentParser(prog="paratrain bench pipeline",
                                 description="paratrain pipeline schedules vs one process and torch.distributed.pipelining")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
     p.add_argument("--engines", default=",".join(ENGINES), help="engines on 2 workers (owner/schedule/m<m>)")
-    p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
-    p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    gpt_runs.add_common_options(p)
     return p
-
-
-def run_one(nproc, engines, model, args, tmp):
-    cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=1, timeout=args.timeout,
-               result=str(Path(tmp) / f"pipeline-{nproc}.json"))
-    print(f"[bench] {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
-    return launcher.run_config(nproc, "paratrain.bench.pipeline_worker", cfg, args.timeout, tmp, f"{nproc}-worker")
 
 
 def summarize(single, piped, batch):
@@ -125,23 +110,14 @@ def timelines(out, piped, rows):
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    model = dict(QUICK if args.quick else MODEL)
-    if args.quick:
-        args.rounds, args.steps = 2, 1
+    model = gpt_runs.model_of(args, MODEL, QUICK)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    worker = "paratrain.bench.pipeline_worker"
     with tempfile.TemporaryDirectory() as tmp:
-        single = run_one(1, ["single"], model, args, tmp)
-        piped = run_one(2, engines, model, args, tmp)
+        single = gpt_runs.run_workers(1, worker, ["single"], model, args, tmp)
+        piped = gpt_runs.run_workers(2, worker, engines, model, args, tmp)
     rows = summarize(single, piped, model["batch"])
-    from rich.console import Console
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)
-    console.print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model, rounds=args.rounds, steps=args.steps, cpu_count=os.cpu_count(), quick=args.quick)
-    (out / "pipeline.json").write_text(json.dumps(dict(meta, rows=rows, raw=piped), indent=1))
+    out = gpt_runs.show_and_save(table(rows), "pipeline", model, args, rows, piped, width=140)
     png = plot(out / "pipeline.png", rows)
     pictures = timelines(out, piped, rows)
     print(f"wrote {out / 'pipeline.json'}, {png} and {len(pictures)} timelines (pipeline-timeline-*.png)")

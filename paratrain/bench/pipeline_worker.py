@@ -16,8 +16,6 @@ slowest rank's. paratrain's engines also record each round's bubble (the
 timeline of its last step, every stage's) and each stage's peak activation
 memory (Pipeline.peak_activation_bytes). Rank 0 writes everything to JSON.
 """
-import json
-import os
 import sys
 
 import torch
@@ -25,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import rounds
-from .dp_worker import init_gloo, release_ddp
+from .dp_worker import init_gloo
 
 
 def build_gpt(cfg):
@@ -144,25 +142,11 @@ def make_engines(cfg, group, port):
 
 
 def main(cfg_path):
-    import paratrain as pt
-    cfg = json.loads(open(cfg_path).read())
-    torch.set_num_threads(1)
-    group = pt.init(backend="shm")
-    engines = make_engines(cfg, group, int(os.environ["MASTER_PORT"]))
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    times = rounds.interleaved(engines, cfg, group, x, y, after=lambda e: e.after_round())
-    if group.rank == 0:
-        with open(cfg["result"], "w") as f:
-            json.dump({"times": times,
-                       "bubble": {e.name: e.bubble for e in engines if e.bubble},
-                       "peak_activation_mb": {e.name: e.peak_mb for e in engines if getattr(e, "peak_mb", None)},
-                       "timelines": {e.name: e.timelines for e in engines if getattr(e, "timelines", None)}}, f)
-    group.barrier()
-    pt.destroy()
-    release_ddp(engines)   # torch's pipeline engines and their Gloo group, in the order that neither hangs nor aborts
-
+    def report(engines, cfg, x, y):
+        return {"bubble": {e.name: e.bubble for e in engines if e.bubble},
+                "peak_activation_mb": {e.name: e.peak_mb for e in engines if getattr(e, "peak_mb", None)},
+                "timelines": {e.name: e.timelines for e in engines if getattr(e, "timelines", None)}}
+    rounds.serve_gpt(cfg_path, make_engines, report, after=lambda e: e.after_round())
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[-1]))

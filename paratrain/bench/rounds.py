@@ -38,3 +38,36 @@ def interleaved(engines, cfg, group, x, y, before=None, after=None):
     group.all_reduce(flat, op="max")
     per = flat.view(len(engines), -1).tolist()
     return {e.name: per[i] for i, e in enumerate(engines)}
+
+
+def serve_gpt(cfg_path, make_engines, report, split_batch=False, after=None):
+    """A GPT benchmark worker's whole life (pipeline_, tensor_ and zero_worker.py): one
+    thread, the shm group, ``make_engines(cfg, group, port)``, one token batch (seeded
+    alike on every rank; ``split_batch``: each rank its slice, as data parallelism
+    reads), the interleaved rounds, then ``report(engines, cfg, x, y)`` (called on every
+    rank: it may be collective) written by rank 0 to ``cfg["result"]``; torch's
+    engines and Gloo group are released last."""
+    import json
+    import os
+
+    import paratrain as pt
+
+    from .dp_worker import release_ddp
+    cfg = json.loads(open(cfg_path).read())
+    torch.set_num_threads(1)
+    group = pt.init(backend="shm")
+    engines = make_engines(cfg, group, int(os.environ["MASTER_PORT"]))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
+    y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
+    if split_batch:
+        per = cfg["batch"] // group.world_size
+        x, y = x[group.rank * per:(group.rank + 1) * per], y[group.rank * per:(group.rank + 1) * per]
+    times = interleaved(engines, cfg, group, x, y, after=after)
+    result = dict(times=times, **report(engines, cfg, x, y))
+    if group.rank == 0:
+        with open(cfg["result"], "w") as f:
+            json.dump(result, f)
+    group.barrier()
+    pt.destroy()
+    release_ddp(engines)   # in the order that neither hangs nor aborts (dp_worker.py)

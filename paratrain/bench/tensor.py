@@ -21,39 +21,24 @@ the token embedding's one. Writes benchmarks/results/tensor.json and
 tensor.png (step time against the tensor-parallel size, both engines).
 """
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-from . import launcher
+from . import gpt_runs
 
 MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
 QUICK = dict(layers=2, width=64, heads=4, context=32, batch=8)
-OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def parser():
     p = argparse.ArgumentParser(prog="paratrain bench tensor",
                                 description="paratrain tensor parallelism vs one process and torch's parallelize_module")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
     p.add_argument("--sizes", default="2,4", help="tensor-parallel sizes beside one process (default 2,4)")
     p.add_argument("--engines", default="pt,pt-sp,torch",
                    help="pt, pt-sp (sequence parallelism), torch (default all three)")
-    p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
-    p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    gpt_runs.add_common_options(p)
     return p
-
-
-def run_one(nproc, engines, model, args, tmp):
-    cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=1, timeout=args.timeout,
-               result=str(Path(tmp) / f"tensor-{nproc}.json"))
-    print(f"[bench] {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
-    return launcher.run_config(nproc, "paratrain.bench.tensor_worker", cfg, args.timeout, tmp, f"{nproc}-worker")
 
 
 def formula_bytes(model, sequence_parallel=False):
@@ -147,26 +132,16 @@ def plot(path, rows):
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    model = dict(QUICK if args.quick else MODEL)
-    if args.quick:
-        args.rounds, args.steps = 2, 1
+    model = gpt_runs.model_of(args, MODEL, QUICK)
     owners = [e.strip() for e in args.engines.split(",") if e.strip()]
     sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
-    results = {}
+    worker = "paratrain.bench.tensor_worker"
     with tempfile.TemporaryDirectory() as tmp:
-        results[1] = run_one(1, ["single"], model, args, tmp)
+        results = {1: gpt_runs.run_workers(1, worker, ["single"], model, args, tmp)}
         for n in sizes:
-            results[n] = run_one(n, [f"{owner}/tp{n}" for owner in owners], model, args, tmp)
+            results[n] = gpt_runs.run_workers(n, worker, [f"{owner}/tp{n}" for owner in owners], model, args, tmp)
     rows = summarize(results, model)
-    from rich.console import Console
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
-    console.print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model, rounds=args.rounds, steps=args.steps, sizes=sizes, cpu_count=os.cpu_count(), quick=args.quick)
-    (out / "tensor.json").write_text(json.dumps(dict(meta, rows=rows, raw=results), indent=1))
+    out = gpt_runs.show_and_save(table(rows), "tensor", model, args, rows, results, sizes=sizes)
     png = plot(out / "tensor.png", rows)
     print(f"wrote {out / 'tensor.json'} and {png}")
     return 0

@@ -21,16 +21,15 @@ same numbers from the same weights and batch, whatever the engine: checked by
 the report), parameter and Adam-state bytes on this rank, and for paratrain
 the bytes its collectives moved in one step (pt.tensor.traffic).
 """
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.zero.memory import optimizer_tensors
 from . import rounds
-from .dp_worker import init_gloo, release_ddp
+from .dp_worker import init_gloo
 from .pipeline_worker import build_gpt, lm_loss
 
 
@@ -40,7 +39,7 @@ def tensor_bytes(tensors):
 
 
 def optimizer_bytes(opt):
-    return tensor_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return tensor_bytes(optimizer_tensors(opt))
 
 
 def expected_bytes(model, plan, p):
@@ -153,24 +152,11 @@ def make_engines(cfg, group, port):
 
 
 def main(cfg_path):
-    import paratrain as pt
-    cfg = json.loads(open(cfg_path).read())
-    torch.set_num_threads(1)
-    group = pt.init(backend="shm")
-    engines = make_engines(cfg, group, int(os.environ["MASTER_PORT"]))
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    times = rounds.interleaved(engines, cfg, group, x, y)
-    traffic = {e.name: e.traffic(x, y) for e in engines if isinstance(e, Ours)}
-    if group.rank == 0:
-        with open(cfg["result"], "w") as f:
-            json.dump({"times": times, "first_loss": {e.name: e.first_loss for e in engines},
-                       "sizes": {e.name: e.sizes(cfg) for e in engines}, "traffic": traffic}, f)
-    group.barrier()
-    pt.destroy()
-    release_ddp(engines)   # torch's DTensor model and its Gloo group, in the order that neither hangs nor aborts
-
+    def report(engines, cfg, x, y):
+        traffic = {e.name: e.traffic(x, y) for e in engines if isinstance(e, Ours)}   # every rank: collective
+        return {"first_loss": {e.name: e.first_loss for e in engines},
+                "sizes": {e.name: e.sizes(cfg) for e in engines}, "traffic": traffic}
+    rounds.serve_gpt(cfg_path, make_engines, report)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[-1]))

@@ -16,32 +16,24 @@ equal), and the bytes each rank held after a backward, measured, with the
 paper's formula for ours. Writes benchmarks/results/zero.json and zero.png.
 """
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-from . import launcher
+from . import gpt_runs
 
 MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
 QUICK = dict(layers=2, width=64, heads=4, context=32, batch=8)
 ENGINES = ["pt/dp", "pt/zero1", "pt/zero2", "pt/zero3", "torch/ddp", "torch/zero1", "torch/fsdp2"]
 VERSUS = {"pt/zero1": ["pt/dp", "torch/zero1"], "pt/zero2": ["pt/dp"], "pt/zero3": ["torch/fsdp2"],
           "pt/dp": ["torch/ddp"]}
-OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def parser():
     p = argparse.ArgumentParser(prog="paratrain bench zero",
                                 description="pt.ZeRO stages 1-3 vs DataParallel, ZeroRedundancyOptimizer and FSDP2")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
     p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated")
-    p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
-    p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    gpt_runs.add_common_options(p)
     return p
 
 
@@ -103,25 +95,12 @@ def plot(path, rows):
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    model = dict(QUICK if args.quick else MODEL)
-    if args.quick:
-        args.rounds, args.steps = 2, 1
+    model = gpt_runs.model_of(args, MODEL, QUICK)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=2, timeout=args.timeout,
-                   result=str(Path(tmp) / "zero.json"))
-        print(f"[bench] 2 workers: {', '.join(engines)}", file=sys.stderr, flush=True)
-        result = launcher.run_config(2, "paratrain.bench.zero_worker", cfg, args.timeout, tmp, "zero")
+        result = gpt_runs.run_workers(2, "paratrain.bench.zero_worker", engines, model, args, tmp, warmup=2)
     rows = summarize(result, model)
-    from rich.console import Console
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
-    console.print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model, rounds=args.rounds, steps=args.steps, cpu_count=os.cpu_count(), quick=args.quick)
-    (out / "zero.json").write_text(json.dumps(dict(meta, rows=rows, raw=result), indent=1))
+    out = gpt_runs.show_and_save(table(rows), "zero", model, args, rows, result)
     png = plot(out / "zero.png", rows)
     print(f"wrote {out / 'zero.json'} and {png}")
     return 0

@@ -14,36 +14,14 @@ Besides the times (rounds.py), rank 0 records each engine's bytes held after
 a backward (parameters, gradients, optimizer state: the storages allocated,
 each once; a DTensor counts its local shard) and its first loss.
 """
-import json
-import os
 import sys
 
 import torch
 
+from ..parallel.zero.memory import held_bytes, optimizer_tensors
 from . import rounds
-from .dp_worker import init_gloo, release_ddp
+from .dp_worker import init_gloo
 from .pipeline_worker import build_gpt, lm_loss
-
-
-def held(params, grads, state):
-    seen = set()
-
-    def count(tensors):
-        total = 0
-        for t in tensors:
-            if t is None:
-                continue
-            t = t.to_local() if hasattr(t, "to_local") else t
-            s = t.untyped_storage()
-            if s.nbytes() and (s.data_ptr(), s.nbytes()) not in seen:
-                seen.add((s.data_ptr(), s.nbytes()))
-                total += s.nbytes()
-        return total
-    return {"parameters": count(params), "gradients": count(grads), "optimizer": count(state)}
-
-
-def state_tensors(opt):
-    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
 
 
 class Engine:
@@ -63,7 +41,7 @@ class Engine:
 
     def memory(self):
         params = list(self.model.parameters())
-        return held(params, [q.grad for q in params], state_tensors(self.opt))
+        return held_bytes(params, [q.grad for q in params], optimizer_tensors(self.opt))
 
 
 class Ours(Engine):
@@ -79,7 +57,7 @@ class Ours(Engine):
 class TorchZeroOne(Engine):
     def memory(self):
         params = list(self.model.parameters())
-        return held(params, [q.grad for q in params], state_tensors(self.opt.optim))
+        return held_bytes(params, [q.grad for q in params], optimizer_tensors(self.opt.optim))
 
 
 def make_engines(cfg, group, port):
@@ -118,25 +96,9 @@ def make_engines(cfg, group, port):
 
 
 def main(cfg_path):
-    import paratrain as pt
-    cfg = json.loads(open(cfg_path).read())
-    torch.set_num_threads(1)
-    group = pt.init(backend="shm")
-    engines = make_engines(cfg, group, int(os.environ["MASTER_PORT"]))
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
-    per = cfg["batch"] // group.world_size
-    x, y = x[group.rank * per:(group.rank + 1) * per], y[group.rank * per:(group.rank + 1) * per]
-    times = rounds.interleaved(engines, cfg, group, x, y)
-    if group.rank == 0:
-        with open(cfg["result"], "w") as f:
-            json.dump({"times": times, "first_loss": {e.name: e.first_loss for e in engines},
-                       "bytes": {e.name: e.bytes for e in engines}}, f)
-    group.barrier()
-    pt.destroy()
-    release_ddp(engines)
-
+    def report(engines, cfg, x, y):
+        return {"first_loss": {e.name: e.first_loss for e in engines}, "bytes": {e.name: e.bytes for e in engines}}
+    rounds.serve_gpt(cfg_path, make_engines, report, split_batch=True)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[-1]))

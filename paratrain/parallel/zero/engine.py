@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from .layout import bucket_units, layer_units
+from .memory import held_bytes, optimizer_tensors
 
 STAGES = (1, 2, 3)
 
@@ -285,22 +286,8 @@ class ZeRO:
         self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
 
     def memory(self):
-        """Bytes this rank holds, measured as the storages allocated (each counted once):
+        """Bytes this rank holds, measured as the storages allocated (memory.py):
         parameters (the model's, and stage 3's own chunks), gradients, optimizer state."""
-        seen = set()
-
-        def held(tensors):
-            total = 0
-            for t in tensors:
-                if t is None:
-                    continue
-                storage = t.untyped_storage()
-                key = storage.data_ptr(), storage.nbytes()
-                if key not in seen and storage.nbytes():
-                    seen.add(key)
-                    total += storage.nbytes()
-            return total
-        params = held([p for u in self.units for _, p in u.params] + [u.shard for u in self.units])
-        grads = held([p.grad for u in self.units for _, p in u.params] + [u.shard.grad for u in self.units])
-        state = held([v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
-        return {"parameters": params, "gradients": grads, "optimizer": state}
+        return held_bytes([p for u in self.units for _, p in u.params] + [u.shard for u in self.units],
+                          [p.grad for u in self.units for _, p in u.params] + [u.shard.grad for u in self.units],
+                          optimizer_tensors(self.optimizer))

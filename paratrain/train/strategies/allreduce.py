@@ -12,6 +12,7 @@ import torch
 
 import paratrain as pt
 
+from ...parallel.zero.memory import optimizer_tensors
 from ..coordination import GroupBoard, Lockstep
 from .base import ReplicaStep
 from ..options import positive_float, positive_int
@@ -94,8 +95,8 @@ SUMMARY = {
     "tensor_parallel": lambda step, args: step.tp,
     "sequence_parallel": lambda step, args: args.sequence_parallel if step.tp > 1 else None,
     "parameter_bytes_per_worker": lambda step, args: sum(q.numel() * q.element_size() for q in step.model.parameters()),
-    "optimizer_bytes_per_worker": lambda step, args: sum(v.numel() * v.element_size() for s in step.opt.state.values()
-                                                         for v in s.values() if torch.is_tensor(v)),
+    "optimizer_bytes_per_worker": lambda step, args: sum(v.numel() * v.element_size()
+                                                         for v in optimizer_tensors(step.opt)),
     # with --tp: what the cut layers' collectives moved in the last step (pt.tensor.traffic), by kind,
     # and per transformer block (the step's bytes over the blocks; the token embedding's share included)
     "tensor_parallel_bytes_per_step": lambda step, args: step.tp_traffic,
