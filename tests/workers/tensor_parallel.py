@@ -85,11 +85,26 @@ def collectives(g):
     close(x.grad, torch.full_like(whole, p * (p + 1) / 2), "copy_to_group backward")
 
 
+def my_share(name, grad, n_layer, p, r):
+    """Rank r's piece of a one-process gpt gradient under pt.tensor.GPT_PLAN at TP size p
+    (what the cut model's gradient of ``name`` must equal)."""
+    from paratrain.parallel.tensor.layers import _rows
+    styles = {key.replace("*", str(i)): v for key, v in pt.tensor.GPT_PLAN.items() for i in range(n_layer)}
+    module, _, kind = name.rpartition(".")
+    style = styles.get(module)
+    if style and style.startswith("colwise"):
+        return _rows(grad, p, r, int(style.partition(":")[2] or 1))
+    if style == "vocab":
+        return grad.chunk(p)[r]
+    if style == "rowwise" and kind == "weight":
+        return grad.chunk(p, dim=1)[r]
+    return grad
+
+
 def gpt(g, sequence_parallel=False):
     """The gpt model, sharded by pt.tensor.parallelize with its plan, equals the one-process
     model; with sequence parallelism too, where each rank's LayerNorms see 1/p of the tokens
     and the collectives are Korthikanti et al.'s, counted one by one."""
-    from paratrain.parallel.tensor.layers import _rows
     from paratrain.train.models import GPT
     import torch.nn.functional as F
     p, r = g.world_size, g.rank
@@ -116,23 +131,9 @@ def gpt(g, sequence_parallel=False):
                          "broadcast": 0}, calls
     else:                   # Megatron: 2 all-reduces a layer forward, 2 backward, and the embedding's
         assert calls == {"all_reduce": 4 * L + 1, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}, calls
-    styles = {}
-    for key, value in pt.tensor.GPT_PLAN.items():
-        for i in range(arch["n_layer"]):
-            styles[key.replace("*", str(i))] = value
     held = dict(tp.named_parameters())
     for name, q in ref.named_parameters():
-        module, _, kind = name.rpartition(".")
-        style = styles.get(module)
-        grad = q.grad
-        if style and style.startswith("colwise"):
-            grad = _rows(grad, p, r, int(style.partition(":")[2] or 1))
-        elif style == "vocab":
-            grad = grad.chunk(p)[r]
-        elif style == "rowwise" and kind == "weight":
-            per = grad.shape[1] // p
-            grad = grad[:, r * per:(r + 1) * per]
-        close(held[name].grad, grad, f"gpt gradient of {name}")
+        close(held[name].grad, my_share(name, q.grad, L, p, r), f"gpt gradient of {name}")
     mine = sum(q.numel() for q in tp.parameters())
     assert mine < sum(q.numel() for q in ref.parameters()), "nothing was sharded"
     # the full checkpoint: gathered, it is the one-process model's; loaded into a fresh cut model, the same shards
@@ -243,7 +244,6 @@ def dp_by_tp(g):
     """4 ranks as pt.mesh(dp=2, tp=2): the gpt model sharded over tp, DataParallel over dp,
     each replica on half the batch, equals one process on the whole batch."""
     import torch.nn.functional as F
-    from paratrain.parallel.tensor.layers import _rows
     from paratrain.train.models import GPT
     mesh = pt.mesh(dp=2, tp=2)
     r = g.rank
@@ -270,19 +270,10 @@ def dp_by_tp(g):
     half = slice(3 * mesh.coords["dp"], 3 * mesh.coords["dp"] + 3)
     F.cross_entropy(ref(x).reshape(-1, 36), y.reshape(-1)).backward()
     F.cross_entropy(model(x[half]).reshape(-1, 36), y[half].reshape(-1)).backward()
-    t = mesh.coords["tp"]
-    styles = {key.replace("*", str(i)): v for key, v in pt.tensor.GPT_PLAN.items() for i in range(arch["n_layer"])}
     held = dict(tp.named_parameters())
     for name, q in ref.named_parameters():
-        module, _, kind = name.rpartition(".")
-        style, grad = styles.get(module), q.grad
-        if style and style.startswith("colwise"):
-            grad = _rows(grad, 2, t, int(style.partition(":")[2] or 1))
-        elif style == "rowwise" and kind == "weight":
-            grad = grad.chunk(2, dim=1)[t]
-        elif style == "vocab":
-            grad = grad.chunk(2)[t]
-        close(held[name].grad, grad, f"dp x tp gradient of {name}")
+        close(held[name].grad, my_share(name, q.grad, arch["n_layer"], 2, mesh.coords["tp"]),
+              f"dp x tp gradient of {name}")
 
 
 def pp_by_tp(g):
@@ -291,7 +282,6 @@ def pp_by_tp(g):
     the loss and every gradient, with 1F1B and with ZB-H1 (whose deferred weight
     gradients must not run a collective)."""
     import torch.nn.functional as F
-    from paratrain.parallel.tensor.layers import _rows
     from paratrain.train.models import GPT
     mesh = pt.mesh(pp=2, tp=2)
     assert list(mesh["pp"].ranks) == [g.rank % 2, g.rank % 2 + 2], mesh["pp"].ranks
@@ -312,7 +302,6 @@ def pp_by_tp(g):
     want = lm(ref(x), y)
     want.backward()
     grads = dict(ref.named_parameters())
-    styles = {key.replace("*", str(i)): v for key, v in pt.tensor.GPT_PLAN.items() for i in range(arch["n_layer"])}
     t = mesh.coords["tp"]
     for schedule in ("1f1b", "zb-h1"):
         for q in stage.parameters():
@@ -324,15 +313,8 @@ def pp_by_tp(g):
         assert held, "this stage holds no parameters"
         for q in held:
             name = names[id(q)]
-            module, _, kind = name.rpartition(".")
-            style, grad = styles.get(module), grads[name].grad
-            if style and style.startswith("colwise"):
-                grad = _rows(grad, 2, t, int(style.partition(":")[2] or 1))
-            elif style == "rowwise" and kind == "weight":
-                grad = grad.chunk(2, dim=1)[t]
-            elif style == "vocab":
-                grad = grad.chunk(2)[t]
-            close(q.grad, grad, f"pp x tp gradient of {name} ({schedule})")
+            close(q.grad, my_share(name, grads[name].grad, arch["n_layer"], 2, t),
+                  f"pp x tp gradient of {name} ({schedule})")
 
 
 def refused(g):

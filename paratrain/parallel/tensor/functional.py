@@ -116,48 +116,23 @@ class _CopyToGroup(torch.autograd.Function):
         return _sum(ctx.group, g), None
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(group, x, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _piece(ctx.group, g, ctx.dim).contiguous(), None, None
+def _slice(group, x, dim):
+    return _piece(group, x, dim).contiguous()
 
 
-class _AllGatherForShardedWork(torch.autograd.Function):
+class _AlongDim(torch.autograd.Function):
+    """A collective along ``dim`` whose backward is another one (the table above):
+    all_gather -> slice (or reduce-scatter), split -> all_gather, reduce_scatter ->
+    all_gather."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(group, x, dim)
+    def forward(ctx, x, group, dim, forward, backward):
+        ctx.group, ctx.dim, ctx.backward_op = group, dim, backward
+        return forward(group, x, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _scatter_sum(ctx.group, g, ctx.dim), None, None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _piece(group, x, dim).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(ctx.group, g, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _scatter_sum(group, x, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(ctx.group, g, ctx.dim), None, None
+        return ctx.backward_op(ctx.group, g, ctx.dim), None, None, None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -192,18 +167,17 @@ def all_gather(x, group, dim=-1, reduce_grad=False):
     arXiv 2205.05198, sec. 4.2.2): each rank's gradient of the whole is then
     only its heads' part, and backward reduce-scatters them (sums, then keeps
     this rank's slice)."""
-    kind = _AllGatherForShardedWork if reduce_grad else _AllGather
-    return kind.apply(x, group, dim % x.dim())
+    return _AlongDim.apply(x, group, dim % x.dim(), _gather, _scatter_sum if reduce_grad else _slice)
 
 
 def split(x, group, dim=-1):
     """This rank's equal slice of ``x`` along ``dim``; backward: all-gather of the slices' gradients."""
-    return _Split.apply(x, group, dim % x.dim())
+    return _AlongDim.apply(x, group, dim % x.dim(), _slice, _gather)
 
 
 def reduce_scatter(x, group, dim=-1):
     """Piece ``rank`` (along ``dim``) of the sum of every rank's ``x``; backward: all-gather."""
-    return _ReduceScatter.apply(x, group, dim % x.dim())
+    return _AlongDim.apply(x, group, dim % x.dim(), _scatter_sum, _gather)
 
 
 def sum_gradient(param, group):

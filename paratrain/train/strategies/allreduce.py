@@ -14,7 +14,7 @@ import paratrain as pt
 
 from ...parallel.zero.memory import optimizer_tensors
 from ..coordination import GroupBoard, Lockstep
-from .base import ReplicaStep
+from .base import LastStepTraffic, ReplicaStep
 from ..options import positive_float, positive_int
 
 HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
@@ -99,9 +99,8 @@ SUMMARY = {
                                                          for v in optimizer_tensors(step.opt)),
     # with --tp: what the cut layers' collectives moved in the last step (pt.tensor.traffic), by kind,
     # and per transformer block (the step's bytes over the blocks; the token embedding's share included)
-    "tensor_parallel_bytes_per_step": lambda step, args: step.tp_traffic,
-    "tensor_parallel_bytes_per_layer": lambda step, args: (
-        round(sum(step.tp_traffic.values()) / len(step.model.module.blocks)) if step.tp_traffic else None),
+    "tensor_parallel_bytes_per_step": lambda step, args: step.traffic.bytes,
+    "tensor_parallel_bytes_per_layer": lambda step, args: step.traffic.per_layer(lambda: len(step.model.module.blocks)),
 }
 TP_PLANS = ("gpt",)
 
@@ -122,7 +121,7 @@ class AllReduceStep(ReplicaStep):
     finish_changes_weights = False
 
     def __init__(self, module, args, group, optimizer, lr):
-        self.tp, self.mesh, replicas, self.tp_traffic = args.tp, None, group, None
+        self.tp, self.mesh, replicas, self.traffic = args.tp, None, group, LastStepTraffic(args.tp)
         if self.tp > 1:   # tensor parallel inside each replica, data parallel between them
             self.mesh = pt.mesh(dp=group.world_size // self.tp, tp=self.tp)
             pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN,
@@ -143,12 +142,10 @@ class AllReduceStep(ReplicaStep):
         return GroupBoard(self.group), Lockstep(settings.steps, start)
 
     def before_step(self):
-        if self.tp > 1:
-            pt.tensor.traffic.reset()
+        self.traffic.start()
 
     def after_backward(self):
-        if self.tp > 1:
-            self.tp_traffic = dict(pt.tensor.traffic.bytes)
+        self.traffic.stop()
         self.opt.step()
         self.opt.zero_grad()   # gradients to None: the cheaper way into the buckets (DataParallel.zero_grad)
 

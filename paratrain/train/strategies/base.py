@@ -41,3 +41,27 @@ class ReplicaStep:
 
     def load_model_state(self, task, state):
         task.model.load_state_dict(state)
+
+
+class LastStepTraffic:
+    """With --tp: what the tensor-parallel layers' collectives moved in the last training
+    step (pt.tensor.traffic, by kind), for the summary. ``start()`` before a step,
+    ``stop()`` after its backward; without tensor parallelism it records nothing."""
+
+    def __init__(self, tp):
+        self.on, self.bytes = tp > 1, None
+
+    def start(self):
+        if self.on:
+            from ...parallel.tensor import traffic
+            traffic.reset()
+
+    def stop(self):
+        if self.on:
+            from ...parallel.tensor import traffic
+            self.bytes = dict(traffic.bytes)
+
+    def per_layer(self, count_layers):
+        """The step's bytes over the layers ``count_layers()`` says the worker holds."""
+        layers = count_layers() if self.bytes else 0
+        return round(sum(self.bytes.values()) / layers) if layers else None

@@ -28,7 +28,7 @@ from ...parallel.pipeline import schedules, timeline
 from ..coordination import GroupBoard, Lockstep
 from ..options import positive_int
 from .allreduce import make_optimizer
-from .base import ReplicaStep
+from .base import LastStepTraffic, ReplicaStep
 
 HELP = "pipeline: the model cut between layers into --stages stages, micro-batches through a --schedule"
 SPARSE = False
@@ -77,8 +77,8 @@ SUMMARY = {
     "pipeline_parameters_per_stage": lambda step, args: step.params_per_stage,
     "tensor_parallel": lambda step, args: step.tp,
     # with --tp: rank 0's stage, the last step (pt.tensor.traffic), and over that stage's transformer blocks
-    "tensor_parallel_bytes_per_step": lambda step, args: step.tp_traffic,
-    "tensor_parallel_bytes_per_layer": lambda step, args: step.tp_bytes_per_block(),
+    "tensor_parallel_bytes_per_step": lambda step, args: step.traffic.bytes,
+    "tensor_parallel_bytes_per_layer": lambda step, args: step.traffic.per_layer(step.blocks_held),
     "pipeline_timeline": lambda step, args: step.timeline_png,
 }
 
@@ -91,7 +91,7 @@ class PipelineStep(ReplicaStep):
         world = pt.init(backend=args.backend)
         self.group = world
         self.rank, self.world_size = world.rank, world.world_size
-        self.stages, self.tp, self.tp_traffic = args.stages or 2, args.tp, None
+        self.stages, self.tp, self.traffic = args.stages or 2, args.tp, LastStepTraffic(args.tp)
         replicas = self.world_size // (self.stages * self.tp)
         self.mesh = pt.mesh(dp=replicas, pp=self.stages, tp=self.tp)
         self.pipe_group = self.mesh["pp"]
@@ -130,10 +130,10 @@ class PipelineStep(ReplicaStep):
     def data_rank(self):
         return self.replica
 
-    def tp_bytes_per_block(self):
-        blocks = {name.split(".")[1] for name in (self.names[id(q)] for q in self.stage.parameters())
-                  if name.startswith("blocks.")}
-        return round(sum(self.tp_traffic.values()) / len(blocks)) if self.tp_traffic and blocks else None
+    def blocks_held(self):
+        """How many of the model's transformer blocks this worker's stage holds."""
+        return len({name.split(".")[1] for name in (self.names[id(q)] for q in self.stage.parameters())
+                    if name.startswith("blocks.")})
 
     def coordination(self, settings, start):
         return GroupBoard(self.group), Lockstep(settings.steps, start)
@@ -143,12 +143,10 @@ class PipelineStep(ReplicaStep):
         return self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
 
     def before_step(self):
-        if self.tp > 1:
-            pt.tensor.traffic.reset()
+        self.traffic.start()
 
     def after_backward(self):
-        if self.tp > 1:
-            self.tp_traffic = dict(pt.tensor.traffic.bytes)
+        self.traffic.stop()
         self.opt.step()
         self.opt.zero_grad()
 

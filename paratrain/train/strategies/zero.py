@@ -17,6 +17,7 @@ import paratrain as pt
 
 from ...parallel.data import CommStats
 from .allreduce import AllReduceStep
+from .base import LastStepTraffic
 
 HELP = ("zero: data parallelism with the optimizer state (--stage 1), the gradients (2) and the parameters "
         "(3) cut among the workers (pt.ZeRO)")
@@ -71,7 +72,7 @@ class ZeroStep(AllReduceStep):
     def __init__(self, task, args, settings):
         group = pt.init(backend=args.backend)
         self.group, self.rank, self.world_size = group, group.rank, group.world_size
-        self.tp, self.mesh, self.tp_traffic = 1, None, None
+        self.tp, self.mesh, self.traffic = 1, None, LastStepTraffic(1)
         cls, kwargs = optimizer_class(settings.optimizer, settings.lr)
         self.engine = pt.ZeRO(task.model, cls, stage=args.stage or DEFAULT_STAGE, group=group, **kwargs)
         self.model, self.adam = self.engine, cls is torch.optim.Adam
