@@ -8,6 +8,7 @@
     paratrain bench pipeline                 pipeline schedules beside torch.distributed.pipelining
     paratrain bench tensor                   tensor parallelism beside torch's parallelize_module
     paratrain bench zero                     pt.ZeRO beside DataParallel, ZeroRedundancyOptimizer and FSDP2
+    paratrain bench compression              gradient compression beside DDP's, over a slow link
 """
 import sys
 
@@ -20,7 +21,7 @@ commands:
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
   bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`,
            `paratrain bench parameter-server`, `paratrain bench pipeline`, `paratrain bench tensor`,
-           `paratrain bench zero`
+           `paratrain bench zero`, `paratrain bench compression`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -42,7 +43,8 @@ def main(argv=None):
         return server_main(rest)
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
-                   "pipeline": "pipeline", "tensor": "tensor", "zero": "zero"}
+                   "pipeline": "pipeline", "tensor": "tensor", "zero": "zero",
+                   "compression": "compression"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

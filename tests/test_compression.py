@@ -45,3 +45,22 @@ def test_bad_compression_is_refused_before_anything_starts(tmp_path, spec, messa
     from test_train import train
     res = train(tmp_path, "--compression", spec)
     assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
+
+
+@pytest.mark.parametrize("shape", ["normal", "heavy", "sparse", "ramp", "constant"])
+@pytest.mark.parametrize("n,k", [(1_000_003, 10_000), (400_000, 400), (250_000, 20_000)])
+def test_sampled_top_k_chooses_exactly_the_k_largest(shape, n, k):
+    """DGC's sampled threshold (topk.largest) picks the same magnitudes as a full torch.topk,
+    whatever the gradient's distribution (ties: the same values, any of the tied indices)."""
+    import torch
+
+    from paratrain.parallel.compression.topk import largest, largest_naive
+    gen = torch.Generator().manual_seed(n + k)
+    x = {"normal": lambda: torch.randn(n, generator=gen),
+         "heavy": lambda: torch.randn(n, generator=gen) ** 5,
+         "sparse": lambda: torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < 0.02),
+         "ramp": lambda: torch.arange(n, dtype=torch.float32),
+         "constant": lambda: torch.ones(n)}[shape]().abs()
+    got = largest(x, k, gen)
+    assert got.numel() == k and got.unique().numel() == k
+    assert torch.equal(x[got].sort().values, x[largest_naive(x, k)].sort().values)

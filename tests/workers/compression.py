@@ -95,7 +95,7 @@ def main():
     g = pt.init()
     invariants(g, lambda: TopK(0.05), "topk:0.05")
     invariants(g, OneBit, "onebit")
-    invariants(g, lambda: PowerSGD(rank=2), "powersgd:2")
+    invariants(g, lambda: PowerSGD(rank=2, keep_sent=True), "powersgd:2")
     powersgd_full_rank_is_plain(g)
     powersgd_skips_small_tensors(g)
     topk_one_is_plain(g)

@@ -7,8 +7,10 @@ Each rank sends the sign of each entry of (gradient + residual), packed 8 to
 a byte, and for each block of entries one float: their mean magnitude, so
 that scale x sign has the same L1 norm as what it stands for. The
 difference is the new residual (error feedback), so nothing is lost, only
-delayed. 3/16 of a byte an entry: 4.7% of fp32's bytes.
+delayed.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -16,41 +18,95 @@ from .base import Compressor
 
 
 class OneBit(Compressor):
-    """block: entries sharing one scale. One scale for a whole bucket lets its largest
-    layer's magnitudes set every layer's step; a scale per block of 64 entries (as
-    1-bit SGD quantizes each column with its own values) costs 4 bytes in 64 more:
-    on the digits task one scale a bucket (or one per 256 entries) ends at 61-69%
-    accuracy against 98.6% uncompressed, one per 64 at 98.1%."""
+    """block: entries sharing one scale, counted inside each gradient tensor (a block
+    never spans two: a bias's scale is not set by the weights beside it).
 
-    def __init__(self, block=64):
+    One scale for a whole bucket lets its largest layer's magnitudes set every
+    layer's step: on the digits task (lr 0.05, momentum 0.9) that ends at 61-69%
+    accuracy against 98.6% uncompressed. Blocks of 64 across tensor boundaries
+    gave 98.1% on one seed but 94.4% and 84.7% on two others (the accuracy rose,
+    then fell); blocks of 32 inside each tensor, scales in bfloat16, end within
+    0.6 points of uncompressed on seeds 0-4 (-0.56 to +0.28).
+    32 entries share a 2-byte scale: 1/8 + 1/16 of a byte an entry, 4.7% of fp32's."""
+
+    wants_shapes = True
+
+    def __init__(self, block=32):
         super().__init__()
         self.block = int(block)
-        self.residual = {}
+        self.residual, self.segments, self._index = {}, [], {}
+
+    def prepare(self, group, flats, shapes=None):
+        """The gradients' runs in each bucket: blocks are counted inside each."""
+        self.segments = []
+        for index, flat in enumerate(flats):
+            runs, at = [], 0
+            for shape in (shapes[index] if shapes else [(flat.numel(),)]):
+                runs.append((at, math.prod(shape)))
+                at += runs[-1][1]
+            self.segments.append(runs)
+            self._index[id(flat)] = index
+
+    def _runs(self, index, n):
+        runs = self.segments[index] if index is not None and index < len(self.segments) else None
+        return runs if runs and sum(size for _, size in runs) == n else [(0, n)]
 
     def wire_bytes(self, flat):
         n = flat.numel()
-        return (n + 7) // 8 + 4 * -(-n // self.block)
+        blocks = sum(-(-size // self.block) for _, size in self._runs(self._index.get(id(flat)), n))
+        return (n + 7) // 8 + 2 * blocks
 
     def __call__(self, group, index, flat):
         n, p, b = flat.numel(), group.world_size, self.block
+        runs = self._runs(index, n)
         acc = self.residual.get(index)
         acc = flat.clone() if acc is None else acc.add_(flat)
-        blocks = -(-n // b)
-        padded = torch.zeros(blocks * b, dtype=acc.dtype)
-        padded[:n] = acc.abs()
-        counts = torch.full((blocks,), float(b))
-        counts[-1] = n - (blocks - 1) * b
-        scale = (padded.view(blocks, b).sum(1) / counts).to(torch.float32)   # mean magnitude per block
+        magnitude = acc.abs()
+        # the scales travel as bfloat16 (fp32's range, 8 bits of mantissa): the rounding is the sender's,
+        # and error feedback keeps what it loses
+        scale = torch.cat([_block_means(magnitude[at:at + size], b) for at, size in runs]).to(torch.bfloat16)
         positive = acc >= 0
-        per_entry = scale.repeat_interleave(b)[:n].to(acc.dtype)
-        sent = torch.where(positive, per_entry, -per_entry)
+        bits = torch.from_numpy(np.packbits(positive.numpy()))
+        sent = _scaled_signs(_unpack(bits, n, acc.dtype), scale, runs, b)
         self.residual[index] = acc.sub_(sent)
         self.sent[index] = sent
-        bits = torch.from_numpy(np.packbits(positive.numpy()))
         all_bits = torch.empty(p * bits.numel(), dtype=torch.uint8)
-        scales = torch.empty(p * blocks, dtype=torch.float32)
+        scales = torch.empty(p * scale.numel(), dtype=torch.bfloat16)
         group.all_gather(all_bits, bits)
         group.all_gather(scales, scale)
-        signs = np.unpackbits(all_bits.numpy().reshape(p, -1), axis=1, count=n).astype(np.float32) * 2 - 1
-        magnitudes = np.repeat(scales.numpy().reshape(p, blocks), b, axis=1)[:, :n]
-        flat.copy_(torch.from_numpy((signs * magnitudes).sum(axis=0) / p))
+        flat.zero_()
+        for their_bits, their_scale in zip(all_bits.view(p, -1), scales.view(p, -1)):
+            flat.add_(_scaled_signs(_unpack(their_bits, n, flat.dtype), their_scale, runs, b))
+        flat.div_(p)
+
+
+# +1 / -1 for each of the 8 bits of every byte value, most significant first (np.packbits's order):
+# one index_select turns packed signs back into floats, no unpacking pass
+_SIGNS = torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1)
+
+
+def _unpack(bits, n, dtype):
+    """n signs (+1 / -1) from their packed bits."""
+    return _SIGNS.to(dtype).index_select(0, bits.long()).view(-1)[:n]
+
+
+def _block_means(values, b):
+    """The mean of each run of b entries (the last run may be shorter)."""
+    n, whole = values.numel(), values.numel() // b * b
+    means = values[:whole].view(-1, b).mean(1)
+    if whole < n:
+        means = torch.cat([means, values[whole:].mean().view(1)])
+    return means
+
+
+def _scaled_signs(signs, scale, runs, b):
+    """signs (+1/-1) times each block's scale, block by block inside each run, in place."""
+    k = 0
+    for at, size in runs:
+        whole, blocks = size // b * b, -(-size // b)
+        mine = signs[at:at + size]
+        mine[:whole].view(-1, b).mul_(scale[k:k + whole // b, None].to(signs.dtype))
+        if whole < size:
+            mine[whole:].mul_(scale[k + blocks - 1].to(signs.dtype))
+        k += blocks
+    return signs

@@ -1,0 +1,201 @@
+"""When does gradient compression pay? paratrain's compressors beside DDP's, over 1 Gbit/s, 10 Gbit/s and no limit.
+
+    paratrain bench compression [--links 1gbit,10gbit,unlimited] [--rounds 6] [--steps 10] [--quick]
+    python benchmarks/compression.py            (the same)
+
+The setting of issue 27: the ``mlp-large`` task (21M parameters, 84 MB of
+fp32 gradients a step), 2 pretend hosts x 1 worker joined by a link limited
+with ``paratrain run --link RATE`` (launch/link.py; needs root), or by
+nothing but the loopback. Every engine runs in the same 2 processes, round
+by round (compression_worker.py): our DataParallel uncompressed, with fp16,
+top-k 1%, PowerSGD rank 4 and 1-bit, and torch's DDP plain and with its
+``fp16_compress_hook``. Every engine takes the same steps on the same
+batches, so the accuracy each ends at shows what its compression cost.
+
+torch's ``powerSGD_hook`` is tried on its own first (it aborts on Gloo with
+torch 2.13): the table says whether it ran and, if not, how it failed.
+
+Prints per link: ms/step, samples/s, the ratio to uncompressed all-reduce
+and to DDP, MB a rank sends per step and their share of fp32's, the test
+accuracy after the same steps and its distance to uncompressed; and the
+issue's goals at 1 Gbit/s (top-k and PowerSGD: at least 3x, at most 5% of the
+bytes, within 1 accuracy point). Writes benchmarks/results/compression.json
+and compression.png.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import gpt_runs, launcher
+
+ENGINES = ["pt/none", "pt/fp16", "pt/topk:0.01", "pt/powersgd:4", "pt/onebit", "torch/ddp", "torch/ddp+fp16"]
+GOAL_ENGINES = ("pt/topk:0.01", "pt/powersgd:4")
+GOAL_SPEEDUP, GOAL_BYTES, GOAL_POINTS = 3.0, 0.05, 1.0
+UNLIMITED = "unlimited"
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="paratrain bench compression",
+                                description="gradient compression vs DDP over pretend hosts joined by a slow link")
+    p.add_argument("--links", default="1gbit,10gbit,unlimited",
+                   help="link rates between the 2 pretend hosts, comma-separated (tc's words, or 'unlimited')")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps per engine first (default 4)")
+    p.add_argument("--no-torch-powersgd", action="store_true", help="skip trying torch's powerSGD_hook")
+    gpt_runs.add_common_options(p)
+    p.set_defaults(rounds=6, steps=10)
+    return p
+
+
+def launch_command(link, cfg_path):
+    """``paratrain run`` for 2 pretend hosts x 1 worker: in a limited namespace, or on the plain loopback."""
+    run = [sys.executable, "-m", "paratrain.run"]
+    worker = ["-m", "paratrain.bench.compression_worker", str(cfg_path)]
+    if link == UNLIMITED:
+        return run + ["-n", "2"] + worker, {"PARATRAIN_PRETEND_HOSTS": "2"}
+    return run + ["--link", link, "--nnodes", "2", "-n", "1"] + worker, {}
+
+
+def run_link(link, engines, args, folder, capture=False):
+    """One launch of the workers at ``link``: their result, or (capture) the exit code and output."""
+    cfg = dict(engines=engines, rounds=args.rounds, steps=args.steps, warmup=args.warmup, batch=32,
+               timeout=args.timeout, result=str(Path(folder) / f"result-{link}-{len(engines)}.json"))
+    path = Path(folder) / f"cfg-{link}-{len(engines)}.json"
+    path.write_text(json.dumps(cfg))
+    cmd, extra = launch_command(link, path)
+    env = dict(os.environ, PARATRAIN_TIMEOUT=str(args.timeout), OMP_NUM_THREADS="1", **extra)
+    print(f"[bench] link {link}: {', '.join(engines)}", file=sys.stderr, flush=True)
+    if capture:
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"did not finish within {args.timeout:.0f} s"
+        return done.returncode, done.stdout + done.stderr
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    code = launcher.wait([proc], args.timeout)
+    if code != 0:
+        raise RuntimeError(f"the run at link {link} failed (exit code {code}); its errors are above")
+    return json.loads(Path(cfg["result"]).read_text())
+
+
+def probe_torch_powersgd(args, folder):
+    """Does DDP's powerSGD_hook (rank 4) run here? {ran, why}: why is its first error line."""
+    probe = argparse.Namespace(**dict(vars(args), rounds=1, steps=2, warmup=2, timeout=min(args.timeout, 300)))
+    code, out = run_link(UNLIMITED, ["torch/ddp+powersgd"], probe, folder, capture=True)
+    if code == 0:
+        return dict(ran=True, why="ran 4 steps")
+    lines = [ln for ln in (out or "").splitlines() if re.search(r"enforce fail|Error|error|killed", ln)]
+    why = next((ln for ln in lines if "enforce fail" in ln), lines[-1] if lines else f"exit code {code}")
+    why = re.sub(r"^\[rank \d+\]\s*(\[rank\d+\]:\s*)?", "", why).strip()
+    return dict(ran=False, why=why[:300], exit_code=code)
+
+
+def summarize(link, result):
+    """One row per engine at this link."""
+    medians = {e: statistics.median(t) for e, t in result["times"].items()}
+    eng = result["engines"]
+    base, ddp = medians.get("pt/none"), medians.get("torch/ddp")
+    fp32 = eng[next(iter(eng))]["parameters"] * 4
+    none_acc = eng["pt/none"]["accuracy"] if "pt/none" in eng else None
+    batch = 32 * result["world_size"]
+    rows = []
+    for name, step in medians.items():
+        e = eng[name]
+        rows.append(dict(link=link, engine=name, step_ms=step * 1e3, samples_per_s=batch / step,
+                         vs_none=base / step if base else None, vs_ddp=ddp / step if ddp else None,
+                         mb_per_step=e["bytes_per_step"] / 1e6, bytes_share=e["bytes_per_step"] / fp32,
+                         accuracy=e["accuracy"], points=(e["accuracy"] - none_acc) * 100 if none_acc is not None else None,
+                         steps=e["steps"], last_loss=e["last_loss"]))
+    return rows
+
+
+def goals(rows):
+    """The issue's goals at 1 Gbit/s, per engine: {engine: {speedup, bytes, accuracy: bool}}."""
+    out = {}
+    for r in rows:
+        if r["link"] == "1gbit" and r["engine"] in GOAL_ENGINES and r["vs_none"] is not None:
+            out[r["engine"]] = dict(speedup=r["vs_none"] >= GOAL_SPEEDUP, bytes=r["bytes_share"] <= GOAL_BYTES,
+                                    accuracy=r["points"] >= -GOAL_POINTS)
+    return out
+
+
+def table(rows, torch_powersgd):
+    from rich.table import Table
+    t = Table(title="mlp-large (21M), 2 pretend hosts x 1 worker: medians of interleaved rounds; accuracy after "
+                    "the same steps")
+    for c in ("link", "engine", "step ms", "samples/s", "vs none", "vs DDP", "MB/step a rank", "of fp32",
+              "accuracy", "points vs none"):
+        t.add_column(c, justify="left" if c in ("link", "engine") else "right")
+    for r in rows:
+        f = (lambda v, fmt: "-" if v is None else fmt.format(v))
+        t.add_row(r["link"], r["engine"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}",
+                  f(r["vs_none"], "{:.2f}x"), f(r["vs_ddp"], "{:.2f}x"), f"{r['mb_per_step']:.2f}",
+                  f"{100 * r['bytes_share']:.1f}%", f"{100 * r['accuracy']:.2f}%", f(r["points"], "{:+.2f}"))
+    if torch_powersgd is not None:
+        t.caption = ("torch DDP powerSGD_hook (rank 4, Gloo): " +
+                     ("ran" if torch_powersgd["ran"] else f"failed: {torch_powersgd['why']}"))
+    return t
+
+
+def plot(path, rows, links):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    width = 0.8 / len(links)
+    for i, link in enumerate(links):
+        mine = {r["engine"]: r["samples_per_s"] for r in rows if r["link"] == link}
+        ax.bar([k + i * width for k in range(len(engines))], [mine.get(e, 0) for e in engines], width, label=link)
+    ax.set_xticks([k + width * (len(links) - 1) / 2 for k in range(len(engines))], engines, rotation=25,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("samples/s (2 workers)")
+    ax.legend(title="link between the 2 hosts")
+    ax.set_title("Gradient compression: mlp-large 21M, paratrain (pt/) and torch DDP")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    from ..launch import link as linkmod
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 1, 1
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    links = [x.strip() for x in args.links.split(",") if x.strip()]
+    skipped = {}
+    for link in links:
+        why = None if link == UNLIMITED else linkmod.check(link)
+        if why:
+            skipped[link] = why
+            print(f"[bench] skipping link {link}: {why}", file=sys.stderr)
+    links = [x for x in links if x not in skipped]
+    if not links:
+        print("paratrain bench compression: no link left to measure", file=sys.stderr)
+        return 2
+    rows, raw = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch_powersgd = None if args.no_torch_powersgd else probe_torch_powersgd(args, tmp)
+        for link in links:
+            raw[link] = run_link(link, engines, args, tmp)
+            rows += summarize(link, raw[link])
+    met = goals(rows)
+    out = gpt_runs.show_and_save(table(rows, torch_powersgd), "compression", dict(task="mlp-large", hosts=2), args,
+                                 rows, raw, links=links, skipped=skipped, torch_powersgd=torch_powersgd, goals=met,
+                                 warmup=args.warmup)
+    for engine, g in met.items():
+        print(f"goal at 1gbit, {engine}: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in g.items()))
+    png = plot(out / "compression.png", rows, links)
+    print(f"wrote {out / 'compression.json'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""One worker of the compression benchmark: every engine in this process, round by round.
+
+Started by ``paratrain run`` as one of 2 pretend hosts (``--link RATE --nnodes
+2 -n 1``, or ``PARATRAIN_PRETEND_HOSTS=2`` for no limit), so the group is the
+hierarchical one and every byte between the ranks crosses the (limited)
+loopback through Gloo, as between machines.
+
+Each engine trains its own copy of the ``mlp-large`` task's model (21M
+parameters; the same initial weights) with what ``paratrain train`` uses: SGD
+with momentum 0.9, lr 0.01, 32 samples a rank. Step i of every engine reads
+the same batch, so after the rounds every engine has taken the same steps on
+the same data, and their accuracies on the task's test set compare what the
+compression cost:
+
+- ``pt/none``, ``pt/fp16``, ``pt/topk:0.01``, ``pt/powersgd:4``, ``pt/onebit``:
+  pt.DataParallel with ``compression=`` that word (none: fp32 all-reduce);
+- ``torch/ddp``, ``torch/ddp+fp16``: DistributedDataParallel over the same Gloo
+  world, plain and with torch's ``fp16_compress_hook``;
+- ``torch/ddp+powersgd``: DDP with torch's ``powerSGD_hook`` (rank 4); the
+  front-end runs it on its own, as it may abort the process (compression.py).
+"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from . import rounds
+from .dp_worker import init_gloo, release_ddp
+
+TASK = "mlp-large"
+
+
+class TrainingEngine:
+    """One engine: a model, SGD with momentum, and the batches of the task, step by step."""
+
+    def __init__(self, name, model, barrier, data, group, batch, wire_bytes):
+        from ..train.strategies.allreduce import make_optimizer
+        self.name, self.model, self.barrier = name, model, barrier
+        self.x_all, self.y_all = data
+        self.rank, self.world_size, self.batch = group.rank, group.world_size, batch
+        self.opt = make_optimizer("sgd", model.parameters(), 0.01)
+        self.steps, self.wire_bytes, self.losses = 0, wire_bytes, []
+
+    def step(self, x=None, y=None):
+        """The next step: this rank's share of the step's batch, drawn alike for every engine."""
+        gen = torch.Generator().manual_seed(1000 + self.steps)
+        index = torch.randint(len(self.y_all), (self.batch * self.world_size,), generator=gen)
+        mine = index[self.rank * self.batch:(self.rank + 1) * self.batch]
+        loss = F.cross_entropy(self.model(self.x_all[mine]), self.y_all[mine])
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.steps += 1
+        self.losses.append(loss.item())
+
+    def sent_per_step(self):
+        """Bytes this rank put on the wire per step (DataParallel counts them; DDP: its buckets' dtype)."""
+        return self.wire_bytes() / max(1, self.steps)
+
+
+def build(name, cfg, group, port):
+    import paratrain as pt
+
+    from ..train.tasks import build_task
+    task = build_task(TASK, seed=0)
+    data = task.train_set.tensors
+    numel = sum(p.numel() for p in task.model.parameters())
+    kind, _, arg = name.partition("/")
+    if kind == "pt":
+        model = pt.DataParallel(task.model, group=group, compression=None if arg == "none" else arg)
+        engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes)
+    else:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        init_gloo(group, port, cfg["timeout"])
+        model = torch.nn.parallel.DistributedDataParallel(task.model)
+        width = 4
+        if arg == "ddp+fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            width = 2
+        elif arg == "ddp+powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            width = None   # not counted: the probe only says whether it runs
+        elif arg != "ddp":
+            raise ValueError(f"unknown engine {name!r}")
+        engine = TrainingEngine(name, model, dist.barrier, data, group, cfg["batch"],
+                                lambda: (width or 0) * numel * engine.steps)
+    engine.task = task
+    return engine
+
+
+def main(cfg_path):
+    import os
+
+    import paratrain as pt
+    cfg = json.loads(open(cfg_path).read())
+    torch.set_num_threads(1)
+    group = pt.init()
+    port = int(os.environ["MASTER_PORT"])
+    engines = [build(name, cfg, group, port) for name in cfg["engines"]]
+    times = rounds.interleaved(engines, cfg, group, None, None)
+    report = {}
+    for e in engines:
+        e.model.eval()
+        with torch.no_grad():
+            scores = e.task.evaluate(getattr(e.model, "module", e.model))
+        report[e.name] = dict(accuracy=scores["accuracy"], eval_loss=scores["eval_loss"], steps=e.steps,
+                              first_loss=e.losses[0], last_loss=e.losses[-1], bytes_per_step=e.sent_per_step(),
+                              parameters=sum(p.numel() for p in e.task.model.parameters()))
+    if group.rank == 0:
+        with open(cfg["result"], "w") as f:
+            json.dump(dict(times=times, engines=report, world_size=group.world_size, backend=group.backend), f)
+    group.barrier()
+    pt.destroy()
+    release_ddp(engines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[-1]))
