@@ -20,9 +20,9 @@ I32 = st.integers(-2**31, 2**31 - 1)
 I64 = st.integers(-2**63, 2**63 - 1)
 
 
-def test_header_is_64_bytes_and_ops_are_1_to_10():
+def test_header_is_64_bytes_and_ops_are_1_to_11():
     assert HEADER_SIZE == 64
-    assert [int(o) for o in Op] == list(range(1, 11))
+    assert [int(o) for o in Op] == list(range(1, 12))   # 11: PUSH_PACKED (compressed pushes)
 
 
 def _header(op, payload):
@@ -109,7 +109,7 @@ GOOD_PAYLOAD = bytes(16)
     ([_raw(magic=b"HTTP"), b"", GOOD_PAYLOAD], ["bad magic", "PTPS"]),
     ([_raw(version=2), b"", GOOD_PAYLOAD], ["version 2", "same paratrain version"]),
     ([_raw(op=0), b"", GOOD_PAYLOAD], ["unknown op 0"]),
-    ([_raw(op=11), b"", GOOD_PAYLOAD], ["unknown op 11"]),
+    ([_raw(op=12), b"", GOOD_PAYLOAD], ["unknown op 12"]),
     ([_raw(code=99), b"", GOOD_PAYLOAD], ["unknown dtype code 99"]),
     ([_raw(code=0), b"", GOOD_PAYLOAD], ["dtype code 0 means no payload"]),
     ([_raw(op=5, code=4, nbytes=12), b"", bytes(12)], ["not a multiple", "8-byte item size"]),

@@ -24,7 +24,7 @@ import torch
 
 from .. import config
 from ..comm.errors import CommTimeout
-from . import shared, sharding, wire
+from . import push_codecs, shared, sharding, wire
 from .consistency import effective_mode, valid_staleness
 from .requests import PSError, Requests
 from .wire import Op
@@ -41,6 +41,7 @@ class Client(Requests):
         self.clock_value = 0
         self.params = None
         self.placement = None
+        self.codec = None       # push_codecs.PushCodec when pushes are compressed
         self.tables = []        # the model's pt.ps.Embedding modules, in registration order
         self.offsets = {}       # (key, lo) -> the piece's place in its server's regions
         self._closed = self._left = False
@@ -87,7 +88,8 @@ class Client(Requests):
 
     # ---- the API ------------------------------------------------------------------------------
 
-    def register(self, model, optimizer="sgd", consistency="bsp", staleness=None, predict=False, **hyper):
+    def register(self, model, optimizer="sgd", consistency="bsp", staleness=None, predict=False, compression=None,
+                 **hyper):
         """Place the model's parameters on the servers and start them from worker 0's values.
         Every worker calls it with the same model. optimizer: sgd, adagrad or adam, with its
         hyper-parameters (lr=..., momentum=...); the state lives on the servers. The model's
@@ -95,13 +97,16 @@ class Client(Requests):
         predict (ASP/SSP): pulls return the weights each worker's push will most likely
         meet, extrapolated along the last update (and a momentum step further, as
         Nesterov's method looks ahead), and the servers damp each pushed gradient
-        element by how far the prediction missed (ps/shard.py); pull(exact=True) does not."""
+        element by how far the prediction missed (ps/shard.py); pull(exact=True) does not.
+        compression: how pushes travel, "topk:0.01", "onebit", "fp16" or "bf16" (push_codecs.py;
+        over TCP even to a server on this host), or None."""
         from .embedding import Embedding
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {', '.join(CONSISTENCY)}, not {consistency!r}")
         if consistency == "ssp" and not valid_staleness(staleness):
             raise ValueError(f"consistency='ssp' needs staleness: an int >= 0 (0 behaves like BSP) or math.inf "
                              f"(behaves like ASP), not {staleness!r}")
+        self.codec = None if compression in (None, "none") else push_codecs.PushCodec(compression)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for n, p in named:
             if p.dtype != torch.float32:
@@ -184,7 +189,7 @@ class Client(Requests):
         this host (shared.py): the reply is the next clock's weights, sent when the
         consistency model allows. Elsewhere it is exactly those three calls."""
         self._check_registered()
-        if not all(r is not None and mine for r, mine in zip(self.regions, self.placement)):
+        if self.codec is not None or not all(r is not None and mine for r, mine in zip(self.regions, self.placement)):
             self.push()
             self.clock()
             return self.pull()
@@ -202,12 +207,17 @@ class Client(Requests):
         self._check_registered()
         expected = set()
         for s, mine in enumerate(self.placement):
-            if self.regions[s] is not None and mine:
+            if self.regions[s] is not None and mine and self.codec is None:
                 expected.add(self._send_shared(s, Op.PUSH, ring=True))
                 continue
             for pc in mine:
-                self._send(s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(self._grad(pc)))
-                expected.add((s, int(Op.PUSH), pc.key, pc.lo))
+                grad = np.ascontiguousarray(self._grad(pc))
+                op, code, meta = Op.PUSH, 3, None
+                if self.codec is not None:
+                    packed, code, meta, grad = self.codec.encode((pc.key, pc.lo), grad)
+                    op = Op.PUSH_PACKED if packed else Op.PUSH
+                self._send(s, op, pc.key, pc.lo, pc.hi, meta, grad, dtype_code=code)
+                expected.add((s, int(op), pc.key, pc.lo))
         self._collect(expected | self._push_table_rows(), "push")
 
     def _push_table_rows(self):

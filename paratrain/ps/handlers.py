@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .. import config
-from . import doorbell, shared, wire
+from . import doorbell, push_codecs, shared, wire
 from .consistency import Clocks, effective_mode
 from .optimizers import make_optimizer
 from .rows import make_table
@@ -123,7 +123,7 @@ class Handlers:
         if h.clock > unit.applied:   # the rounds in between were applied by the dead server, after its checkpoint
             unit.clear_round()
             unit.applied = h.clock
-        return h.op in (Op.PUSH, Op.PUSH_ROWS) and (h.clock < unit.applied or h.worker in unit.pushed)
+        return h.op in (Op.PUSH, Op.PUSH_PACKED, Op.PUSH_ROWS) and (h.clock < unit.applied or h.worker in unit.pushed)
 
     def _check_round(self, h, unit):
         if h.clock != unit.applied or h.worker in unit.pushed:
@@ -154,11 +154,13 @@ class Handlers:
             for shard in self.shards.values():
                 self._push_one(h, shard, self.regions.push(h.worker, self.offsets[(shard.key, shard.lo)],
                                                            shard.hi - shard.lo))
-        else:
+        else:   # float32, or fp16 / bf16 widened (a compressed push: push_codecs.py)
             shard = self._shard(h)
-            grad = np.frombuffer(payload, dtype=np.float32)
-            if grad.size != shard.hi - shard.lo:
-                raise ValueError(f"push of {grad.size} values for a shard of {shard.hi - shard.lo}")
+            n = shard.hi - shard.lo
+            if h.op == Op.PUSH_PACKED:
+                grad = push_codecs.decode(meta, payload, n)
+            else:
+                grad = push_codecs.widen(h.dtype_code, payload, n)
             self._push_one(h, shard, grad)
         if h.flags & shared.FLAG_STEP and h.flags & shared.FLAG_SHM:
             # push, clock, pull in one request: the answer is the next clock's weights, sent as

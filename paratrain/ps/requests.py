@@ -62,10 +62,11 @@ class Requests:
         self.rings = 0          # requests rung so far (their sequence numbers)
         self.via_zmq = [False] * len(addrs)   # per server: ring nothing until a ZeroMQ reply (a reconnection)
 
-    def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None, reply=True):
-        """Send a request; one that expects a ``reply`` stays outstanding until it comes."""
+    def _send(self, server, op, key=-1, lo=0, hi=0, meta=None, payload=None, reply=True, dtype_code=3):
+        """Send a request; one that expects a ``reply`` stays outstanding until it comes.
+        dtype_code: the payload's (comm.ops codes; float32 unless a compressed push)."""
         h = wire.Header(op=op, worker=self.worker, key=key, clock=self.clock_value, lo=lo, hi=hi,
-                        dtype_code=3 if payload is not None else 0, flags=0, payload_nbytes=0, token=self.token)
+                        dtype_code=dtype_code if payload is not None else 0, flags=0, payload_nbytes=0, token=self.token)
         frames = wire.encode(h, meta, payload)
         self.bytes_sent += memoryview(frames[2]).nbytes + len(meta.get("rows", b"") if meta else b"")
         if not reply:   # a clock: if the connection is down it is lost, and the next request's clock says it

@@ -128,7 +128,7 @@ class Server(Handlers):
 
     def _dispatch(self, ident, h, meta, payload):
         try:
-            handler = {Op.REGISTER: self._register, Op.PUSH: self._push, Op.PULL: self._pull,
+            handler = {Op.REGISTER: self._register, Op.PUSH: self._push, Op.PUSH_PACKED: self._push, Op.PULL: self._pull,
                        Op.PUSH_ROWS: self._push_rows, Op.PULL_ROWS: self._pull_rows,
                        Op.CLOCK: self._clock, Op.STATS: self._stats, Op.SHUTDOWN: self._shutdown}.get(h.op)
             if handler is None:

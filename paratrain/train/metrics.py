@@ -288,6 +288,7 @@ ROWS = {
     "time_comm_s": ("rank 0: communication (total, incl. any overlapped with backward)",
                     lambda v, s: format_seconds(v)),
     "bytes_communicated": ("bytes communicated", lambda v, s: format_bytes(v)),
+    "bytes_pushed": ("rank 0: bytes pushed to the servers", lambda v, s: format_bytes(v)),
     "zero_bytes_formula": (None, None),   # shown within the row above
     "run_dir": ("run dir", None),
     "plot": ("plot", None),

@@ -56,8 +56,11 @@ class OneBit(Compressor):
         blocks = sum(-(-size // self.block) for _, size in self._runs(self._index.get(id(flat)), n))
         return (n + 7) // 8 + 2 * blocks
 
-    def __call__(self, group, index, flat):
-        n, p, b = flat.numel(), group.world_size, self.block
+    def encode(self, index, flat):
+        """This rank's packed signs (uint8) and bfloat16 block scales for ``flat`` plus its
+        residual; the difference stays as the new residual (error feedback). Also what a
+        parameter-server push sends (ps/push_codecs.py)."""
+        n, b = flat.numel(), self.block
         runs = self._runs(index, n)
         acc = self.residual.get(index)
         acc = flat.clone() if acc is None else acc.add_(flat)
@@ -65,19 +68,29 @@ class OneBit(Compressor):
         # the scales travel as bfloat16 (fp32's range, 8 bits of mantissa): the rounding is the sender's,
         # and error feedback keeps what it loses
         scale = torch.cat([_block_means(magnitude[at:at + size], b) for at, size in runs]).to(torch.bfloat16)
-        positive = acc >= 0
-        bits = torch.from_numpy(np.packbits(positive.numpy()))
-        sent = _scaled_signs(_unpack(bits, n, acc.dtype), scale, runs, b)
+        bits = torch.from_numpy(np.packbits((acc >= 0).numpy()))
+        sent = decode(bits, scale, n, runs, b, acc.dtype)
         self.residual[index] = acc.sub_(sent)
         self.sent[index] = sent
+        return bits, scale
+
+    def __call__(self, group, index, flat):
+        n, p = flat.numel(), group.world_size
+        runs = self._runs(index, n)
+        bits, scale = self.encode(index, flat)
         all_bits = torch.empty(p * bits.numel(), dtype=torch.uint8)
         scales = torch.empty(p * scale.numel(), dtype=torch.bfloat16)
         group.all_gather(all_bits, bits)
         group.all_gather(scales, scale)
         flat.zero_()
         for their_bits, their_scale in zip(all_bits.view(p, -1), scales.view(p, -1)):
-            flat.add_(_scaled_signs(_unpack(their_bits, n, flat.dtype), their_scale, runs, b))
+            flat.add_(decode(their_bits, their_scale, n, runs, self.block, flat.dtype))
         flat.div_(p)
+
+
+def decode(bits, scale, n, runs, block, dtype):
+    """n entries: each packed sign times its block's scale (blocks counted inside each run)."""
+    return _scaled_signs(_unpack(bits, n, dtype), scale, runs, block)
 
 
 # +1 / -1 for each of the 8 bits of every byte value, most significant first (np.packbits's order):

@@ -77,7 +77,9 @@ class TopK(Compressor):
     def wire_bytes(self, flat):
         return self.k_of(flat.numel(), self.steps.get(id(flat), 0)) * (4 + flat.element_size())
 
-    def __call__(self, group, index, flat):
+    def encode(self, index, flat):
+        """This rank's (indices, values) for ``flat`` plus its residual; keeps the rest as the
+        new residual (error feedback). Also what a parameter-server push sends (ps/push_codecs.py)."""
         n = flat.numel()
         step = self.steps.get(index, 0)
         acc = self.residual.get(index)
@@ -96,6 +98,11 @@ class TopK(Compressor):
         self.residual[index] = acc
         self.steps[index] = step + 1
         self.sent[index] = (chosen, values)   # for tests: this rank's own contribution
+        return chosen, values
+
+    def __call__(self, group, index, flat):
+        chosen, values = self.encode(index, flat)
+        k = chosen.numel()
         all_idx = torch.empty(group.world_size * k, dtype=torch.int32)
         all_val = torch.empty(group.world_size * k, dtype=flat.dtype)
         group.all_gather(all_idx, chosen.to(torch.int32))

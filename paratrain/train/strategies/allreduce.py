@@ -52,7 +52,7 @@ def add_options(parser):
                         "and back)")
     g.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (allreduce; default 25)")
     g.add_argument("--compression", type=compression_spec, default="none",
-                   help="how gradient buckets travel (allreduce): none, fp16 / bf16 (cast), topk:<ratio> (the "
+                   help="how gradient buckets (allreduce) or pushes (ps: not powersgd) travel: none, fp16 / bf16 (cast), topk:<ratio> (the "
                         "largest entries, error feedback; e.g. topk:0.01), powersgd:<rank> (low-rank, e.g. powersgd:4), "
                         "onebit (scaled signs, error feedback)")
     g.add_argument("--tp", type=positive_int, default=1,
@@ -66,6 +66,9 @@ def add_options(parser):
 def check(args, chosen):
     """Only DataParallel's names are checked here: DataParallelNaive, and any other
     strategy given --algorithm, pass it on as it is (as they always have)."""
+    if args.compression != "none" and args.strategy not in ("allreduce", "ps", "zero"):
+        return (f"--compression is for --strategy allreduce (gradient buckets) and ps (pushes), not "
+                f"{args.strategy}")
     if chosen and args.strategy == "allreduce" and args.algorithm and args.algorithm not in ALGORITHMS:
         return f"unknown --algorithm {args.algorithm!r}; choose direct, ring, tree or naive"
     if args.tp > 1:   # --tp is also the pipeline's (3D: strategies/pipeline.py checks its own multiple)

@@ -67,6 +67,10 @@ def check(args, chosen):
     model or a weight prediction given to another strategy is refused, not ignored."""
     if chosen and args.resume:
         return NO_RESUME
+    if chosen and args.compression.startswith("powersgd"):
+        return ("--compression powersgd does not work with --strategy ps: its second factor needs every worker's "
+                "first factor averaged first (an all-reduce among workers); the servers take topk:<ratio>, onebit, "
+                "fp16 or bf16")
     if args.consistency == "ssp" and (args.staleness is None or args.staleness < 0):
         return "--consistency ssp needs --staleness N (N >= 0; 0 behaves like bsp, inf like asp)"
     if not chosen and (args.consistency != "bsp" or args.staleness is not None):
@@ -96,13 +100,16 @@ def launcher_args(args):
 def backend(args):
     return (f"zeromq, {args.servers} servers, {args.consistency}"
             + (f" s={args.staleness}" if args.consistency == "ssp" else "")
-            + (", weight prediction" if args.predict_weights else ""))
+            + (", weight prediction" if args.predict_weights else "")
+            + (f", pushes {args.compression}" if args.compression != "none" else ""))
 
 
 SUMMARY = {
     "backend": lambda step, args: backend(args),
     "algorithm": lambda step, args: args.algorithm or "default",   # (no all-reduce here; shown as it always was)
     "staleness_histogram": lambda step, args: step.staleness_histogram(),
+    # rank 0's gradient bytes to the servers (compressed with --compression; the pulls are not)
+    "bytes_pushed": lambda step, args: step.ps.bytes_sent,
 }
 
 
@@ -113,7 +120,7 @@ class ParameterServerStep(ReplicaStep):
     local_loss = True               # each worker logs its own batches' loss
     finish_changes_weights = True   # finish() pulls the servers' final weights
 
-    def __init__(self, model, optimizer, lr, consistency, staleness, predict=False):
+    def __init__(self, model, optimizer, lr, consistency, staleness, predict=False, compression=None):
         if config.get("PARATRAIN_PS_SCHED_BATCH") and hasattr(os, "SCHED_BATCH"):
             try:
                 os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
@@ -124,7 +131,7 @@ class ParameterServerStep(ReplicaStep):
         self.ps = pt.ps.connect()
         hyper = {"lr": lr, **({"momentum": 0.9} if optimizer == "sgd" else {})}
         self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness,
-                         predict=predict, **hyper)
+                         predict=predict, compression=compression, **hyper)
         self.rank, self.world_size = self.ps.worker, self.ps.workers
         self.predict = predict
         self.pulled = False
@@ -195,4 +202,4 @@ class ParameterServerStep(ReplicaStep):
 
 def make_step(task, args, settings):
     return ParameterServerStep(task.model, settings.optimizer, settings.lr, args.consistency, args.staleness,
-                               args.predict_weights)
+                               args.predict_weights, args.compression)

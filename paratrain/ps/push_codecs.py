@@ -1,0 +1,127 @@
+"""Compressed gradient pushes to the parameter servers (issue 27).
+
+    ps.register(model, optimizer="sgd", lr=0.05, compression="topk:0.01")
+    paratrain train --strategy ps --compression topk:0.01 | onebit | fp16 | bf16
+
+A push carries one piece of a tensor ([lo, hi) of its flat gradient) to the
+server that owns it. Compressed, the piece travels as:
+
+- ``fp16`` / ``bf16``: a PUSH whose dtype code is float16 / bfloat16 (the
+  header's element count still holds); the server widens it to float32;
+- ``topk:<r>``: a PUSH_PACKED, meta ``{"codec": "topk", "k": k}``, payload k
+  int32 offsets into the piece then k float32 values (DGC: the k entries of
+  largest magnitude, the rest kept as the worker's residual);
+- ``onebit``: a PUSH_PACKED, meta ``{"codec": "onebit", "block": b}``,
+  payload the packed signs (ceil(n / 8) bytes) then one bfloat16 scale per
+  block of b entries (scaled sign, error feedback).
+
+Error feedback lives at the worker, one residual per piece, exactly as in
+DataParallel's compressors (parallel/compression/: the same ``encode``), so
+nothing a worker computed is lost, only delayed. The server averages the
+decoded gradients as it does plain ones. PowerSGD is refused: its second
+factor needs the workers' first factors averaged first (an all-reduce among
+workers, not a push to a server).
+
+With compression set, every push takes this path, also to a server on the
+same host (whose shared-memory path would move no network bytes at all):
+compression is asked for where the link is slow, and a test on one host
+must see what a remote server would.
+
+The server trusts nothing in a packed push: the codec must be known, the
+sizes must match the piece exactly and every offset must fall inside it
+(``decode`` raises FrameError saying which).
+"""
+import math
+
+import numpy as np
+import torch
+
+from ..comm.errors import FrameError
+from ..parallel.compression import onebit as onebit_mod
+from ..parallel.compression import parse as parse_compressor
+
+CODES = {"fp16": 1, "bf16": 2}   # comm.ops dtype codes
+FLOAT32 = 3
+CHOICES = ("none", "fp16", "bf16", "topk:<ratio>", "onebit")
+
+
+class PushCodec:
+    """A worker's compression of its pushes: ``encode(piece, grad)`` gives what to send."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        kind = spec.partition(":")[0]
+        if kind == "powersgd":
+            raise ValueError("compression powersgd cannot compress parameter-server pushes: its second factor "
+                             "needs every worker's first factor averaged first, an all-reduce among workers; "
+                             f"use one of {', '.join(CHOICES)} with the parameter servers")
+        self.kind = kind
+        self.compressor = None if kind in CODES else parse_compressor(spec)
+        if kind not in CODES and self.compressor is None:
+            raise ValueError(f"unknown compression {spec!r} for parameter-server pushes; choose {', '.join(CHOICES)}")
+        self.pieces = {}
+
+    def encode(self, piece, grad):
+        """(packed, dtype code, meta, payload) for a float32 numpy ``grad``: packed says
+        PUSH_PACKED (else a PUSH of that dtype code)."""
+        if self.kind == "fp16":
+            return False, CODES["fp16"], None, grad.astype(np.float16)
+        if self.kind == "bf16":
+            return False, CODES["bf16"], None, torch.from_numpy(grad).to(torch.bfloat16).view(torch.int16).numpy()
+        index = self.pieces.setdefault(piece, len(self.pieces))
+        flat = torch.from_numpy(np.array(grad, dtype=np.float32))   # a copy: the compressor keeps residuals
+        if self.kind == "topk":
+            chosen, values = self.compressor.encode(index, flat)
+            payload = np.concatenate([chosen.to(torch.int32).numpy().view(np.uint8),
+                                      values.to(torch.float32).numpy().view(np.uint8)])
+            return True, 7, {"codec": "topk", "k": int(chosen.numel())}, payload
+        bits, scale = self.compressor.encode(index, flat)
+        payload = np.concatenate([bits.numpy(), scale.view(torch.int16).numpy().view(np.uint8)])
+        return True, 7, {"codec": "onebit", "block": self.compressor.block}, payload
+
+
+def widen(dtype_code, payload, n):
+    """A plain PUSH's gradient as float32 (fp16 and bf16 pushes widened)."""
+    if dtype_code == FLOAT32:
+        grad = np.frombuffer(payload, dtype=np.float32)
+    elif dtype_code == CODES["fp16"]:
+        grad = np.frombuffer(payload, dtype=np.float16).astype(np.float32)
+    elif dtype_code == CODES["bf16"]:
+        bits = np.frombuffer(payload, dtype=np.uint16).astype(np.uint32) << 16
+        grad = bits.view(np.float32)
+    else:
+        raise FrameError(f"a push carries float32, float16 or bfloat16 gradients, not dtype code {dtype_code}")
+    if grad.size != n:
+        raise FrameError(f"push of {grad.size} values for a shard of {n}")
+    return grad
+
+
+def decode(meta, payload, n):
+    """A PUSH_PACKED's gradient for a piece of n entries, as float32; FrameError if it
+    does not describe exactly such a piece."""
+    codec = meta.get("codec")
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    if codec == "topk":
+        k = meta.get("k")
+        if not isinstance(k, int) or not 0 < k <= n or raw.size != 8 * k:
+            raise FrameError(f"a top-k push of a {n}-entry piece needs 0 < k <= {n} and 8k payload bytes, "
+                             f"got k={k!r} and {raw.size} bytes")
+        offsets = raw[:4 * k].view(np.int32)
+        if offsets.min() < 0 or offsets.max() >= n:
+            raise FrameError(f"a top-k push names offsets outside its {n}-entry piece "
+                             f"({int(offsets.min())}..{int(offsets.max())})")
+        grad = np.zeros(n, dtype=np.float32)
+        np.add.at(grad, offsets, raw[4 * k:].view(np.float32))
+        return grad
+    if codec == "onebit":
+        block = meta.get("block")
+        if not isinstance(block, int) or block < 1:
+            raise FrameError(f"a 1-bit push needs a positive int block, got {block!r}")
+        nbits, blocks = -(-n // 8), math.ceil(n / block)
+        if raw.size != nbits + 2 * blocks:
+            raise FrameError(f"a 1-bit push of a {n}-entry piece in blocks of {block} needs {nbits + 2 * blocks} "
+                             f"bytes, got {raw.size}")
+        bits = torch.from_numpy(raw[:nbits].copy())
+        scale = torch.from_numpy(raw[nbits:].copy().view(np.int16)).view(torch.bfloat16)
+        return onebit_mod.decode(bits, scale, n, [(0, n)], block, torch.float32).numpy()
+    raise FrameError(f"unknown push codec {codec!r}: mixed paratrain versions? (known: topk, onebit)")
