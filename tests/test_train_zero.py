@@ -50,3 +50,27 @@ def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(
 def test_bad_zero_options_are_refused_before_anything_starts(tmp_path, args, message):
     res = train(tmp_path, *args)
     assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_checkpoint_resumes_exactly_and_only_where_it_was_written(tmp_path):
+    """--checkpoint-format sharded: each worker writes its own chunks (worker 0 checkpoint.pt,
+    worker 1 checkpoint.rank1.pt); resuming from them continues exactly as the run that never stopped;
+    another --workers or --stage is refused saying what to do."""
+    common = ["--model", "digits", "--optimizer", "adam", "--lr", "0.01", "--eval-every", "2",
+              "--strategy", "zero", "--stage", "2"]
+    ok(train(tmp_path / "straight", *common, "--steps", "6"))
+    ok(train(tmp_path / "first", *common, "--steps", "4", "--checkpoint-format", "sharded"))
+    (first,) = run_dirs(tmp_path / "first")
+    assert sorted(p.name for p in first.glob("checkpoint*.pt")) == ["checkpoint.pt", "checkpoint.rank1.pt"]
+    shard = torch.load(first / "checkpoint.rank1.pt", weights_only=True)["model"]
+    assert shard["zero_sharded"]["rank"] == 1 and shard["optimizer"]["state"], shard["zero_sharded"]
+    res = train(tmp_path / "then", *common, "--steps", "6", "--resume", str(first))
+    ok(res)
+    assert "starts afresh" not in res.stdout
+    _same(_run(tmp_path / "straight")[1], _run(tmp_path / "then")[1])
+    res = train(tmp_path / "wider", *common, "--steps", "6", "--workers", "3", "--resume", str(first))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "--checkpoint-format full" in out and "workers" in out, out[-2000:]
+    res = train(tmp_path / "stage1", *common[:-1], "1", "--steps", "6", "--resume", str(first))
+    assert res.returncode != 0 and "saved with stage 2, this run has 1" in res.stdout + res.stderr, res.stderr[-2000:]

@@ -24,8 +24,10 @@ from . import gpt_runs
 
 MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
 QUICK = dict(layers=2, width=64, heads=4, context=32, batch=8)
-ENGINES = ["pt/dp", "pt/zero1", "pt/zero2", "pt/zero3", "torch/ddp", "torch/zero1", "torch/fsdp2"]
-VERSUS = {"pt/zero1": ["pt/dp", "torch/zero1"], "pt/zero2": ["pt/dp"], "pt/zero3": ["torch/fsdp2"],
+ENGINES = ["pt/dp", "pt/zero1", "pt/zero2", "pt/zero3", "pt/zero3-noprefetch", "torch/ddp", "torch/zero1",
+           "torch/fsdp2"]
+VERSUS = {"pt/zero1": ["pt/dp", "torch/zero1"], "pt/zero2": ["pt/dp"],
+          "pt/zero3": ["torch/fsdp2", "pt/zero3-noprefetch"],
           "pt/dp": ["torch/ddp"]}
 
 
@@ -45,7 +47,7 @@ def summarize(result, model):
     for engine, step in medians.items():
         held = result["bytes"][engine]
         total = sum(held.values()) if held else None
-        stage = int(engine[-1]) if engine.startswith("pt/zero") else None
+        stage = int(engine[len("pt/zero")]) if engine.startswith("pt/zero") else None
         if P is None and engine == "pt/dp" and held:
             P = held["parameters"] / 4
         rows.append(dict(engine=engine, step_ms=step * 1e3, samples_per_s=model["batch"] / step,

@@ -6,6 +6,7 @@ builds it:
 
 - ``pt/dp``: pt.DataParallel and Adam in every worker (the baseline);
 - ``pt/zero1``, ``pt/zero2``, ``pt/zero3``: pt.ZeRO at that stage;
+  ``pt/zero3-noprefetch``: stage 3 gathering each layer only when it is reached;
 - ``torch/ddp``: DistributedDataParallel over Gloo and Adam;
 - ``torch/zero1``: DDP with torch's ZeroRedundancyOptimizer (ZeRO stage 1);
 - ``torch/fsdp2``: ``fully_shard`` on every block, then on the model (ZeRO stage 3).
@@ -45,9 +46,10 @@ class Engine:
 
 
 class Ours(Engine):
-    def __init__(self, name, cfg, group, stage):
+    def __init__(self, name, cfg, group, stage, prefetch=True):
         import paratrain as pt
-        self.engine = pt.ZeRO(build_gpt(cfg), torch.optim.Adam, stage=stage, group=group, lr=1e-4)
+        self.engine = pt.ZeRO(build_gpt(cfg), torch.optim.Adam, stage=stage, group=group, lr=1e-4,
+                              prefetch=prefetch)
         super().__init__(name, self.engine, self.engine, group.barrier)
 
     def memory(self):
@@ -68,7 +70,7 @@ def make_engines(cfg, group, port):
             model = pt.DataParallel(build_gpt(cfg), group=group)
             engines.append(Engine(name, model, torch.optim.Adam(model.parameters(), lr=1e-4), group.barrier))
         elif name.startswith("pt/zero"):
-            engines.append(Ours(name, cfg, group, int(name[-1])))
+            engines.append(Ours(name, cfg, group, int(name[len("pt/zero")]), not name.endswith("-noprefetch")))
         elif name.startswith("torch/"):
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP

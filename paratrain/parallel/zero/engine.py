@@ -66,7 +66,8 @@ _NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: n
 
 
 class ZeRO:
-    def __init__(self, model, optimizer_class, stage=1, group=None, bucket_mb=25.0, **optimizer_kwargs):
+    def __init__(self, model, optimizer_class, stage=1, group=None, bucket_mb=25.0, prefetch=True,
+                 **optimizer_kwargs):
         from ...comm import world
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 1, 2 or 3, got {stage!r}")
@@ -81,6 +82,10 @@ class ZeRO:
         self.units = (layer_units(model, self.world_size) if stage == 3
                       else bucket_units(model, self.world_size, bucket_mb * 1e6))
         self.order = list(reversed(self.units))     # the order backward finishes them
+        # stage 3's prefetch: the units in the order the first forward ran them, and the gathers started
+        self.prefetch = bool(prefetch) and stage == 3
+        self._order, self._position, self._order_known, self._pending = [], {}, False, {}
+        self.prefetched = 0   # gathers started ahead of their unit (for tests and the curious)
         for u in self.units:
             self._shard(u)
         self.optimizer = optimizer_class([u.shard for u in self.units], **optimizer_kwargs)
@@ -96,9 +101,9 @@ class ZeRO:
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed "
                                                       "with respect to module outputs")
             for u in self.units:
-                u.module.register_forward_pre_hook(lambda m, args, u=u: self._gather(u))
+                u.module.register_forward_pre_hook(lambda m, args, u=u: self._gather(u, step=+1))
                 u.module.register_forward_hook(lambda m, args, out, u=u: self._free(u))
-                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._gather(u))
+                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._gather(u, step=-1))
 
     # ---- layout -----------------------------------------------------------------------------
 
@@ -118,15 +123,46 @@ class ZeRO:
             u.gathered = True
             self._free(u)
 
-    def _gather(self, u):
-        if self.stage < 3 or u.gathered:
+    def _gather(self, u, step=0):
+        """The unit's full parameters, before its forward (step +1) or backward (-1); then
+        the gather of the unit that runs next in that direction is started (prefetch)."""
+        if self.stage < 3:
+            return
+        self._wait_for(u)
+        if not u.gathered:
+            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+            self.group.all_gather(_untracked(u.flat), u.shard.detach())
+            u.gathered = True
+        if step > 0 and not self._order_known and torch.is_grad_enabled() and id(u) not in self._position:
+            self._position[id(u)] = len(self._order)
+            self._order.append(u)
+        if self.prefetch and self._order_known and step and id(u) in self._position:
+            at = self._position[id(u)] + step
+            if 0 <= at < len(self._order):
+                self._start_gather(self._order[at])
+
+    def _start_gather(self, u):
+        """Prefetch (FSDP's forward and backward prefetch, arXiv 2304.11277 sec. 3.3): the
+        next unit's all-gather runs on the group's communication lane while this unit
+        computes; ``_wait_for`` collects it. Every rank starts the same gathers in the
+        same order (the order the first forward ran the units in, the same on every rank)."""
+        if u.gathered or id(u) in self._pending:
             return
         u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-        self.group.all_gather(_untracked(u.flat), u.shard.detach())
-        u.gathered = True
+        self._pending[id(u)] = self.group.all_gather(_untracked(u.flat), u.shard.detach(), async_op=True)
+        self.prefetched += 1
+
+    def _wait_for(self, u):
+        work = self._pending.pop(id(u), None)
+        if work is not None:
+            work.wait()
+            u.gathered = True
 
     def _free(self, u):
-        if self.stage < 3 or not u.gathered:
+        if self.stage < 3:
+            return
+        self._wait_for(u)   # (a prefetched unit is never freed mid-gather)
+        if not u.gathered:
             return
         u.flat.untyped_storage().resize_(0)
         u.gathered = False
@@ -153,6 +189,10 @@ class ZeRO:
             self._reduce(self.order[self._next])
             self._next += 1
         self._round_reset()
+        self._order_known = bool(self._order)   # one forward and backward seen: prefetch from now on
+        for u in self.units:   # a prefetch backward did not use (a unit with no gradient): collected
+            if id(u) in self._pending:
+                self._free(u)
 
     def _reduce(self, u):
         """This rank's chunk of the unit's averaged gradient, added to the shard's; the
@@ -284,6 +324,47 @@ class ZeRO:
                     state[k][key] = first.clone() if torch.is_tensor(first) else first
         group = dict(full["param_groups"][0], params=list(range(len(self.units))))
         self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
+
+    # ---- sharded checkpoints: each rank its own chunks, nothing gathered ---------------------
+
+    def _layout(self):
+        """What must agree for a sharded state to load: the world, the stage, the units."""
+        return {"world_size": self.world_size, "stage": self.stage,
+                "units": [[self._names(u), u.padded, u.chunk] for u in self.units]}
+
+    def sharded_state_dict(self):
+        """This rank's part of the model and optimizer (its chunk of every unit and that
+        chunk's optimizer state) and the module's buffers: what a sharded checkpoint
+        holds. Not collective and nothing gathered, so every rank saves at once; it loads
+        only at the same world size and layout (``full_state_dict`` for another)."""
+        return {"zero_sharded": dict(self._layout(), rank=self.rank),
+                "shards": [u.shard.detach().clone() for u in self.units],
+                "buffers": {k: v.detach().clone() for k, v in self.module.named_buffers()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_sharded_state_dict(self, state):
+        """Load ``sharded_state_dict()`` as this rank saved it. Collective for stages 1-2
+        (every rank's chunks are all-gathered back into the model's parameters)."""
+        saved, mine = state.get("zero_sharded"), dict(self._layout(), rank=self.rank)
+        if not isinstance(saved, dict):
+            raise ValueError("ZeRO: not a sharded state dict (no 'zero_sharded' entry); load a full one with "
+                             "load_full_state_dict")
+        for key, what in (("world_size", "workers"), ("stage", "stage"), ("rank", "rank")):
+            if saved.get(key) != mine[key]:
+                raise ValueError(f"ZeRO: this sharded state was saved with {what} {saved.get(key)}, this run has "
+                                 f"{mine[key]}: a sharded checkpoint loads only where it was written; resume with "
+                                 "the workers and stage it was written with, or from a full checkpoint "
+                                 "(full_state_dict; paratrain train --checkpoint-format full) to change them")
+        if saved.get("units") != mine["units"]:
+            raise ValueError("ZeRO: this sharded state's units (parameter names and chunk sizes) differ from this "
+                             "model's: another model or bucket size; resume from a full checkpoint")
+        with torch.no_grad():
+            for u, shard in zip(self.units, state["shards"]):
+                u.shard.copy_(shard)
+                if self.stage < 3:
+                    self.group.all_gather(u.flat, u.shard.detach().clone())
+        self.module.load_state_dict(state.get("buffers", {}), strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def memory(self):
         """Bytes this rank holds, measured as the storages allocated (memory.py):

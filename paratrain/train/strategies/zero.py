@@ -7,10 +7,22 @@ parameters too (gathered layer by layer around its forward and backward).
 The summary shows the bytes each worker held after the last backward,
 measured, beside the ZeRO paper's formula.
 
-Checkpoints hold the whole model and the whole optimizer state (gathered:
-what one process's optimizer over the model would hold), so a run resumes
-exactly at another --workers, --stage or --strategy allreduce.
+Checkpoints (``--checkpoint-format``):
+
+- ``full`` (the default) holds the whole model and the whole optimizer state
+  (gathered: what one process's optimizer over the model would hold), in
+  ``checkpoint.pt``, so a run resumes exactly at another --workers, --stage
+  or --strategy allreduce, or in one process;
+- ``sharded``: each worker writes its own chunks and their optimizer state,
+  worker 0 to ``checkpoint.pt`` and worker r to ``checkpoint.rank<r>.pt``,
+  at once, nothing gathered (the fast one, as
+  FSDP's sharded state dict); it resumes exactly at the same --workers and
+  --stage only, and says so otherwise.
+
+A resume reads whichever the run directory holds.
 """
+import os
+
 import torch
 
 import paratrain as pt
@@ -29,10 +41,16 @@ def add_options(parser):
     g = parser.add_argument_group("--strategy zero")
     g.add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
                    help=f"what is cut: 1 optimizer state, 2 and gradients, 3 and parameters (default {DEFAULT_STAGE})")
+    g.add_argument("--checkpoint-format", choices=("full", "sharded"), default=None,
+                   help="full: the whole model and optimizer state in checkpoint.pt, resumable at any --workers "
+                        "(default); sharded: each worker its own part (checkpoint.pt, checkpoint.rank<r>.pt), nothing gathered, "
+                        "resumable at the same --workers and --stage")
 
 
 def check(args, chosen):
     if not chosen:
+        if args.checkpoint_format is not None:
+            return "--checkpoint-format is for --strategy zero"
         return "--stage is for --strategy zero" if args.stage is not None else None
     if args.compression != "none":
         return "--compression is for --strategy allreduce (ZeRO's reduce-scatters are not compressed)"
@@ -79,6 +97,8 @@ class ZeroStep(AllReduceStep):
         self.numel = sum(q.numel() for q in task.model.parameters())
         self.stats, self.held = CommStats(), None
         self._loss = torch.zeros(1, dtype=torch.float64)
+        self.sharded = args.checkpoint_format == "sharded"
+        self._sharded_optimizer_loaded = False
 
     def after_backward(self):
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
@@ -91,16 +111,43 @@ class ZeroStep(AllReduceStep):
         result = task.evaluate(task.model)   # every worker: stage 3 gathers each layer collectively
         return result if self.rank == 0 else None
 
+    def checkpoint_path(self, path, writing):
+        """Sharded: worker 0 writes ``checkpoint.pt`` and worker r ``checkpoint.rank<r>.pt``
+        beside it. On resume, this worker's file if the run directory holds a sharded
+        checkpoint, else the full one (``checkpoint.pt``, read by every worker)."""
+        full = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+        folder = os.path.dirname(full)
+        mine = full if self.rank == 0 else os.path.join(folder, f"checkpoint.rank{self.rank}.pt")
+        if writing:
+            return mine if self.sharded else super().checkpoint_path(path, writing)
+        if self.rank == 0 or os.path.isfile(mine):
+            return mine
+        if os.path.isfile(os.path.join(folder, "checkpoint.rank1.pt")):
+            raise ValueError(f"{folder} holds a sharded ZeRO checkpoint written by fewer workers (there is no "
+                             f"checkpoint.rank{self.rank}.pt): resume it with the --workers it was written with, "
+                             "or write full checkpoints (--checkpoint-format full) to change --workers")
+        return full
+
     def model_state(self, task):
+        if self.sharded:
+            return self.engine.sharded_state_dict()   # this worker's own chunks: nothing gathered
         return self.engine.full_state_dict()   # stage 3: collective
 
     def load_model_state(self, task, state):
-        self.engine.load_full_state_dict(state)
+        if "zero_sharded" in state:
+            self.engine.load_sharded_state_dict(state)   # the optimizer's chunks too
+            self._sharded_optimizer_loaded = True
+        else:
+            self.engine.load_full_state_dict(state)
 
     def state_dict(self):
+        if self.sharded:
+            return {}   # the optimizer's chunks are in the model's sharded state
         return {"optimizer": self.engine.full_optimizer_state()}   # collective: every worker calls it
 
     def load_state_dict(self, state):
+        if self._sharded_optimizer_loaded:
+            return
         if state.get("optimizer") is None:
             if self.rank == 0:
                 print("[train] this checkpoint holds no optimizer state: the optimizer starts afresh", flush=True)
