@@ -34,12 +34,11 @@ TASK = "mlp-large"
 class TrainingEngine:
     """One engine: a model, SGD with momentum, and the batches of the task, step by step."""
 
-    def __init__(self, name, model, barrier, data, group, batch, wire_bytes):
-        from ..train.strategies.allreduce import make_optimizer
+    def __init__(self, name, model, barrier, data, group, batch, wire_bytes, momentum=0.9):
         self.name, self.model, self.barrier = name, model, barrier
         self.x_all, self.y_all = data
         self.rank, self.world_size, self.batch = group.rank, group.world_size, batch
-        self.opt = make_optimizer("sgd", model.parameters(), 0.01)
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
         self.steps, self.wire_bytes, self.losses = 0, wire_bytes, []
 
     def step(self, x=None, y=None):
@@ -68,8 +67,13 @@ def build(name, cfg, group, port):
     numel = sum(p.numel() for p in task.model.parameters())
     kind, _, arg = name.partition("/")
     if kind == "pt":
-        model = pt.DataParallel(task.model, group=group, compression=None if arg == "none" else arg)
-        engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes)
+        momentum, compression = 0.9, None if arg == "none" else arg
+        if arg.startswith("dgc:"):   # DGC's momentum correction: the momentum in the compressor, not the optimizer
+            from ..parallel.compression import TopK
+            momentum, compression = 0.0, TopK(float(arg[4:]), momentum=0.9, warmup_steps=cfg.get("dgc_warmup", 0))
+        model = pt.DataParallel(task.model, group=group, compression=compression)
+        engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes,
+                                momentum)
     else:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -65,6 +65,7 @@ class TopK(Compressor):
         self.ratio, self.momentum, self.warmup_steps = ratio, momentum, int(warmup_steps)
         self.residual, self.velocity, self.steps = {}, {}, {}
         self.generator = torch.Generator().manual_seed(0)
+        self.sent_k = {}
 
     def density(self, step):
         if self.warmup_steps <= 0 or step >= self.warmup_steps:
@@ -75,7 +76,9 @@ class TopK(Compressor):
         return max(1, min(n, int(round(self.density(step) * n))))
 
     def wire_bytes(self, flat):
-        return self.k_of(flat.numel(), self.steps.get(id(flat), 0)) * (4 + flat.element_size())
+        """What the last call sent for this bucket (its k, at that step's density)."""
+        k = self.sent_k.get(id(flat), self.k_of(flat.numel(), 0))
+        return k * (4 + flat.element_size())
 
     def encode(self, index, flat):
         """This rank's (indices, values) for ``flat`` plus its residual; keeps the rest as the
@@ -89,8 +92,10 @@ class TopK(Compressor):
             acc = u.clone() if acc is None else acc.add_(u)
         else:
             acc = flat.clone() if acc is None else acc.add_(flat)
-        k = self.k_of(n, step)
-        chosen = largest(acc.abs(), k, self.generator)
+        # one k over the whole bucket: chosen layer by layer instead (DGC's way), 1% of each of
+        # mlp-large's layers reached 78.5% after 400 steps, against 82.7% for the bucket's 1%
+        chosen = largest(acc.abs(), self.k_of(n, step), self.generator)
+        self.sent_k[id(flat)] = chosen.numel()
         values = acc[chosen]
         acc[chosen] = 0.0                   # sent: what stays is the residual
         if self.momentum:
