@@ -193,5 +193,27 @@ def test_quick_zero_benchmark_compares_every_engine_from_the_same_start(tmp_path
             assert r["total_mb"] == pytest.approx(r["formula_mb"], rel=0.10)
     assert rows["pt/zero3"]["total_mb"] < rows["pt/zero2"]["total_mb"] < rows["pt/zero1"]["total_mb"] < rows["pt/dp"]["total_mb"]
     assert rows["torch/ddp"]["total_mb"] == pytest.approx(rows["pt/dp"]["total_mb"], rel=0.02)
-    assert set(rows["pt/zero1"]["vs"]) == {"pt/dp", "torch/zero1"} and set(rows["pt/zero3"]["vs"]) == {"torch/fsdp2"}
+    assert set(rows["pt/zero1"]["vs"]) == {"pt/dp", "torch/zero1"}
+    assert set(rows["pt/zero3"]["vs"]) == {"torch/fsdp2", "pt/zero3-noprefetch"}
+    assert rows["pt/zero3-noprefetch"]["total_mb"] == pytest.approx(rows["pt/zero3"]["total_mb"], rel=1e-6)
     assert (tmp_path / "zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(240)
+def test_quick_compression_benchmark_times_and_scores_every_engine(tmp_path):
+    """paratrain bench compression --quick with no link limit (no root needed): every
+    engine timed, ours scored after the accuracy run's steps (uncompressed and DDP on the
+    same numbers), the bytes each sends a step as its compressor counts them."""
+    from paratrain.bench.compression import main as compression_main
+    engines = "pt/none,pt/topk:0.01,pt/powersgd:4,torch/ddp"
+    assert compression_main(["--quick", "--links", "unlimited", "--engines", engines, "--accuracy-engines",
+                             "pt/none,pt/topk:0.01", "--no-torch-powersgd", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "compression.json").read_text())
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert set(rows) == set(engines.split(","))
+    assert all(r["step_ms"] > 0 and r["link"] == "unlimited" for r in rows.values())
+    assert rows["pt/none"]["bytes_share"] == 1.0 and rows["torch/ddp"]["bytes_share"] == 1.0
+    assert 0.019 < rows["pt/topk:0.01"]["bytes_share"] < 0.021 and rows["pt/powersgd:4"]["bytes_share"] < 0.005
+    assert rows["pt/none"]["points"] == 0 and rows["pt/topk:0.01"]["accuracy"] is not None
+    assert rows["pt/powersgd:4"]["accuracy"] is None and rows["pt/none"]["accuracy_steps"] == 3
+    assert (tmp_path / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
