@@ -32,7 +32,12 @@ numbers on a flat chunk as on the tensors it came from):
   backward: its flat buffer's storage is all-gathered from the chunks, then
   resized to nothing (FSDP's way, arXiv 2304.11277 sec. 3.2), the tensors
   autograd saved keeping their shape and finding their values again when the
-  buffer is re-gathered before the unit's backward.
+  buffer is re-gathered before the unit's backward. With ``prefetch`` (the
+  default) the next unit's gather starts as a unit starts (``_start_gather``).
+
+Checkpoints come full (``full_state_dict``, ``full_optimizer_state``: loadable
+at any world size or stage, or by one process) or sharded
+(``sharded_state_dict``: this rank's chunks alone, nothing gathered).
 
 The memory this holds is measured by ``memory()`` (the storages actually
 allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
