@@ -51,8 +51,16 @@ PROBE = """
 """
 
 
+def _default_sigint():
+    """A shell running the suite in the background starts it with SIGINT ignored, which
+    every child inherits (Python then installs no KeyboardInterrupt handler): the
+    scripts start as from a terminal, with SIGINT's default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(cmd, cwd, env=None):
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=30,
+                       preexec_fn=_default_sigint)
     return p.returncode, p.stdout, p.stderr
 
 
