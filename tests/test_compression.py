@@ -22,6 +22,15 @@ def _summary(folder):
     return json.loads((run / "summary.json").read_text())
 
 
+def _bytes_per_step(folder):
+    """Each step's bytes in metrics.jsonl (rank 0's, what went on the wire)."""
+    import json
+
+    from test_train import run_dirs
+    (run,) = run_dirs(folder)
+    return [json.loads(line).get("bytes", 0) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.timeout(300)
 def test_compressed_training_reaches_the_uncompressed_accuracy_on_digits(tmp_path):
     """paratrain train (digits, its defaults: 500 steps of SGD with momentum on 2 workers)
@@ -36,6 +45,8 @@ def test_compressed_training_reaches_the_uncompressed_accuracy_on_digits(tmp_pat
         got = _summary(tmp_path / spec.replace(":", "-"))
         assert got["accuracy"] >= plain["accuracy"] - 0.01, (spec, got["accuracy"], plain["accuracy"])
         assert got["bytes_communicated"] <= share * plain["bytes_communicated"], (spec, got["bytes_communicated"])
+        steps = _bytes_per_step(tmp_path / spec.replace(":", "-"))   # every step counted, adding up to the total
+        assert len(steps) == 500 and all(b > 0 for b in steps) and sum(steps) == got["bytes_communicated"], spec
 
 
 @pytest.mark.timeout(60)

@@ -103,6 +103,7 @@ def run(args):
     progress = ProgressReporter(s.steps, enabled=lead)
     loss_value = float("nan")
     train_seconds = wait_before = 0.0
+    bytes_before = strategy.stats.bytes
     last_eval = {}
 
     def save(step):
@@ -131,6 +132,8 @@ def run(args):
         train_seconds += dt
         wait = strategy.stats.wait_seconds - wait_before
         wait_before = strategy.stats.wait_seconds
+        sent = strategy.stats.bytes - bytes_before   # rank 0's bytes of this step (compressed: what went)
+        bytes_before = strategy.stats.bytes
         done = step + 1
         board.beat(done - start, time.perf_counter() - t_start)
         evaluation = strategy.evaluate(task) if done % s.eval_every == 0 or done == s.steps else None
@@ -140,6 +143,8 @@ def run(args):
                    "comm_wait_seconds": round(wait, 5)}
             if slept:
                 row["slowdown_seconds"] = round(slept, 5)
+            if sent:
+                row["bytes"] = sent
             if pool.shared:  # the job's batches so far (taken, not all finished yet)
                 row["job_batches"] = min(pool.last_ticket + 1, pool.total)
             if evaluation is not None:
