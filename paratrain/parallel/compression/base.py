@@ -11,6 +11,7 @@ for the run's summary. ``sent[index]``: what this rank contributed last time
 told, in ``prepare(group, flats, shapes=)``, the shapes of the gradients
 each bucket holds, in order (PowerSGD compresses matrices, not a flat run).
 """
+import math
 
 
 class Compressor:
@@ -18,9 +19,19 @@ class Compressor:
 
     def __init__(self):
         self.sent = {}
+        self.layout, self._index = [], {}
 
     def prepare(self, group, flats, shapes=None):
-        pass
+        """Note each bucket's gradients as (offset, shape) runs in ``self.layout[index]``
+        (one run of the whole bucket without shapes), and which bucket each flat is."""
+        self.layout, self._index = [], {}
+        for index, flat in enumerate(flats):
+            runs, at = [], 0
+            for shape in (shapes[index] if shapes else [tuple(flat.shape)]):
+                runs.append((at, tuple(shape)))
+                at += math.prod(shape)
+            self.layout.append(runs)
+            self._index[id(flat)] = index
 
     def wire_bytes(self, flat):
         raise NotImplementedError

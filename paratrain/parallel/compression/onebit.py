@@ -34,21 +34,13 @@ class OneBit(Compressor):
     def __init__(self, block=32):
         super().__init__()
         self.block = int(block)
-        self.residual, self.segments, self._index = {}, [], {}
-
-    def prepare(self, group, flats, shapes=None):
-        """The gradients' runs in each bucket: blocks are counted inside each."""
-        self.segments = []
-        for index, flat in enumerate(flats):
-            runs, at = [], 0
-            for shape in (shapes[index] if shapes else [(flat.numel(),)]):
-                runs.append((at, math.prod(shape)))
-                at += runs[-1][1]
-            self.segments.append(runs)
-            self._index[id(flat)] = index
+        self.residual = {}
 
     def _runs(self, index, n):
-        runs = self.segments[index] if index is not None and index < len(self.segments) else None
+        """(offset, entries) of each gradient in bucket ``index`` (prepare's layout), where
+        blocks are counted; one run of n entries for a bucket it was not told of."""
+        runs = self.layout[index] if index is not None and index < len(self.layout) else []
+        runs = [(at, math.prod(shape)) for at, shape in runs]
         return runs if runs and sum(size for _, size in runs) == n else [(0, n)]
 
     def wire_bytes(self, flat):

@@ -43,14 +43,15 @@ class PowerSGD(Compressor):
             raise ValueError(f"PowerSGD rank must be at least 1, got {rank}")
         self.rank, self.min_ratio, self.seed = int(rank), float(min_ratio), seed
         self.keep_sent = keep_sent   # fill self.sent (a copy of each bucket: for tests)
-        self.residual, self.q, self.plans, self._index = {}, {}, [], {}
+        self.residual, self.q, self.plans = {}, {}, []
 
     def prepare(self, group, flats, shapes=None):
         """shapes: for each bucket, its gradients' shapes in the order they lie in it."""
+        super().prepare(group, flats, shapes)
         self.plans = []
-        for index, flat in enumerate(flats):
-            mats, rest, at = [], [], 0
-            for shape in (shapes[index] if shapes else [tuple(flat.shape)]):
+        for runs in self.layout:
+            mats, rest = [], []
+            for at, shape in runs:
                 n = math.prod(shape)
                 rows = shape[0] if len(shape) >= 2 else 0
                 cols = n // rows if rows else 0
@@ -59,9 +60,7 @@ class PowerSGD(Compressor):
                     mats.append((at, rows, cols, r))
                 else:
                     rest.append((at, n))
-                at += n
             self.plans.append((mats, rest))
-            self._index[id(flat)] = index
 
     def wire_bytes(self, flat):
         index = self._index.get(id(flat))
