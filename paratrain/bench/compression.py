@@ -111,7 +111,7 @@ def accuracy_run(args, folder):
     """Each of ``--accuracy-engines`` trains ``--accuracy-steps`` steps on the same batches
     (no link limit: the numbers do not depend on the link), then is scored on the task's
     test set: {engine: its worker report}."""
-    engines = [e.strip() for e in args.accuracy_engines.split(",") if e.strip()]
+    engines = gpt_runs.words(args.accuracy_engines)
     if not engines or args.accuracy_steps < 1:
         return {}
     long = argparse.Namespace(**dict(vars(args), rounds=1, steps=args.accuracy_steps, warmup=0))
@@ -191,8 +191,7 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.accuracy_steps = 2, 1, 1, 3
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    links = [x.strip() for x in args.links.split(",") if x.strip()]
+    engines, links = gpt_runs.words(args.engines), gpt_runs.words(args.links)
     skipped = {}
     for link in links:
         why = None if link == UNLIMITED else linkmod.check(link)

@@ -58,27 +58,27 @@ class TrainingEngine:
         return self.wire_bytes() / max(1, self.steps)
 
 
-def build(name, cfg, group, port):
-    import paratrain as pt
+def build(name, task, cfg, group, port):
+    """The engine called name, training its own copy of the task's model (the same initial weights)."""
+    import copy
 
-    from ..train.tasks import build_task
-    task = build_task(TASK, seed=0)
-    data = task.train_set.tensors
-    numel = sum(p.numel() for p in task.model.parameters())
+    import paratrain as pt
+    data, mine = task.train_set.tensors, copy.deepcopy(task.model)
+    numel = sum(p.numel() for p in mine.parameters())
     kind, _, arg = name.partition("/")
     if kind == "pt":
         momentum, compression = 0.9, None if arg == "none" else arg
         if arg.startswith("dgc:"):   # DGC's momentum correction: the momentum in the compressor, not the optimizer
             from ..parallel.compression import TopK
             momentum, compression = 0.0, TopK(float(arg[4:]), momentum=0.9, warmup_steps=cfg.get("dgc_warmup", 0))
-        model = pt.DataParallel(task.model, group=group, compression=compression)
+        model = pt.DataParallel(mine, group=group, compression=compression)
         engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes,
                                 momentum)
     else:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         init_gloo(group, port, cfg["timeout"])
-        model = torch.nn.parallel.DistributedDataParallel(task.model)
+        model = torch.nn.parallel.DistributedDataParallel(mine)
         width = 4
         if arg == "ddp+fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -92,7 +92,6 @@ def build(name, cfg, group, port):
             raise ValueError(f"unknown engine {name!r}")
         engine = TrainingEngine(name, model, dist.barrier, data, group, cfg["batch"],
                                 lambda: (width or 0) * numel * engine.steps)
-    engine.task = task
     return engine
 
 
@@ -100,20 +99,22 @@ def main(cfg_path):
     import os
 
     import paratrain as pt
+
+    from ..train.tasks import build_task
     cfg = json.loads(open(cfg_path).read())
     torch.set_num_threads(1)
     group = pt.init()
     port = int(os.environ["MASTER_PORT"])
-    engines = [build(name, cfg, group, port) for name in cfg["engines"]]
+    task = build_task(TASK, seed=0)
+    numel = sum(p.numel() for p in task.model.parameters())
+    engines = [build(name, task, cfg, group, port) for name in cfg["engines"]]
     times = rounds.interleaved(engines, cfg, group, None, None)
     report = {}
     for e in engines:
-        e.model.eval()
-        with torch.no_grad():
-            scores = e.task.evaluate(getattr(e.model, "module", e.model))
+        scores = task.evaluate(e.model.module)   # (evaluate runs in eval mode, without gradients)
         report[e.name] = dict(accuracy=scores["accuracy"], eval_loss=scores["eval_loss"], steps=e.steps,
                               first_loss=e.losses[0], last_loss=e.losses[-1], bytes_per_step=e.sent_per_step(),
-                              parameters=sum(p.numel() for p in e.task.model.parameters()))
+                              parameters=numel)
     if group.rank == 0:
         with open(cfg["result"], "w") as f:
             json.dump(dict(times=times, engines=report, world_size=group.world_size, backend=group.backend), f)

@@ -23,6 +23,11 @@ def add_common_options(p):
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
 
 
+def words(text):
+    """The items of a comma-separated option ("a, b,,c" -> ["a", "b", "c"])."""
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
 def model_of(args, model, quick):
     """The model's sizes; --quick: the tiny one, 2 rounds of 1 step."""
     if args.quick:

@@ -111,7 +111,7 @@ def timelines(out, piped, rows):
 def main(argv=None):
     args = parser().parse_args(argv)
     model = gpt_runs.model_of(args, MODEL, QUICK)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    engines = gpt_runs.words(args.engines)
     worker = "paratrain.bench.pipeline_worker"
     with tempfile.TemporaryDirectory() as tmp:
         single = gpt_runs.run_workers(1, worker, ["single"], model, args, tmp)

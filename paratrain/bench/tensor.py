@@ -133,8 +133,8 @@ def plot(path, rows):
 def main(argv=None):
     args = parser().parse_args(argv)
     model = gpt_runs.model_of(args, MODEL, QUICK)
-    owners = [e.strip() for e in args.engines.split(",") if e.strip()]
-    sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
+    owners = gpt_runs.words(args.engines)
+    sizes = [int(n) for n in gpt_runs.words(args.sizes)]
     worker = "paratrain.bench.tensor_worker"
     with tempfile.TemporaryDirectory() as tmp:
         results = {1: gpt_runs.run_workers(1, worker, ["single"], model, args, tmp)}

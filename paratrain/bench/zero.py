@@ -98,7 +98,7 @@ def plot(path, rows):
 def main(argv=None):
     args = parser().parse_args(argv)
     model = gpt_runs.model_of(args, MODEL, QUICK)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    engines = gpt_runs.words(args.engines)
     with tempfile.TemporaryDirectory() as tmp:
         result = gpt_runs.run_workers(2, "paratrain.bench.zero_worker", engines, model, args, tmp, warmup=2)
     rows = summarize(result, model)
