@@ -98,7 +98,6 @@ class ZeroStep(AllReduceStep):
         self.stats, self.held = CommStats(), None
         self._loss = torch.zeros(1, dtype=torch.float64)
         self.sharded = args.checkpoint_format == "sharded"
-        self._sharded_optimizer_loaded = False
 
     def after_backward(self):
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
@@ -136,7 +135,6 @@ class ZeroStep(AllReduceStep):
     def load_model_state(self, task, state):
         if "zero_sharded" in state:
             self.engine.load_sharded_state_dict(state)   # the optimizer's chunks too
-            self._sharded_optimizer_loaded = True
         else:
             self.engine.load_full_state_dict(state)
 
@@ -146,8 +144,8 @@ class ZeroStep(AllReduceStep):
         return {"optimizer": self.engine.full_optimizer_state()}   # collective: every worker calls it
 
     def load_state_dict(self, state):
-        if self._sharded_optimizer_loaded:
-            return
+        if "zero_sharded" in state["model"]:
+            return   # load_model_state loaded the optimizer's chunks with the model's
         if state.get("optimizer") is None:
             if self.rank == 0:
                 print("[train] this checkpoint holds no optimizer state: the optimizer starts afresh", flush=True)
