@@ -14,6 +14,8 @@ sparse gradients). What was not sent is not lost:
   accumulated here, before the sparsification, as u = m u + g, v = v + u,
   and what is sent is top-k of v (use the optimizer without momentum then);
   the entries sent are cleared from u and v alike (momentum factor masking);
+  ``paratrain train --compression topk`` with SGD runs it this way (its
+  momentum after top-k left mlp-large points behind uncompressed);
 - **warm-up** (sec. 3.3, ``warmup_steps``): the density starts at 1 (no
   compression) and falls geometrically to ``ratio`` over the first steps.
 
