@@ -215,5 +215,6 @@ def test_quick_compression_benchmark_times_and_scores_every_engine(tmp_path):
     assert rows["pt/none"]["bytes_share"] == 1.0 and rows["torch/ddp"]["bytes_share"] == 1.0
     assert 0.019 < rows["pt/topk:0.01"]["bytes_share"] < 0.021 and rows["pt/powersgd:4"]["bytes_share"] < 0.005
     assert rows["pt/none"]["points"] == 0 and rows["pt/topk:0.01"]["accuracy"] is not None
+    assert rows["pt/topk:0.01"]["accuracies"] == [rows["pt/topk:0.01"]["accuracy"]]   # --quick: seed 0 alone
     assert rows["pt/powersgd:4"]["accuracy"] is None and rows["pt/none"]["accuracy_steps"] == 3
     assert (tmp_path / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

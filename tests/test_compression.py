@@ -45,6 +45,9 @@ def test_compressed_training_reaches_the_uncompressed_accuracy_on_digits(tmp_pat
         got = _summary(tmp_path / spec.replace(":", "-"))
         assert got["accuracy"] >= plain["accuracy"] - 0.01, (spec, got["accuracy"], plain["accuracy"])
         assert got["bytes_communicated"] <= share * plain["bytes_communicated"], (spec, got["bytes_communicated"])
+        # digits trains with SGD: top-k takes its momentum (DGC's momentum correction), the others leave it
+        assert got["compression"].startswith(spec) and ("momentum correction" in got["compression"]) == (
+            spec.startswith("topk")), got["compression"]
         steps = _bytes_per_step(tmp_path / spec.replace(":", "-"))   # every step counted, adding up to the total
         assert len(steps) == 500 and all(b > 0 for b in steps) and sum(steps) == got["bytes_communicated"], spec
 

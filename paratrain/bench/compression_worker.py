@@ -10,10 +10,14 @@ parameters; the same initial weights) with what ``paratrain train`` uses: SGD
 with momentum 0.9, lr 0.01, 32 samples a rank. Step i of every engine reads
 the same batch, so after the rounds every engine has taken the same steps on
 the same data, and their accuracies on the task's test set compare what the
-compression cost:
+compression cost. The config's ``seed`` picks the initial weights and the
+batches (0 unless given):
 
 - ``pt/none``, ``pt/fp16``, ``pt/topk:0.01``, ``pt/powersgd:4``, ``pt/onebit``:
   pt.DataParallel with ``compression=`` that word (none: fp32 all-reduce);
+  top-k as ``paratrain train`` runs it with SGD, with DGC's momentum
+  correction (the momentum in the compressor, the optimizer without);
+  ``pt/topk-ef:0.01``: error feedback alone, the momentum in the optimizer;
 - ``torch/ddp``, ``torch/ddp+fp16``: DistributedDataParallel over the same Gloo
   world, plain and with torch's ``fp16_compress_hook``;
 - ``torch/ddp+powersgd``: DDP with torch's ``powerSGD_hook`` (rank 4); the
@@ -34,8 +38,8 @@ TASK = "mlp-large"
 class TrainingEngine:
     """One engine: a model, SGD with momentum, and the batches of the task, step by step."""
 
-    def __init__(self, name, model, barrier, data, group, batch, wire_bytes, momentum=0.9):
-        self.name, self.model, self.barrier = name, model, barrier
+    def __init__(self, name, model, barrier, data, group, batch, wire_bytes, momentum=0.9, seed=0):
+        self.name, self.model, self.barrier, self.seed = name, model, barrier, seed
         self.x_all, self.y_all = data
         self.rank, self.world_size, self.batch = group.rank, group.world_size, batch
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
@@ -43,7 +47,7 @@ class TrainingEngine:
 
     def step(self, x=None, y=None):
         """The next step: this rank's share of the step's batch, drawn alike for every engine."""
-        gen = torch.Generator().manual_seed(1000 + self.steps)
+        gen = torch.Generator().manual_seed(1000 + 7919 * self.seed + self.steps)
         index = torch.randint(len(self.y_all), (self.batch * self.world_size,), generator=gen)
         mine = index[self.rank * self.batch:(self.rank + 1) * self.batch]
         loss = F.cross_entropy(self.model(self.x_all[mine]), self.y_all[mine])
@@ -68,12 +72,14 @@ def build(name, task, cfg, group, port):
     kind, _, arg = name.partition("/")
     if kind == "pt":
         momentum, compression = 0.9, None if arg == "none" else arg
-        if arg.startswith("dgc:"):   # DGC's momentum correction: the momentum in the compressor, not the optimizer
+        if arg.startswith("topk:"):   # as paratrain train does with SGD: DGC's momentum correction (allreduce.py)
             from ..parallel.compression import TopK
-            momentum, compression = 0.0, TopK(float(arg[4:]), momentum=0.9, warmup_steps=cfg.get("dgc_warmup", 0))
+            momentum, compression = 0.0, TopK(float(arg[5:]), momentum=0.9)
+        elif arg.startswith("topk-ef:"):   # error feedback alone, the momentum in the optimizer, after top-k
+            compression = "topk:" + arg[8:]
         model = pt.DataParallel(mine, group=group, compression=compression)
         engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes,
-                                momentum)
+                                momentum, cfg.get("seed", 0))
     else:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -91,7 +97,7 @@ def build(name, task, cfg, group, port):
         elif arg != "ddp":
             raise ValueError(f"unknown engine {name!r}")
         engine = TrainingEngine(name, model, dist.barrier, data, group, cfg["batch"],
-                                lambda: (width or 0) * numel * engine.steps)
+                                lambda: (width or 0) * numel * engine.steps, seed=cfg.get("seed", 0))
     return engine
 
 
@@ -105,7 +111,7 @@ def main(cfg_path):
     torch.set_num_threads(1)
     group = pt.init()
     port = int(os.environ["MASTER_PORT"])
-    task = build_task(TASK, seed=0)
+    task = build_task(TASK, seed=cfg.get("seed", 0))
     numel = sum(p.numel() for p in task.model.parameters())
     engines = [build(name, task, cfg, group, port) for name in cfg["engines"]]
     times = rounds.interleaved(engines, cfg, group, None, None)

@@ -247,6 +247,7 @@ ROWS = {
     "strategy": ("strategy", None),
     "backend": ("backend", None),
     "algorithm": ("algorithm", None),
+    "compression": ("gradient compression", None),
     "workers": ("workers", None),
     "tensor_parallel": ("tensor-parallel size", None),
     "sequence_parallel": ("sequence parallelism", None),

@@ -95,6 +95,7 @@ def launcher_args(args):
 SUMMARY = {
     "backend": lambda step, args: step.group.backend,
     "algorithm": lambda step, args: args.algorithm or "default",
+    "compression": lambda step, args: step.compression,
     "tensor_parallel": lambda step, args: step.tp,
     "sequence_parallel": lambda step, args: args.sequence_parallel if step.tp > 1 else None,
     "parameter_bytes_per_worker": lambda step, args: sum(q.numel() * q.element_size() for q in step.model.parameters()),
@@ -108,9 +109,9 @@ SUMMARY = {
 TP_PLANS = ("gpt",)
 
 
-def make_optimizer(name, params, lr):
+def make_optimizer(name, params, lr, momentum=0.9):
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
@@ -130,14 +131,24 @@ class AllReduceStep(ReplicaStep):
             pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN,
                                   sequence_parallel=args.sequence_parallel)
             replicas = self.mesh["dp"]
+        compression, momentum = None if args.compression == "none" else args.compression, 0.9
+        self.compression = compression
+        if compression and compression.startswith("topk") and optimizer == "sgd":
+            # DGC's momentum correction (compression/topk.py): SGD's momentum moves into the
+            # compressor, before the sparsification, and the optimizer runs without it: with
+            # momentum applied after top-k, the rarely sent entries get their momentum late and
+            # mlp-large ends points behind uncompressed (docs/benchmarks.md, compression)
+            from ...parallel.compression import TopK
+            compression, momentum = TopK(float(compression.partition(":")[2]), momentum=0.9), 0.0
+            self.compression += " (DGC momentum correction: SGD's momentum in the compressor)"
         if args.strategy == "allreduce":
             self.model = pt.DataParallel(module, group=replicas, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
-                                         compression=None if args.compression == "none" else args.compression)
+                                         compression=compression)
         else:
             self.model = pt.DataParallelNaive(module, group=replicas, algorithm=args.algorithm)
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
-        self.opt = make_optimizer(optimizer, self.model.parameters(), lr)
+        self.opt = make_optimizer(optimizer, self.model.parameters(), lr, momentum)
         self.stats = self.model.stats
         self._loss = torch.zeros(1, dtype=torch.float64)
 
