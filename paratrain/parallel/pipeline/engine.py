@@ -230,8 +230,8 @@ class Pipeline:
         # a module's output gradient would also flow back through the modules before it
         # and add to their weights what their own output gradients already hold
         for mod, inp, out, g in state.get("wgrads", []):
-            if inp is not None:
-                _linear_weight_gradients(mod, inp, g)
+            if inp is not None and inp[0]._version == inp[1]:   # (changed in place since: autograd says so)
+                _linear_weight_gradients(mod, inp[0], g)
                 continue
             params = _own_params(mod)
             _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
@@ -244,7 +244,7 @@ class Pipeline:
         def hook(module, args, output):
             if self._capture is not None and torch.is_tensor(output):
                 linear = type(module) is torch.nn.Linear and len(args) == 1 and torch.is_tensor(args[0])
-                self._capture.append((module, args[0] if linear else None, output))
+                self._capture.append((module, (args[0], args[0]._version) if linear else None, output))
         for chunk in self.stage.chunks:
             for mod in chunk.module.modules():
                 if mod is not chunk.module and _own_params(mod):
