@@ -68,6 +68,22 @@ def test_one_forward_one_backward_holds_at_most_p_minus_rank_microbatches():
     assert [peak(t) for t in gpipe] == [m] * p
 
 
+def test_zero_bubble_holds_at_most_2p_microbatches_between_forward_and_weight_gradient():
+    """The bound the W placement keeps on every rank (schedules._zero_bubble_h1), and the
+    last stage runs its last F and B before its W's: the first stage waits for that B."""
+    for p in (2, 3, 4):
+        for m in range(1, 4 * p):
+            _, _, trace = schedules.simulate("zb-h1", p, m)
+            for t in trace:
+                live = best = 0
+                for kind, *_ in t:
+                    live += {"F": 1, "W": -1}.get(kind, 0)
+                    best = max(best, live)
+                assert best <= min(2 * p, m), (p, m, best)
+    last = [kind for kind, *_ in schedules.actions("zb-h1", 1, 2, 4)]
+    assert last == ["F", "B"] * 4 + ["W"] * 4
+
+
 def test_interleaved_needs_microbatches_in_groups_of_ranks():
     with pytest.raises(ValueError, match="multiple of the number of pipeline ranks"):
         schedules.actions("interleaved", 0, 2, 3, 2)
