@@ -71,12 +71,11 @@ def build(name, task, cfg, group, port):
     numel = sum(p.numel() for p in mine.parameters())
     kind, _, arg = name.partition("/")
     if kind == "pt":
-        momentum, compression = 0.9, None if arg == "none" else arg
-        if arg.startswith("topk:"):   # as paratrain train does with SGD: DGC's momentum correction (allreduce.py)
-            from ..parallel.compression import TopK
-            momentum, compression = 0.0, TopK(float(arg[5:]), momentum=0.9)
-        elif arg.startswith("topk-ef:"):   # error feedback alone, the momentum in the optimizer, after top-k
-            compression = "topk:" + arg[8:]
+        from ..parallel.compression import with_sgd_momentum
+        if arg.startswith("topk-ef:"):   # error feedback alone, the momentum in the optimizer, after top-k
+            momentum, compression = 0.9, "topk:" + arg[8:]
+        else:   # as paratrain train does with SGD (top-k: DGC's momentum correction)
+            compression, momentum = with_sgd_momentum(None if arg == "none" else arg, 0.9)
         model = pt.DataParallel(mine, group=group, compression=compression)
         engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes,
                                 momentum, cfg.get("seed", 0))

@@ -31,3 +31,14 @@ def parse(spec):
         except ValueError as e:
             raise ValueError(f"--compression {spec}: {e}; e.g. powersgd:4 (the rank)") from None
     return None
+
+
+def with_sgd_momentum(spec, momentum):
+    """(what DataParallel is given for the CLI word ``spec``, the momentum left to SGD), for
+    SGD with ``momentum``: top-k takes the momentum (DGC's momentum correction, topk.py) and
+    SGD runs without it; any other word leaves both as they are. ``paratrain train`` and
+    the compression benchmark both ask here, so the benchmark trains as the CLI does."""
+    kind, _, arg = (spec or "").partition(":")
+    if kind == "topk" and momentum:
+        return TopK(float(arg or 0.01), momentum=momentum), 0.0
+    return spec, momentum

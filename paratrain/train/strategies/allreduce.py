@@ -109,7 +109,10 @@ SUMMARY = {
 TP_PLANS = ("gpt",)
 
 
-def make_optimizer(name, params, lr, momentum=0.9):
+SGD_MOMENTUM = 0.9
+
+
+def make_optimizer(name, params, lr, momentum=SGD_MOMENTUM):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
     if name == "adam":
@@ -131,16 +134,16 @@ class AllReduceStep(ReplicaStep):
             pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN,
                                   sequence_parallel=args.sequence_parallel)
             replicas = self.mesh["dp"]
-        compression, momentum = None if args.compression == "none" else args.compression, 0.9
+        compression, momentum = None if args.compression == "none" else args.compression, SGD_MOMENTUM
         self.compression = compression
-        if compression and compression.startswith("topk") and optimizer == "sgd":
-            # DGC's momentum correction (compression/topk.py): SGD's momentum moves into the
-            # compressor, before the sparsification, and the optimizer runs without it: with
-            # momentum applied after top-k, the rarely sent entries get their momentum late and
-            # mlp-large ends points behind uncompressed (docs/benchmarks.md, compression)
-            from ...parallel.compression import TopK
-            compression, momentum = TopK(float(compression.partition(":")[2]), momentum=0.9), 0.0
-            self.compression += " (DGC momentum correction: SGD's momentum in the compressor)"
+        if optimizer == "sgd":
+            # top-k: DGC's momentum correction (compression/topk.py), SGD's momentum moved into the
+            # compressor, before the sparsification: with momentum applied after top-k, the rarely
+            # sent entries get theirs late and mlp-large ends points behind uncompressed (README)
+            from ...parallel.compression import with_sgd_momentum
+            compression, momentum = with_sgd_momentum(compression, SGD_MOMENTUM)
+            if momentum != SGD_MOMENTUM:
+                self.compression += " (DGC momentum correction: SGD's momentum in the compressor)"
         if args.strategy == "allreduce":
             self.model = pt.DataParallel(module, group=replicas, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
                                          compression=compression)

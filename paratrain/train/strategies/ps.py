@@ -31,6 +31,7 @@ from ...comm.group import timeout_from_env
 from ...parallel.data import CommStats
 from ..coordination import Lockstep, SharedPool, StoreBoard
 from ..options import positive_int
+from .allreduce import SGD_MOMENTUM
 from .base import ReplicaStep
 
 HELP = "ps: parameter server (optimizer on the servers)"
@@ -129,7 +130,7 @@ class ParameterServerStep(ReplicaStep):
         self.model = model
         self.stats = CommStats()
         self.ps = pt.ps.connect()
-        hyper = {"lr": lr, **({"momentum": 0.9} if optimizer == "sgd" else {})}
+        hyper = {"lr": lr, **({"momentum": SGD_MOMENTUM} if optimizer == "sgd" else {})}
         self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness,
                          predict=predict, compression=compression, **hyper)
         self.rank, self.world_size = self.ps.worker, self.ps.workers

@@ -28,7 +28,7 @@ import torch
 import paratrain as pt
 
 from ...parallel.data import CommStats
-from .allreduce import AllReduceStep
+from .allreduce import SGD_MOMENTUM, AllReduceStep
 from .base import LastStepTraffic
 
 HELP = ("zero: data parallelism with the optimizer state (--stage 1), the gradients (2) and the parameters "
@@ -78,7 +78,7 @@ SUMMARY = {
 
 def optimizer_class(name, lr):
     if name == "sgd":
-        return torch.optim.SGD, dict(lr=lr, momentum=0.9)
+        return torch.optim.SGD, dict(lr=lr, momentum=SGD_MOMENTUM)
     if name == "adam":
         return torch.optim.Adam, dict(lr=lr)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
