@@ -153,3 +153,31 @@ def test_compressed_pushes_train_digits_to_the_uncompressed_accuracy(tmp_path):
         got = _summary(tmp_path / spec.replace(":", "-"))
         assert got["accuracy"] >= plain["accuracy"] - 0.01, (spec, got["accuracy"], plain["accuracy"])
         assert got["bytes_pushed"] <= share * plain["bytes_pushed"], (spec, got["bytes_pushed"], plain["bytes_pushed"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", ["topk:0.01", "powersgd:2"])
+def test_a_compressed_run_resumes_exactly_with_every_workers_residuals(tmp_path, spec):
+    """Stopped at step 8 and resumed to 16, a run with error feedback (and top-k's
+    momentum) reaches the bits of the run that never stopped: the checkpoint carries
+    every worker's residuals, which differ between workers."""
+    import torch
+
+    from test_train import ok, run_dirs, train
+    common = ["--batch-size", "64", "--eval-every", "100", "--compression", spec]
+    ok(train(tmp_path, *common, "--steps", "16"))
+    ok(train(tmp_path, *common, "--steps", "8"))
+    whole, first = run_dirs(tmp_path)
+    saved = torch.load(first / "checkpoint.pt", weights_only=True)["compression"]
+    mine, theirs = saved["ranks"]
+    residuals = [k for k in mine if k.startswith("residual/")]
+    assert residuals and any(not torch.equal(mine[k], theirs[k]) for k in residuals)   # per worker
+    res = train(tmp_path, *common, "--steps", "16", "--resume", str(first / "checkpoint.pt"))
+    ok(res)
+    notes = [line for line in res.stdout.splitlines() if line.startswith("[train]") and "compressor" in line]
+    assert not notes, notes   # carried over as it was
+    resumed = [d for d in run_dirs(tmp_path) if d not in (whole, first)][0]
+    a = torch.load(whole / "checkpoint.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoint.pt", weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k

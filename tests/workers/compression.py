@@ -86,6 +86,47 @@ def powersgd_skips_small_tensors(g):
     assert sum(n for _, n in rest) == 40 + 192 + 8, rest
 
 
+def state_carries_over(g, make, name):
+    """A compressor restored from ``checkpoint.gather`` after 3 steps goes on exactly as the one
+    that never stopped; restored at another world size, every rank holds the ranks' mean residual."""
+    from paratrain.parallel.compression import checkpoint
+    a, b, c = make(), make(), make()
+    for hook in (a, b, c):
+        hook.prepare(g, [torch.zeros(1040)], shapes=[SHAPES])
+
+    def grad(step):
+        return torch.randn(1040, generator=torch.Generator().manual_seed(70 + 10 * step + g.rank))
+
+    for step in range(3):
+        a(g, 0, grad(step))
+    saved = checkpoint.gather(g, a)
+    assert saved["world_size"] == g.world_size and len(saved["ranks"]) == g.world_size
+    assert checkpoint.restore(b, saved, g.rank, g.world_size) is None
+    for step in range(3, 6):
+        fa, fb = grad(step), grad(step)
+        a(g, 0, fa)
+        b(g, 0, fb)
+        assert torch.equal(fa, fb), f"{name}: the restored compressor differs at step {step}"
+    note = checkpoint.restore(c, saved, g.rank, g.world_size + 1)
+    assert "mean" in note, note
+    everyone = torch.stack([r["residual/0"] for r in saved["ranks"]])
+    close(c.residual[0], everyone.mean(0), f"{name}: at another world size, the ranks' mean residual")
+    try:
+        checkpoint.restore(OneBit() if not isinstance(a, OneBit) else TopK(0.1), saved, g.rank, g.world_size)
+    except ValueError as e:
+        assert "resume with the --compression it was written with" in str(e), e
+    else:
+        raise AssertionError(f"{name}: another compressor's state was taken")
+    other = make()
+    other.prepare(g, [torch.zeros(1000)], shapes=[[(25, 40)]])
+    try:
+        checkpoint.restore(other, saved, g.rank, g.world_size)
+    except ValueError as e:
+        assert "bucket 0 has 1040 entries, this run's bucket 1000" in str(e), e
+    else:
+        raise AssertionError(f"{name}: a residual of another bucket size was taken")
+
+
 def warmup(g):
     hook = TopK(0.01, warmup_steps=4)
     assert hook.density(0) == 1.0 and abs(hook.density(2) - 0.1) < 1e-12 and hook.density(4) == 0.01
@@ -100,6 +141,9 @@ def main():
     powersgd_skips_small_tensors(g)
     topk_one_is_plain(g)
     warmup(g)
+    state_carries_over(g, lambda: TopK(0.05, momentum=0.9), "topk:0.05 with momentum")
+    state_carries_over(g, OneBit, "onebit")
+    state_carries_over(g, lambda: PowerSGD(rank=2), "powersgd:2")
     print(f"compression passed on rank {g.rank}", flush=True)
     pt.destroy()
 

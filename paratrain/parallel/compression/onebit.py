@@ -30,6 +30,7 @@ class OneBit(Compressor):
     32 entries share a 2-byte scale: 1/8 + 1/16 of a byte an entry, 4.7% of fp32's."""
 
     wants_shapes = True
+    STATE = PER_RANK = ("residual",)
 
     def __init__(self, block=32):
         super().__init__()

@@ -36,6 +36,8 @@ from .base import Compressor
 
 class PowerSGD(Compressor):
     wants_shapes = True
+    STATE = ("residual", "q")   # q: the warm start, the same on every rank
+    PER_RANK = ("residual",)
 
     def __init__(self, rank=4, min_ratio=2.0, seed=0, keep_sent=False):
         super().__init__()

@@ -58,6 +58,9 @@ def largest(magnitude, k, generator=None):
 
 
 class TopK(Compressor):
+    STATE = ("residual", "velocity", "steps")
+    PER_RANK = ("residual", "velocity")
+
     def __init__(self, ratio=0.01, momentum=0.0, warmup_steps=0):
         super().__init__()
         if not 0 < ratio <= 1:
@@ -68,6 +71,15 @@ class TopK(Compressor):
         self.residual, self.velocity, self.steps = {}, {}, {}
         self.generator = torch.Generator().manual_seed(0)
         self.sent_k = {}
+
+    def state_dict(self):
+        return {**super().state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        if "generator" in state:
+            self.generator.set_state(state.pop("generator"))
+        super().load_state_dict(state)
 
     def density(self, step):
         if self.warmup_steps <= 0 or step >= self.warmup_steps:

@@ -12,6 +12,8 @@ import torch
 
 import paratrain as pt
 
+from ...parallel.compression import Compressor
+from ...parallel.compression import checkpoint as compression_checkpoint
 from ...parallel.zero.memory import optimizer_tensors
 from ..coordination import GroupBoard, Lockstep
 from .base import LastStepTraffic, ReplicaStep
@@ -212,8 +214,16 @@ class AllReduceStep(ReplicaStep):
         continues exactly where the stopped one was. With --tp it is gathered whole, as
         the model is (collective: every worker calls this), so it resumes at any --tp."""
         if self.tp == 1:
-            return {"optimizer": self.opt.state_dict()}
-        return {"optimizer": pt.tensor.full_optimizer_state(self.model.module, self.opt)}
+            state = {"optimizer": self.opt.state_dict()}
+        else:
+            state = {"optimizer": pt.tensor.full_optimizer_state(self.model.module, self.opt)}
+        if self._compressor() is not None:   # every worker's residuals (collective; compression/checkpoint.py)
+            state["compression"] = compression_checkpoint.gather(self.group, self._compressor())
+        return state
+
+    def _compressor(self):
+        hook = getattr(self.model, "hook", None)
+        return hook if isinstance(hook, Compressor) else None
 
     def load_state_dict(self, state):
         if state.get("optimizer") is None:   # written by a --tp run before optimizer states were gathered
@@ -224,6 +234,19 @@ class AllReduceStep(ReplicaStep):
             self.opt.load_state_dict(state["optimizer"])
         else:
             pt.tensor.load_full_optimizer_state(self.model.module, self.opt, state["optimizer"])
+        self._load_compressor_state(state.get("compression"))
+
+    def _load_compressor_state(self, saved):
+        compressor, note = self._compressor(), None
+        if compressor is not None and saved is not None:
+            note = compression_checkpoint.restore(compressor, saved, self.rank, self.world_size)
+        elif compressor is not None:
+            note = "this checkpoint holds no compressor state: the residuals start at zero"
+        elif saved is not None:
+            note = (f"this checkpoint holds a {saved['kind']} compressor's residuals, which this run (no such "
+                    "--compression) does not use")
+        if note and self.rank == 0:
+            print(f"[train] {note}", flush=True)
 
 
 def make_step(task, args, settings):
