@@ -22,7 +22,8 @@ def test_equals_single_process_with_whole_batch(n, backend, algorithm, no_leftov
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode,n", [("no_sync", 2), ("unused", 3), ("join", 3), ("compress", 2)])
+@pytest.mark.parametrize("mode,n", [("no_sync", 2), ("unused", 3), ("join", 3), ("compress", 2), ("linear_grads", 2),
+                                    ("linear_grads", 3)])
 def test_modes(mode, n):
     _passed(launch(n, "data_parallel.py", mode), n, mode)
 

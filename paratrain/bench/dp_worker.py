@@ -11,6 +11,8 @@ same batch on this rank, SGD) under a different way of averaging gradients:
   ring algorithm, or the master-based scheme (every gradient to rank 0, summed
   there, sent back); ``paratrain+overlap``: reducing buckets during backward on
   a communication thread even where DataParallel would not choose to;
+  ``paratrain+copy``: linear layers' gradients left to autograd and copied
+  into the buckets (``linear_grads_in_buckets=False``), as before linear_grads.py;
 - ``ddp``: PyTorch's DistributedDataParallel over Gloo (its defaults: 25 MB
   buckets, overlap with backward);
 - ``compute-only``: every worker trains its own model at the same time with no
@@ -101,10 +103,11 @@ def make_engines(names, sizes, group, port, timeout):
         elif name == "allreduce-only":
             engines.append(AllReduceOnly(sum(p.numel() for p in build_model(sizes).parameters()), group))
         elif name.startswith("paratrain"):
-            base, _, overlap = name.partition("+")
+            base, _, extra = name.partition("+")
             algo = base.split("/", 1)[1] if "/" in base else None
             model = pt.DataParallel(build_model(sizes), group=group, algorithm=algo,
-                                    overlap=True if overlap == "overlap" else None)
+                                    overlap=True if extra == "overlap" else None,
+                                    linear_grads_in_buckets=False if extra in ("overlap", "copy") else None)
             engines.append(Engine(name, model, group.barrier))
         elif name == "ddp":
             import torch.distributed as dist

@@ -43,6 +43,7 @@ from torch import nn
 from . import buckets as bucketing
 from . import join as joining
 from .comm_hooks import make_hook
+from .linear_grads import LinearGradsIntoBuckets
 
 
 @dataclass
@@ -221,12 +222,20 @@ class DataParallel(_DataParallelBase):
     overlap: reduce buckets on a communication thread during backward (True), or
     all of them on the training thread when backward ends (False). None decides
     by where the work of communicating happens (``overlap_pays``).
+    linear_grads_in_buckets: linear layers' weight and bias gradients computed
+    straight into the buckets, with no copy (linear_grads.py); None: wherever
+    the buckets are averaged after backward (overlap off).
     """
 
     def __init__(self, module, group=None, bucket_mb=25.0, broadcast_buffers=True, compression=None,
-                 algorithm=None, overlap=None):
+                 algorithm=None, overlap=None, linear_grads_in_buckets=None):
         super().__init__(module, group, broadcast_buffers)
         self.overlap = overlap_pays(self.group) if overlap is None else bool(overlap)
+        if linear_grads_in_buckets and self.overlap:
+            raise ValueError("linear_grads_in_buckets needs overlap off: with overlap, a bucket is sent as soon "
+                             "as autograd says its gradients are complete (linear_grads.py)")
+        self.linear_grads_in_buckets = not self.overlap if linear_grads_in_buckets is None \
+            else bool(linear_grads_in_buckets)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.hook = make_hook(compression, algorithm)
@@ -251,7 +260,24 @@ class DataParallel(_DataParallelBase):
         self._futures = []
         self._queued = False
 
+    def forward(self, *args, **kwargs):
+        if not (self.linear_grads_in_buckets and self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        with LinearGradsIntoBuckets(self._where, self._put_grad):
+            return super().forward(*args, **kwargs)
+
     # ---- during backward ---------------------------------------------------------------
+
+    def _put_grad(self, p, into, fresh):
+        """A linear layer's gradient for p (linear_grads.py): computed into its bucket view
+        when p has none yet, else added to what it holds, as autograd accumulates."""
+        b, i = self._where[p]
+        if p.grad is None:
+            into(b.views[i])
+            p.grad = b.views[i]
+        else:
+            p.grad.add_(fresh())
+        self._on_grad(p)
 
     def _on_grad(self, p):
         """Autograd has accumulated p's gradient (post-accumulate-grad hook)."""
