@@ -202,14 +202,17 @@ def compress(g):
 
 
 class Twice(nn.Module):
-    """What the direct path must get right: a weight used twice in one forward, a 3-d input,
-    F.linear called with a bucketed weight, an in-place ReLU on a linear's output, and a
-    weight with a hook of its own (left to autograd)."""
+    """What the direct path must get right: a weight used twice in one forward, a weight
+    shared with an embedding (whose gradient autograd accumulates), a 3-d input, F.linear
+    called with a bucketed weight, an in-place ReLU on a linear's output, and a weight with
+    a hook of its own (left to autograd)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(5)
         self.a = nn.Linear(6, 16)
+        self.emb = nn.Embedding(16, 6)
+        self.emb.weight = self.a.weight   # (16, 6): a row per id, and the linear's weight
         self.tied = nn.Linear(16, 16)
         self.hooked = nn.Linear(16, 16)
         self.out = nn.Parameter(torch.randn(3, 16) * 0.1)
@@ -222,7 +225,8 @@ class Twice(nn.Module):
         self.hooked.weight.register_hook(count)
 
     def forward(self, x):   # x: batch x 4 x 6
-        h = self.relu(self.a(x))
+        ids = (x[..., 0].abs() * 5).long().clamp(max=15)
+        h = self.relu(self.a(x + self.emb(ids)))
         h = torch.tanh(self.tied(h))
         h = torch.tanh(self.tied(h)) + self.hooked(h)
         return F.linear(h.mean(1), self.out)
