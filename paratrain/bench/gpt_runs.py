@@ -18,6 +18,7 @@ OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 def add_common_options(p):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each engine before the rounds (default 2)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
     p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
@@ -31,14 +32,15 @@ def words(text):
 def model_of(args, model, quick):
     """The model's sizes; --quick: the tiny one, 2 rounds of 1 step."""
     if args.quick:
-        args.rounds, args.steps = 2, 1
+        args.rounds, args.steps, args.warmup = 2, 1, 1
     return dict(quick if args.quick else model)
 
 
-def run_workers(nproc, module, engines, model, args, folder, warmup=1):
-    """``nproc`` workers of ``module`` timing ``engines``; their rank 0's result."""
+def run_workers(nproc, module, engines, model, args, folder):
+    """``nproc`` workers of ``module`` timing ``engines`` (after ``--warmup`` untimed steps
+    each); their rank 0's result."""
     name = module.rsplit(".", 1)[-1]
-    cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=warmup, timeout=args.timeout,
+    cfg = dict(model, engines=engines, rounds=args.rounds, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
                result=str(Path(folder) / f"{name}-{nproc}.json"))
     print(f"[bench] {nproc} worker(s): {', '.join(engines)}", file=sys.stderr, flush=True)
     return launcher.run_config(nproc, module, cfg, args.timeout, folder, f"{name}-{nproc}")
@@ -54,6 +56,6 @@ def show_and_save(table, name, model, args, rows, raw, width=160, **meta):
     console.print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = dict(model, rounds=args.rounds, steps=args.steps, cpu_count=os.cpu_count(), quick=args.quick, **meta)
+    settings = dict(model, rounds=args.rounds, steps=args.steps, warmup=args.warmup, cpu_count=os.cpu_count(), quick=args.quick, **meta)
     (out / f"{name}.json").write_text(json.dumps(dict(settings, rows=rows, raw=raw), indent=1))
     return out

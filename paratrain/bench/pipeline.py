@@ -8,7 +8,9 @@ heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank,
 cut into 2 stages of 4 blocks. One process alone runs it first (``single``);
 then, with 2 workers in the same processes, interleaved round by round
 (pipeline_worker.py): paratrain's schedules and torch's GPipe and 1F1B on the
-same stage modules.
+same stage modules, and ``alone/m<m>``: each stage's m forwards and backwards
+with no pipeline between them, both stages at once, which no schedule can
+beat (the formula's ideal assumes each stage is half a one-process step).
 
 Prints ms/step, samples/s, the speedup over one process against the ideal
 2m/(m+1) for two stages, the ratio to torch's same schedule (zb-h1 and
@@ -29,7 +31,8 @@ MODEL = dict(layers=8, width=256, heads=8, context=128, batch=16)
 QUICK = dict(layers=4, width=64, heads=4, context=32, batch=8)
 ENGINES = ["pt/gpipe/m2", "pt/gpipe/m4", "pt/gpipe/m8", "pt/1f1b/m2", "pt/1f1b/m4", "pt/1f1b/m8",
            "pt/zb-h1/m4", "pt/zb-h1/m8", "pt/interleaved/m8",
-           "torch/gpipe/m2", "torch/gpipe/m4", "torch/gpipe/m8", "torch/1f1b/m2", "torch/1f1b/m4", "torch/1f1b/m8"]
+           "torch/gpipe/m2", "torch/gpipe/m4", "torch/gpipe/m8", "torch/1f1b/m2", "torch/1f1b/m4", "torch/1f1b/m8",
+           "alone/m4", "alone/m8"]
 
 
 def parser():
@@ -47,6 +50,10 @@ def summarize(single, piped, batch):
                  vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None)]
     medians = {e: statistics.median(t) for e, t in piped["times"].items()}
     for engine, step in medians.items():
+        if engine.startswith("alone/"):   # the stages' compute alone: the ceiling (pipeline_worker.StagesAlone)
+            rows.append(dict(engine=engine, step_ms=step * 1e3, samples_per_s=batch / step, vs_single=one / step,
+                             ideal=None, vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None))
+            continue
         owner, schedule, m = engine.split("/")
         m = int(m[1:])
         ref = f"torch/{schedule if schedule in ('gpipe', '1f1b') else '1f1b'}/m{m}"
@@ -88,7 +95,7 @@ def plot(path, rows):
     ax.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("speedup over one process")
     for i, r in enumerate(rows):
-        if r["engine"] != "single":
+        if r["ideal"] is not None and r["engine"] != "single":
             ax.plot([i - 0.4, i + 0.4], [r["ideal"]] * 2, color="black", linewidth=1)
     ax.set_title("paratrain (blue) and torch.distributed.pipelining (orange), 2 stages; lines: ideal 2m/(m+1)")
     fig.savefig(path, dpi=110)

@@ -8,7 +8,9 @@ Each engine is a full training step (forward, backward, Adam) of the same GPT
 - ``pt/<schedule>/m<m>``: pt.Pipeline with that schedule and m micro-batches
   (``interleaved``: each rank holds two of four stages);
 - ``torch/<schedule>/m<m>``: torch.distributed.pipelining's PipelineStage and
-  ScheduleGPipe / Schedule1F1B over Gloo, on the very same stage modules.
+  ScheduleGPipe / Schedule1F1B over Gloo, on the very same stage modules;
+- ``alone/m<m>``: each stage's compute alone, both at once (StagesAlone): the
+  ceiling of any schedule on this machine.
 
 Rounds are interleaved: each round times ``steps`` steps of every engine, in an
 order that rotates by one each round, after a barrier; a round's time is the
@@ -115,6 +117,56 @@ class Torch:
         pass
 
 
+class StagesAlone:
+    """``alone/m<m>``: no pipeline. Each rank runs its own stage's m forwards and backwards
+    back to back on inputs it already holds (no send, no wait), then Adam: what the two
+    stages' compute costs while they share the machine. No schedule of these two stages
+    can be faster, so its speed against one process is the ceiling, where the formula
+    2m/(m+1) assumes each stage takes half a one-process step. The inputs of a later stage
+    are one micro-batch's real activations, sent once by the stage before it in the
+    first (untimed) step."""
+
+    def __init__(self, name, cfg, group, m):
+        self.name, self.group, self.m = name, group, m
+        self.stage = _stage(cfg, group)
+        self.opt = torch.optim.Adam(self.stage.parameters(), lr=1e-4)
+        self.barrier, self.bubble, self.inputs = group.barrier, None, None
+
+    def _exchange(self, x):
+        from ..parallel.pipeline import transport
+        chunk, works = self.stage.chunks[0], []
+        s = chunk.index
+        if s == 0:
+            self.inputs = (x.chunk(self.m)[0],)
+        else:
+            self.inputs = transport.recv_activations(self.group, self.group.rank - 1, s)
+        if not self.stage.is_last:
+            with torch.no_grad():
+                out = chunk(*self.inputs)
+            transport.send_activations(self.group, out if isinstance(out, tuple) else (out,), self.group.rank + 1,
+                                       s + 1, works)
+        for work, _ in works:
+            work.wait()
+        self.inputs = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in self.inputs)
+
+    def step(self, x, y):
+        if self.inputs is None:
+            self._exchange(x)
+        chunk = self.stage.chunks[0]
+        for ys in y.chunk(self.m):
+            out = chunk(*self.inputs)
+            if self.stage.is_last:
+                (lm_loss(out, ys) / self.m).backward()
+            else:
+                outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def after_round(self):
+        pass
+
+
 class _OneTensor(nn.Module):
     def __init__(self, chunk):
         super().__init__()
@@ -130,6 +182,9 @@ def make_engines(cfg, group, port):
     for name in cfg["engines"]:
         if name == "single":
             engines.append(Single(cfg, group))
+            continue
+        if name.startswith("alone/"):
+            engines.append(StagesAlone(name, cfg, group, int(name.split("/")[1].lstrip("m"))))
             continue
         owner, schedule, m = name.split("/")
         m = int(m.lstrip("m"))

@@ -100,7 +100,7 @@ def main(argv=None):
     model = gpt_runs.model_of(args, MODEL, QUICK)
     engines = gpt_runs.words(args.engines)
     with tempfile.TemporaryDirectory() as tmp:
-        result = gpt_runs.run_workers(2, "paratrain.bench.zero_worker", engines, model, args, tmp, warmup=2)
+        result = gpt_runs.run_workers(2, "paratrain.bench.zero_worker", engines, model, args, tmp)
     rows = summarize(result, model)
     out = gpt_runs.show_and_save(table(rows), "zero", model, args, rows, result)
     png = plot(out / "zero.png", rows)
