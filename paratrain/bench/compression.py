@@ -52,7 +52,6 @@ def parser():
     p.add_argument("--links", default="1gbit,10gbit,unlimited",
                    help="link rates between the 2 pretend hosts, comma-separated (tc's words, or 'unlimited')")
     p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first (default 2)")
     p.add_argument("--accuracy-steps", type=int, default=400,
                    help="steps each of our engines trains in the accuracy run, then scored (default 400)")
     p.add_argument("--accuracy-engines", default=",".join(ACCURACY_ENGINES),
@@ -230,7 +229,7 @@ def main(argv=None):
     met = goals(rows)
     out = gpt_runs.show_and_save(table(rows, torch_powersgd, args.accuracy_steps, args.accuracy_seeds), "compression",
                                  dict(task="mlp-large", hosts=2), args, rows, dict(raw, accuracy=scored), links=links,
-                                 skipped=skipped, torch_powersgd=torch_powersgd, goals=met, warmup=args.warmup,
+                                 skipped=skipped, torch_powersgd=torch_powersgd, goals=met,
                                  accuracy_steps=args.accuracy_steps, accuracy_seeds=args.accuracy_seeds)
     for engine, g in met.items():
         print(f"goal at 1gbit, {engine}: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in g.items()))

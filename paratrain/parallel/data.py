@@ -43,7 +43,7 @@ from torch import nn
 from . import buckets as bucketing
 from . import join as joining
 from .comm_hooks import make_hook
-from .linear_grads import LinearGradsIntoBuckets
+from .linear_grads import LinearGradsTo
 
 
 @dataclass
@@ -224,7 +224,10 @@ class DataParallel(_DataParallelBase):
     by where the work of communicating happens (``overlap_pays``).
     linear_grads_in_buckets: linear layers' weight and bias gradients computed
     straight into the buckets, with no copy (linear_grads.py); None: wherever
-    the buckets are averaged after backward (overlap off).
+    the buckets are averaged after backward (overlap off). Only there: a
+    weight used twice in one forward gets its gradient in two parts, which
+    is harmless when nothing is sent before backward ends, but with overlap
+    the first part would mark its bucket ready.
     """
 
     def __init__(self, module, group=None, bucket_mb=25.0, broadcast_buffers=True, compression=None,
@@ -263,20 +266,20 @@ class DataParallel(_DataParallelBase):
     def forward(self, *args, **kwargs):
         if not (self.linear_grads_in_buckets and self.training and torch.is_grad_enabled()):
             return super().forward(*args, **kwargs)
-        with LinearGradsIntoBuckets(self._where, self._put_grad):
+        with LinearGradsTo(self._where, self._put_grad):
             return super().forward(*args, **kwargs)
 
     # ---- during backward ---------------------------------------------------------------
 
-    def _put_grad(self, p, into, fresh):
+    def _put_grad(self, p, product):
         """A linear layer's gradient for p (linear_grads.py): computed into its bucket view
         when p has none yet, else added to what it holds, as autograd accumulates."""
         b, i = self._where[p]
         if p.grad is None:
-            into(b.views[i])
+            product.into(b.views[i])
             p.grad = b.views[i]
         else:
-            p.grad.add_(fresh())
+            p.grad.add_(product.fresh())
         self._on_grad(p)
 
     def _on_grad(self, p):

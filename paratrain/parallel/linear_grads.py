@@ -1,27 +1,31 @@
-"""Linear layers' weight gradients written straight into DataParallel's buckets.
+"""Linear layers' weight gradients put where they belong, by the products themselves.
 
-Autograd computes a linear layer's weight gradient g^T x into a fresh tensor,
-and DataParallel then copies it into its bucket (buckets.py, ``adopt_grad``):
-for the 21M-parameter MLP that copy reads and writes 84 MB a step, as much
-memory traffic as the averaging itself, on a machine where two workers
-already share the memory bandwidth. DDP pays the same copy (and its
-``gradient_as_bucket_view`` only moves it: autograd still allocates).
+Autograd computes a linear layer's weight gradient g^T x into a fresh tensor
+and then either keeps it as ``.grad`` or adds it to what ``.grad`` holds.
+Two places pay for that fresh tensor:
 
-While DataParallel's forward runs, a TorchFunctionMode catches
-``F.linear(x, weight, bias)`` on parameters that live in its buckets (every
+- DataParallel copies it into its bucket (buckets.py, ``adopt_grad``): for
+  the 21M-parameter MLP, 84 MB read and written a step, as much memory
+  traffic as the averaging itself, on a machine where two workers already
+  share the memory bandwidth (DDP pays the same copy);
+- a pipeline stage accumulates m micro-batches' gradients: each but the first
+  is written to a fresh tensor, then read again to be added.
+
+While the owner's forward runs, ``LinearGradsTo`` (a TorchFunctionMode)
+catches ``F.linear(x, weight, bias)`` on the owner's parameters (every
 ``nn.Linear``, and any module calling ``F.linear``) and runs it as
-``IntoBuckets``: the same forward, and a backward that computes the same
-products autograd would (g W for the input, g^T x for the weight, g summed
-over the batch for the bias) with the weight's and bias's written by
-``torch.mm(..., out=)`` into the bucket view itself, or added to it when the
-gradient already holds something (no_sync, or buckets zeroed in place).
-The weight's ``.grad`` is the bucket view, as after ``adopt_grad``.
+``LinearWithOwnGrads``: the same forward, and a backward that computes the
+same products autograd would (g W for the input, g^T x for the weight, g
+summed over the rows for the bias) and hands the weight's and bias's to the
+owner's ``sink(param, product)``, which puts them in place:
+``product.into(t)`` writes into t (``torch.mm(..., out=)``: DataParallel's
+bucket view), ``product.add_to(t)`` accumulates inside the matrix product
+(``addmm_``: the pipeline's micro-batches), ``product.fresh()`` is autograd's
+own tensor.
 
-Only where DataParallel averages its buckets after backward (``overlap`` off,
-the shm engine on a small machine): there it does not matter when during
-backward a gradient is complete, so a weight used twice in one forward
-simply gets both contributions added. Parameters with hooks of their own
-(``register_hook``) keep autograd's path, so their hooks run.
+The weight's hooks: a parameter with hooks of its own (``register_hook``)
+keeps autograd's path, so they run. The weight gets no AccumulateGrad, so
+the owner must do what it would have (DataParallel marks the gradient ready).
 """
 import torch
 import torch.nn.functional as F
@@ -29,11 +33,45 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 
-class IntoBuckets(torch.autograd.Function):
+class WeightProduct:
+    """g^T x: a linear layer's weight gradient, over rows g (outputs) and x (inputs)."""
+
+    def __init__(self, g, x):
+        self.g, self.x = g, x
+
+    def into(self, out):
+        torch.mm(self.g.t(), self.x, out=out)
+
+    def add_to(self, t):
+        t.addmm_(self.g.t(), self.x)
+
+    def fresh(self):
+        return self.g.t().mm(self.x)
+
+
+class BiasProduct:
+    """g summed over the rows: a linear layer's bias gradient."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def into(self, out):
+        torch.sum(self.g, 0, out=out)
+
+    def add_to(self, t):
+        t.add_(self.g.sum(0))
+
+    def fresh(self):
+        return self.g.sum(0)
+
+
+class LinearWithOwnGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sink):
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.bias = sink, bias
+        # the parameters themselves, for the sink: what saved_tensors gives back may be another
+        # tensor object (a saved_tensors_hooks pair may detach it), whose .grad is not theirs
+        ctx.sink, ctx.weight, ctx.bias = sink, weight, bias
         # F.linear's own products (addmm with a bias, else mm, on the input's rows), into a tensor
         # of our own: F.linear on a 3-d input returns a view, which a custom Function may not
         # hand out (an in-place ReLU after it would be refused)
@@ -51,28 +89,26 @@ class IntoBuckets(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = g2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        ctx.sink(weight, lambda out: torch.mm(g2.t(), x2, out=out), lambda: g2.t().mm(x2))
+        ctx.sink(ctx.weight, WeightProduct(g2, x2))
         if ctx.bias is not None:
-            ctx.sink(ctx.bias, lambda out: torch.sum(g2, 0, out=out), lambda: g2.sum(0))
+            ctx.sink(ctx.bias, BiasProduct(g2))
         return grad_x, None, None, None
 
 
-class LinearGradsIntoBuckets(TorchFunctionMode):
-    """Active during DataParallel's forward: F.linear on bucketed parameters runs as IntoBuckets.
+class LinearGradsTo(TorchFunctionMode):
+    """Active during an owner's forward: F.linear on ``params`` (a set or dict of parameters)
+    runs as LinearWithOwnGrads, its weight and bias gradients handed to ``sink(p, product)``."""
 
-    ``bucketed``: the parameters that live in a bucket; ``sink(p, into, fresh)``: put p's
-    gradient in place, by ``into(view)`` or by adding ``fresh()``, then mark p ready."""
-
-    def __init__(self, bucketed, sink):
+    def __init__(self, params, sink):
         super().__init__()
-        self.bucketed, self.sink = bucketed, sink
+        self.params, self.sink = params, sink
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, bias = _linear_args(*args, **kwargs)
             if self._takes(x, weight, bias):
-                return IntoBuckets.apply(x, weight, bias, self.sink)
+                return LinearWithOwnGrads.apply(x, weight, bias, self.sink)
         return func(*args, **kwargs)
 
     def _takes(self, x, weight, bias):
@@ -80,8 +116,17 @@ class LinearGradsIntoBuckets(TorchFunctionMode):
                 and isinstance(x, torch.Tensor) and x.dtype == weight.dtype and x.dim() >= 1)
 
     def _ours(self, p):
-        return (isinstance(p, torch.Tensor) and p.requires_grad and p in self.bucketed
+        return (isinstance(p, torch.Tensor) and p.requires_grad and p in self.params
                 and not p._backward_hooks)
+
+
+def accumulate(p, product):
+    """The pipeline's sink: p's first gradient as autograd would leave it, every later one
+    added inside its matrix product."""
+    if p.grad is None:
+        p.grad = product.fresh()
+    else:
+        product.add_to(p.grad)
 
 
 def _linear_args(input, weight, bias=None):

@@ -239,8 +239,10 @@ def linear_grads(g):
         model = pt.DataParallel(Twice(), bucket_mb=0.001, linear_grads_in_buckets=direct)
         x = torch.randn(BATCH, 4, 6, generator=torch.Generator().manual_seed(77 + me))
         y = torch.randint(0, 3, (BATCH,), generator=torch.Generator().manual_seed(78 + me))
-        out = model(x)
-        if (type(out.grad_fn).__name__ == "IntoBucketsBackward") != direct:
+        # saved tensors that come back as other tensor objects (offloading hooks do this)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+            out = model(x)
+        if (type(out.grad_fn).__name__ == "LinearWithOwnGradsBackward") != direct:
             raise AssertionError(f"direct={direct}: the output came from {out.grad_fn}")
         F.cross_entropy(out, y).backward()
         with model.no_sync():   # a second micro-batch accumulated locally, then a synchronised third

@@ -35,10 +35,13 @@ excluded); they are held until the micro-batch's backward (its W, when the
 backward is split). GPipe holds all m micro-batches' at its peak, 1F1B at
 most p - r on rank r.
 """
+import contextlib
 import time
 
 import torch
 
+from .. import linear_grads
+from ..linear_grads import LinearGradsTo
 from . import schedules, transport
 from .transport import differentiable
 
@@ -71,6 +74,7 @@ class Pipeline:
         self.saved_per_forward = []          # bytes each forward of the last step saved for its backward
         self._held = 0
         self._param_storages = {q.untyped_storage().data_ptr() for q in stage.parameters()}
+        self._params = set(stage.parameters())
 
     # ---- before anything runs: every rank must run the same pipeline -----------------------
 
@@ -161,7 +165,7 @@ class Pipeline:
         self._capture = [] if self.split_backward else None
         saved = _SavedBytes(self._param_storages)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), self._linear_grads():
                 out = chunk(*values)
         finally:
             captured, self._capture = self._capture, None
@@ -179,6 +183,15 @@ class Pipeline:
             state["sent"] = differentiable(out)
         self._state[(mb, c)] = state
         return began
+
+    def _linear_grads(self):
+        """Without a split backward, the stage's linear layers accumulate their weight
+        gradients inside the matrix product (linear_grads.py): each micro-batch after the
+        first adds g^T x to .grad by addmm_, where autograd writes a fresh tensor and then
+        adds it. (A split backward's W does the same by hand, _linear_weight_gradients.)"""
+        if self.split_backward:
+            return contextlib.nullcontext()
+        return LinearGradsTo(self._params, linear_grads.accumulate)
 
     def _backward(self, mb, c):
         chunk = self.stage.chunks[c]
@@ -325,21 +338,14 @@ def _own_params(module):
 @torch.no_grad()
 def _linear_weight_gradients(linear, x, g):
     """W of an nn.Linear: weight += g^T x, bias += the sum of g over the tokens, straight
-    into .grad. The same sums autograd would form, without an autograd call per layer and
-    a new tensor for each result: 39 against 41 ms of W per micro-batch of a 4-block stage
-    of the benchmark GPT (m = 4)."""
+    into .grad (linear_grads.py's products). The same sums autograd would form, without an
+    autograd call per layer and a new tensor for each result: 39 against 41 ms of W per
+    micro-batch of a 4-block stage of the benchmark GPT (m = 4)."""
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    w, b = linear.weight, linear.bias
-    if w.requires_grad:
-        if w.grad is None:
-            w.grad = torch.mm(g2.t(), x2)
-        else:
-            w.grad.addmm_(g2.t(), x2)
-    if b is not None and b.requires_grad:
-        if b.grad is None:
-            b.grad = g2.sum(0)
-        else:
-            b.grad.add_(g2.sum(0))
+    if linear.weight.requires_grad:
+        linear_grads.accumulate(linear.weight, linear_grads.WeightProduct(g2, x2))
+    if linear.bias is not None and linear.bias.requires_grad:
+        linear_grads.accumulate(linear.bias, linear_grads.BiasProduct(g2))
 
 
 def _accumulate(params, grads):
