@@ -35,13 +35,11 @@ excluded); they are held until the micro-batch's backward (its W, when the
 backward is split). GPipe holds all m micro-batches' at its peak, 1F1B at
 most p - r on rank r.
 """
-import contextlib
 import time
 
 import torch
 
 from .. import linear_grads
-from ..linear_grads import LinearGradsTo
 from . import schedules, transport
 from .transport import differentiable
 
@@ -74,7 +72,6 @@ class Pipeline:
         self.saved_per_forward = []          # bytes each forward of the last step saved for its backward
         self._held = 0
         self._param_storages = {q.untyped_storage().data_ptr() for q in stage.parameters()}
-        self._params = set(stage.parameters())
 
     # ---- before anything runs: every rank must run the same pipeline -----------------------
 
@@ -165,7 +162,7 @@ class Pipeline:
         self._capture = [] if self.split_backward else None
         saved = _SavedBytes(self._param_storages)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), self._linear_grads():
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 out = chunk(*values)
         finally:
             captured, self._capture = self._capture, None
@@ -183,15 +180,6 @@ class Pipeline:
             state["sent"] = differentiable(out)
         self._state[(mb, c)] = state
         return began
-
-    def _linear_grads(self):
-        """Without a split backward, the stage's linear layers accumulate their weight
-        gradients inside the matrix product (linear_grads.py): each micro-batch after the
-        first adds g^T x to .grad by addmm_, where autograd writes a fresh tensor and then
-        adds it. (A split backward's W does the same by hand, _linear_weight_gradients.)"""
-        if self.split_backward:
-            return contextlib.nullcontext()
-        return LinearGradsTo(self._params, linear_grads.accumulate)
 
     def _backward(self, mb, c):
         chunk = self.stage.chunks[c]
