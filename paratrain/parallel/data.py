@@ -43,7 +43,7 @@ from torch import nn
 from . import buckets as bucketing
 from . import join as joining
 from .comm_hooks import make_hook
-from .linear_grads import LinearGradsTo
+from . import linear_grads
 
 
 @dataclass
@@ -253,6 +253,11 @@ class DataParallel(_DataParallelBase):
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        # the plain nn.Linear layers whose parameters all live in buckets, and large enough
+        # that the copy saved outweighs a Python call (linear_grads.py: LINEAR_GRADS_MIN_NUMEL)
+        self._linears = [m for m in module.modules() if type(m) is nn.Linear
+                         and m.weight.numel() >= linear_grads.LINEAR_GRADS_MIN_NUMEL
+                         and all(q in self._where for q in m.parameters())]
         self._comm = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paratrain-dp")
         self._reset_backward()
 
@@ -266,7 +271,7 @@ class DataParallel(_DataParallelBase):
     def forward(self, *args, **kwargs):
         if not (self.linear_grads_in_buckets and self.training and torch.is_grad_enabled()):
             return super().forward(*args, **kwargs)
-        with LinearGradsTo(self._where, self._put_grad):
+        with linear_grads.LinearsWithOwnGrads(self._linears, self._put_grad):
             return super().forward(*args, **kwargs)
 
     # ---- during backward ---------------------------------------------------------------

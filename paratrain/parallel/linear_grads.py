@@ -7,9 +7,8 @@ for the 21M-parameter MLP, 84 MB read and written a step, as much memory
 traffic as the averaging itself, on a machine where two workers already
 share the memory bandwidth (DDP pays the same copy).
 
-While DataParallel's forward runs, ``LinearGradsTo`` (a TorchFunctionMode)
-catches ``F.linear(x, weight, bias)`` on its parameters (every
-``nn.Linear``, and any module calling ``F.linear``) and runs it as
+While DataParallel's forward runs, ``LinearsWithOwnGrads`` has each of its
+``nn.Linear`` modules (whose parameters all live in buckets) run as
 ``LinearWithOwnGrads``: the same forward, and a backward that computes the
 same products autograd would (g W for the input, g^T x for the weight, g
 summed over the rows for the bias) and hands the weight's and bias's to the
@@ -19,12 +18,11 @@ view), ``product.add_to(t)`` accumulates inside the matrix product
 (``addmm_``: the pipeline's split-backward W uses it), ``product.fresh()``
 is autograd's own tensor.
 
-The mode costs a Python call for every torch operation of the forward. On
-the MLP that is nothing beside the copy it saves (a step 5-9 ms shorter);
-a pipeline stage of the benchmark GPT that accumulated its micro-batches'
-gradients through it (addmm_ instead of a fresh tensor and an add) was 2-3%
-slower, not faster (1F1B m = 4 and 8, two runs each, 2026-11-26), so the
-pipeline does not use it.
+A custom Function costs a Python call per linear layer. On the MLP that is
+nothing beside the copy it saves (a step 5-9 ms shorter). The pipeline's
+1F1B, which tried accumulating its micro-batches' gradients this way (addmm_
+instead of a fresh tensor and an add) through a TorchFunctionMode, got 2-3%
+slower (1F1B m = 4 and 8, two runs each, 2026-11-26) and does not use it.
 
 A parameter with hooks of its own (``register_hook``) keeps autograd's path,
 so they run. The weight gets no AccumulateGrad, so the owner must do what it
@@ -33,7 +31,6 @@ would have (DataParallel marks the gradient ready).
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.overrides import TorchFunctionMode
 
 
 class WeightProduct:
@@ -68,6 +65,13 @@ class BiasProduct:
         return self.g.sum(0)
 
 
+# A layer takes this path only if its weight has at least this many entries: its
+# gradient's copy (4 MB and more) then costs more than the Function's Python calls.
+# The gpt task's layers (16-66K entries) lost 1.5% a step through it (86.6 against
+# 85.3 ms, 2 workers); the 21M MLP's (2.4M and 9.4M) gained 5-9 ms of a 98 ms step.
+LINEAR_GRADS_MIN_NUMEL = 1 << 20
+
+
 class LinearWithOwnGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sink):
@@ -98,29 +102,47 @@ class LinearWithOwnGrads(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-class LinearGradsTo(TorchFunctionMode):
-    """Active during an owner's forward: F.linear on ``params`` (a set or dict of parameters)
-    runs as LinearWithOwnGrads, its weight and bias gradients handed to ``sink(p, product)``."""
+class LinearsWithOwnGrads:
+    """Context manager for an owner's forward: each given nn.Linear runs as
+    LinearWithOwnGrads, its weight and bias gradients handed to ``sink(p, product)``.
 
-    def __init__(self, params, sink):
-        super().__init__()
-        self.params, self.sink = params, sink
+    It sets the modules' own ``forward`` for the duration and removes it after, so
+    nothing of it outlives the forward (a copy or a pickle of the model sees plain
+    nn.Linear). A TorchFunctionMode catching every F.linear did the same with a Python
+    call on every torch operation of the forward: the gpt task's step was 2.8% slower
+    with it than with autograd's gradients copied into the buckets (85.6 against 83.2
+    ms, 2 workers, 2026-11-26); here only the linear layers pay a call."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight, bias = _linear_args(*args, **kwargs)
-            if self._takes(x, weight, bias):
-                return LinearWithOwnGrads.apply(x, weight, bias, self.sink)
-        return func(*args, **kwargs)
+    def __init__(self, linears, sink):
+        self.linears, self.sink = linears, sink
 
-    def _takes(self, x, weight, bias):
-        return (torch.is_grad_enabled() and self._ours(weight) and (bias is None or self._ours(bias))
-                and isinstance(x, torch.Tensor) and x.dtype == weight.dtype and x.dim() >= 1)
+    def __enter__(self):
+        for m in self.linears:
+            m.forward = _OwnGradsForward(m, self.sink)
+        return self
 
-    def _ours(self, p):
-        return (isinstance(p, torch.Tensor) and p.requires_grad and p in self.params
-                and not p._backward_hooks)
+    def __exit__(self, *exc):
+        for m in self.linears:
+            m.__dict__.pop("forward", None)
+        return False
+
+
+class _OwnGradsForward:
+    def __init__(self, module, sink):
+        self.module, self.sink = module, sink
+
+    def __call__(self, x):
+        m = self.module
+        w, b = m.weight, m.bias
+        if (torch.is_grad_enabled() and _plain(w) and (b is None or _plain(b)) and isinstance(x, torch.Tensor)
+                and x.dtype == w.dtype and x.dim() >= 1):
+            return LinearWithOwnGrads.apply(x, w, b, self.sink)
+        return F.linear(x, w, b)
+
+
+def _plain(p):
+    """A parameter that takes its gradient here: it wants one and has no hooks of its own."""
+    return p.requires_grad and not p._backward_hooks
 
 
 def accumulate(p, product):
@@ -132,5 +154,3 @@ def accumulate(p, product):
         product.add_to(p.grad)
 
 
-def _linear_args(input, weight, bias=None):
-    return input, weight, bias

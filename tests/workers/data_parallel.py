@@ -12,8 +12,8 @@ steps. Modes:
   mismatch rank 1 builds a different model: a clear error on every rank
   compress fp16 / bf16 bucket hooks: half the bytes, close to the reference
   linear_grads  linear layers' gradients computed straight into the buckets (linear_grads.py)
-           equal autograd's path: a weight used twice, 3-d inputs, F.linear called
-           directly, an in-place ReLU, a hooked weight, no_sync accumulation
+           equal autograd's path: a weight used twice and by F.linear, 3-d inputs, an
+           in-place ReLU, a hooked weight, no_sync accumulation; no trace left on the modules
 """
 import argparse
 import sys
@@ -202,10 +202,10 @@ def compress(g):
 
 
 class Twice(nn.Module):
-    """What the direct path must get right: a weight used twice in one forward, a weight
-    shared with an embedding (whose gradient autograd accumulates), a 3-d input, F.linear
-    called with a bucketed weight, an in-place ReLU on a linear's output, and a weight with
-    a hook of its own (left to autograd)."""
+    """What the direct path must get right: a weight used twice in one forward, and once
+    more by F.linear called directly (autograd's path), a weight shared with an embedding
+    (whose gradient autograd accumulates), a 3-d input, an in-place ReLU on a linear's
+    output, and a weight with a hook of its own (left to autograd)."""
 
     def __init__(self):
         super().__init__()
@@ -215,7 +215,7 @@ class Twice(nn.Module):
         self.emb.weight = self.a.weight   # (16, 6): a row per id, and the linear's weight
         self.tied = nn.Linear(16, 16)
         self.hooked = nn.Linear(16, 16)
-        self.out = nn.Parameter(torch.randn(3, 16) * 0.1)
+        self.out = nn.Linear(16, 3, bias=False)
         self.relu = nn.ReLU(inplace=True)
         self.hook_calls = 0
 
@@ -228,11 +228,13 @@ class Twice(nn.Module):
         ids = (x[..., 0].abs() * 5).long().clamp(max=15)
         h = self.relu(self.a(x + self.emb(ids)))
         h = torch.tanh(self.tied(h))
-        h = torch.tanh(self.tied(h)) + self.hooked(h)
-        return F.linear(h.mean(1), self.out)
+        h = torch.tanh(self.tied(h)) + self.hooked(h) + 0.1 * F.linear(h, self.tied.weight)   # autograd's path too
+        return self.out(h.mean(1))
 
 
 def linear_grads(g):
+    from paratrain.parallel import linear_grads as lg
+    lg.LINEAR_GRADS_MIN_NUMEL = 1   # the test's layers are small: every one takes the path
     me = g.rank
     grads = {}
     for direct in (True, False):
@@ -255,6 +257,8 @@ def linear_grads(g):
                 if p.grad.data_ptr() != view.data_ptr():
                     raise AssertionError(f"direct={direct}: a gradient is not its bucket's view")
         grads[direct] = [p.grad.clone() for p in model.module.parameters()]
+        if any("forward" in m.__dict__ for m in model.module.modules()):
+            raise AssertionError(f"direct={direct}: a module kept the forward set during DataParallel's")
     for (name, _), a, b in zip(Twice().named_parameters(), grads[True], grads[False]):
         err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
         if err > 1e-6:
