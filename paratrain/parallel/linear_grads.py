@@ -8,7 +8,8 @@ traffic as the averaging itself, on a machine where two workers already
 share the memory bandwidth (DDP pays the same copy).
 
 While DataParallel's forward runs, ``LinearsWithOwnGrads`` has each of its
-``nn.Linear`` modules (whose parameters all live in buckets) run as
+``nn.Linear`` modules whose parameters all live in buckets (and whose weight
+has at least ``LINEAR_GRADS_MIN_NUMEL`` entries) run as
 ``LinearWithOwnGrads``: the same forward, and a backward that computes the
 same products autograd would (g W for the input, g^T x for the weight, g
 summed over the rows for the bias) and hands the weight's and bias's to the
@@ -146,8 +147,8 @@ def _plain(p):
 
 
 def accumulate(p, product):
-    """The pipeline's sink: p's first gradient as autograd would leave it, every later one
-    added inside its matrix product."""
+    """p's first gradient as autograd would leave it, every later one added inside its
+    matrix product (the pipeline's split-backward W)."""
     if p.grad is None:
         p.grad = product.fresh()
     else:
