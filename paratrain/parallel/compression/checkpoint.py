@@ -36,6 +36,8 @@ def gather(group, compressor):
         every = torch.empty(group.world_size * padded.numel(), dtype=flat.dtype).view(group.world_size, -1)
         group.all_gather(every, padded)
         for r, state in enumerate(ranks):
+            # a copy of its own, not a view into ``every``: a view comes back from torch.load with
+            # a storage offset, and Generator.set_state refuses it ("Invalid mt19937 state")
             got = every[r, :int(sizes[r])].clone()
             state[key] = got.view(value.shape) if int(sizes[r]) == flat.numel() else got
     return {"kind": type(compressor).__name__, "world_size": group.world_size, "ranks": ranks}
