@@ -76,6 +76,10 @@ def build(name, task, cfg, group, port):
             momentum, compression = 0.9, "topk:" + arg[8:]
         else:   # as paratrain train does with SGD (top-k: DGC's momentum correction)
             compression, momentum = with_sgd_momentum(None if arg == "none" else arg, 0.9)
+        if cfg.get("steady") and getattr(compression, "warmup_steps", 0):
+            # the timed rounds are a few steps: time top-k past its density warm-up (the first 50
+            # steps, sent denser), whose bytes the accuracy run counts
+            compression.warmup_steps = 0
         model = pt.DataParallel(mine, group=group, compression=compression)
         engine = TrainingEngine(name, model, group.barrier, data, group, cfg["batch"], lambda: model.stats.bytes,
                                 momentum, cfg.get("seed", 0))

@@ -129,7 +129,62 @@ def state_carries_over(g, make, name):
 
 def warmup(g):
     hook = TopK(0.01, warmup_steps=4)
-    assert hook.density(0) == 1.0 and abs(hook.density(2) - 0.1) < 1e-12 and hook.density(4) == 0.01
+    assert hook.density(0) == 0.25 and abs(hook.density(2) - 0.05) < 1e-12 and hook.density(4) == 0.01
+    assert TopK(0.5, warmup_steps=4).density(0) == 0.5   # never below the ratio
+
+
+def everyones_mean(g, t):
+    everyone = torch.empty(g.world_size * t.numel(), dtype=t.dtype)
+    g.all_gather(everyone, t.contiguous())
+    return everyone.view(g.world_size, -1).mean(0)
+
+
+def topk_sends_small_tensors_whole(g):
+    """SHAPES' two vectors (48 entries) fit the budget of 5% of 1040 (52): both are sent on
+    every step, and the k are the largest of the other 992 entries, 50 of them."""
+    hook = TopK(0.05)
+    hook.prepare(g, [torch.zeros(1040)], shapes=[SHAPES])
+    vectors = torch.cat([torch.arange(800, 840), torch.arange(1032, 1040)])
+    assert torch.equal(hook.whole[0], vectors), hook.whole
+    others = torch.ones(1040, dtype=torch.bool)
+    others[vectors] = False
+    residual = torch.zeros(1040)
+    for step in range(4):
+        grad = torch.randn(1040, generator=torch.Generator().manual_seed(90 + 10 * step + g.rank))
+        acc = residual + grad
+        hook(g, 0, grad.clone())
+        chosen = hook.sent[0][0]
+        assert torch.equal(chosen[:48], vectors), f"step {step}: the vectors were not all sent"
+        expected = others.nonzero().squeeze(1)[acc[others].abs().topk(50).indices]
+        assert sorted(chosen[48:].tolist()) == sorted(expected.tolist()), f"step {step}: not the 50 largest"
+        residual = acc.clone()
+        residual[chosen] = 0.0
+        close(hook.residual[0], residual, f"step {step}: the residual")
+    assert not TopK(0.05, small_whole=False).whole
+    # a bucket of small tensors only goes whole: the plain average, nothing left over
+    hook = TopK(0.05)
+    hook.prepare(g, [torch.zeros(1040), torch.zeros(4)], shapes=[SHAPES, [(4,)]])
+    assert torch.equal(hook.whole[1], torch.arange(4)), hook.whole
+    grad = torch.randn(4, generator=torch.Generator().manual_seed(130 + g.rank))
+    flat = grad.clone()
+    hook(g, 1, flat)
+    close(flat, everyones_mean(g, grad), "a bucket of small tensors: the plain average")
+    close(hook.residual[1], torch.zeros(4), "a bucket of small tensors: no residual")
+
+
+def topk_momentum_masking_waits_for_the_warmup(g):
+    """TopK(1.0) sends everything. During the warm-up its momentum correction is SGD's momentum
+    (u = 0.9 u + g, the ranks' mean u returned); after it, DGC's masking clears u wherever an
+    entry was sent, so with everything sent each step returns the plain mean gradient. Step 3 is
+    the first after the warm-up: it still returns u, then clears it."""
+    hook = TopK(1.0, momentum=0.9, warmup_steps=3, small_whole=False)
+    u = torch.zeros(200, dtype=torch.float64)
+    for step in range(6):
+        grad = torch.randn(200, generator=torch.Generator().manual_seed(110 + step + 10 * g.rank), dtype=torch.float64)
+        flat = grad.clone()
+        hook(g, 0, flat)
+        u = 0.9 * u + grad if step <= 3 else grad
+        close(flat, everyones_mean(g, u), f"step {step}: {'momentum' if step <= 3 else 'masked'}")
 
 
 def main():
@@ -141,6 +196,8 @@ def main():
     powersgd_skips_small_tensors(g)
     topk_one_is_plain(g)
     warmup(g)
+    topk_sends_small_tensors_whole(g)
+    topk_momentum_masking_waits_for_the_warmup(g)
     state_carries_over(g, lambda: TopK(0.05, momentum=0.9), "topk:0.05 with momentum")
     state_carries_over(g, OneBit, "onebit")
     state_carries_over(g, lambda: PowerSGD(rank=2), "powersgd:2")
