@@ -23,8 +23,8 @@ sparse gradients). What was not sent is not lost:
   to a 400-step run. The momentum masking starts when the warm-up ends:
   masked at high density, nearly every entry is sent and cleared each step,
   which is SGD with no momentum (a 50-step warm-up from 100% with masking
-  left seed 0 of mlp-large 4.6 points lower); unmasked, density 1 is SGD's
-  momentum exactly (tested);
+  ended seed 0 of mlp-large 4.6 points below no warm-up); unmasked, density
+  1 is SGD's momentum exactly (tested);
 - **small tensors whole** (``small_whole``, on by default): the smallest
   tensors of the model (biases, norms' scales, a small last layer), as many
   as together hold at most ``ratio`` of all its entries, are sent every step
@@ -32,7 +32,7 @@ sparse gradients). What was not sent is not lost:
   compresses only tensors of two or more dimensions and PowerSGD sends small
   tensors whole; the budget bounds the cost: at most twice the entries. Picked
   from the whole bucket, mlp-large's output bias (10 entries beside a 10 x 3072
-  weight) was sent on none of steps 150-250 of seed 4, its residual growing.
+  weight) was not sent on steps 150, 200 and 250 of seed 4 (those looked at), its residual growing.
 
 Choosing the k largest is the costly part on a CPU: ``torch.topk`` over a
 6.5M-entry bucket takes about 110 ms, more than sending the result over a

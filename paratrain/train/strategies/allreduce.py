@@ -145,7 +145,8 @@ class AllReduceStep(ReplicaStep):
             from ...parallel.compression import with_sgd_momentum
             compression, momentum = with_sgd_momentum(compression, SGD_MOMENTUM)
             if momentum != SGD_MOMENTUM:
-                self.compression += " (DGC momentum correction: SGD's momentum in the compressor)"
+                self.compression += (" (DGC momentum correction: SGD's momentum in the compressor; "
+                                     f"density warm-up over {compression.warmup_steps} steps)")
         if args.strategy == "allreduce":
             self.model = pt.DataParallel(module, group=replicas, bucket_mb=args.bucket_mb, algorithm=args.algorithm,
                                          compression=compression)
