@@ -160,7 +160,9 @@ def topk_sends_small_tensors_whole(g):
         residual = acc.clone()
         residual[chosen] = 0.0
         close(hook.residual[0], residual, f"step {step}: the residual")
-    assert not TopK(0.05, small_whole=False).whole
+    off = TopK(0.05, small_whole=False)
+    off.prepare(g, [torch.zeros(1040)], shapes=[SHAPES])
+    assert not off.whole, off.whole
     # a bucket of small tensors only goes whole: the plain average, nothing left over
     hook = TopK(0.05)
     hook.prepare(g, [torch.zeros(1040), torch.zeros(4)], shapes=[SHAPES, [(4,)]])
