@@ -145,6 +145,16 @@ def test_stages_talk_over_gloo_too():
     _passed(res, 2, 4)
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("p,ms", [(2, "3,5"), (3, "7")])
+def test_zb_h1_first_stage_runs_weights_while_its_last_gradients_travel(p, ms):
+    """A slow last stage: the first stage, past its last F, waits for each B's gradient
+    and runs its pending W's meanwhile (checked on its executed order), and the
+    gradients still equal one process's."""
+    res = launch(p, "pipeline.py", "equiv", "mlp,gpt", "zb-h1", ms, "--slow-last", "0.05")
+    _passed(res, p, 2 * len(ms.split(",")))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("p", [2, 3])
 def test_interleaved_equals_one_process(p):

@@ -6,7 +6,7 @@ rank's stage. After a pipeline step the loss, and the gradient of every
 parameter this rank holds, must equal the reference's (1e-5 relative);
 a second step after an SGD update checks that state carries over.
 
-    pipeline.py equiv MODELS SCHEDULE MICROBATCHES [--virtual V] [--points a,b] [--by params|time] [--dp D]
+    pipeline.py equiv MODELS SCHEDULE MICROBATCHES [--virtual V] [--points a,b] [--by params|time] [--dp D] [--slow-last S]
 
 MODELS and MICROBATCHES are comma lists, every pair is run in turn. MODEL: mlp (nn.Sequential, 7 layers: uneven stages), skip (a skip connection
 that jumps over a stage), gpt (the gpt task's model, cut by torch.fx).
@@ -95,8 +95,11 @@ def one(world, args, groups, kind, microbatches):
     else:
         kw["by"] = args.by
     stage = pt.pipeline.split(model, **kw)
+    loss = loss_fn(kind)
+    if args.slow_last:
+        loss = _slowed(loss, args.slow_last)
     pipe = pt.Pipeline(stage, group=group, microbatches=microbatches, schedule=args.schedule,
-                       loss_fn=loss_fn(kind), dp_group=dp_group)
+                       loss_fn=loss, dp_group=dp_group)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref_params = dict(ref.named_parameters())
@@ -117,10 +120,33 @@ def one(world, args, groups, kind, microbatches):
             assert q.grad is not None, f"step {step}: {name} got no gradient"
             assert rel(q.grad, r) <= 1e-5, f"step {step}: gradient of {name} off by {rel(q.grad, r):.2e}"
         check_activation_memory(pipe, group, args.schedule, microbatches)
+        if args.slow_last and stage.is_first:
+            check_weights_filled_the_wait(pipe, microbatches)
         opt.step()
         opt.zero_grad()
         ref_opt.step()
     print(f"pipeline {kind} {args.schedule} m={microbatches} passed on rank {world.rank}", flush=True)
+
+
+def _slowed(fn, seconds):
+    import time
+
+    def slow(out, y):
+        time.sleep(seconds)
+        return fn(out, y)
+    return slow
+
+
+def check_weights_filled_the_wait(pipe, m):
+    """The first stage's executed order: every W once, after its own B; and, the last
+    stage being slow, every W but the last micro-batch's run while the last B's gradient
+    was on its way (zb-h1's static list leaves some after it: W1 at p=2, m=3)."""
+    ran = [(kind, mb) for kind, mb, *_ in pipe.timeline]
+    assert sorted(mb for kind, mb in ran if kind == "W") == list(range(m)), ran
+    for mb in range(m):
+        assert ran.index(("B", mb)) < ran.index(("W", mb)), ran
+    after_last_b = ran[ran.index(("B", m - 1)):]
+    assert [x for x in after_last_b if x[0] == "W"] == [("W", m - 1)], ran
 
 
 class Tied(nn.Module):
@@ -215,6 +241,9 @@ def main():
     e.add_argument("--points", default=None)
     e.add_argument("--by", default="params")
     e.add_argument("--dp", type=int, default=1)
+    e.add_argument("--slow-last", type=float, default=0.0,
+                   help="seconds the last stage's loss sleeps per micro-batch: the first stage then waits for "
+                        "every gradient of its tail, and zb-h1 must fill the waits with W's")
     sub.add_parser("bad")
     sub.add_parser("die")
     args = p.parse_args()

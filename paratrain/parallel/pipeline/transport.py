@@ -137,6 +137,18 @@ def send_gradients(group, grads, dst, stage, works):
             works.append((group.isend(g, dst, tag(stage, GRADIENT, 1 + i)), g))
 
 
+def post_gradients(group, src, stage, like):
+    """Start receiving the gradients, from stage ``stage``, of the differentiable values
+    sent to it (``like``): (the tensors they land in, the receives' Works)."""
+    out, works = [], []
+    for i, t in enumerate(like):
+        g = torch.empty_like(t, memory_format=torch.contiguous_format)
+        if g.numel():
+            works.append(group.irecv(g, src, tag(stage, GRADIENT, 1 + i)))
+        out.append(g)
+    return out, works
+
+
 def recv_gradients(group, src, stage, like):
     """The gradients, from stage ``stage``, of the differentiable values sent to it (``like``)."""
     out = []
