@@ -19,7 +19,9 @@ gradients of the stage's inputs and of the outputs of every module that owns
 weights, and nothing else, so the weight products are skipped; W then takes
 each such module's output gradient back to its own weights only (Qi et al.,
 arXiv 2401.10241, sec. 2: B and W of a linear layer are two separate
-matrix products, and only B is on the critical path).
+matrix products, and only B is on the critical path). Normalization layers
+and embeddings (``_WEIGHTS_IN_B``) are left to B: their weight gradients are
+sums formed in the same kernel as their input's.
 
 ``dp_group``: this stage's replicas in other pipelines (DP x PP); after the
 step their gradients and the loss are averaged over it.
@@ -289,7 +291,7 @@ class Pipeline:
                 self._capture.append((module, (args[0], args[0]._version) if linear else None, output))
         for chunk in self.stage.chunks:
             for mod in chunk.module.modules():
-                if mod is not chunk.module and _own_params(mod):
+                if mod is not chunk.module and _own_params(mod) and not isinstance(mod, _WEIGHTS_IN_B):
                     mod.register_forward_hook(hook)
 
     # ---- forward only (evaluation) ----------------------------------------------------------
@@ -358,6 +360,13 @@ class _SavedBytes:
     @staticmethod
     def unpack(t):
         return t
+
+
+# Modules whose weight gradients B computes along with their input's, in the same kernel
+# (a normalization's weight and bias gradients are two sums over what its input gradient
+# reads anyway), so W does not read their input and output gradient a second time.
+_WEIGHTS_IN_B = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm,
+                 torch.nn.Embedding)
 
 
 def _own_params(module):
