@@ -155,6 +155,18 @@ def test_zb_h1_first_stage_runs_weights_while_its_last_gradients_travel(p, ms):
     _passed(res, p, 2 * len(ms.split(",")))
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("p,schedule,extra", [(2, "1f1b", []), (3, "gpipe", []),
+                                              (2, "interleaved", ["--virtual", "2"])])
+def test_stages_past_the_first_send_input_gradients_before_weight_gradients(p, schedule, extra):
+    """Under the schedules without W, a stage past the first computes its input gradient,
+    sends it, then its weight gradients: the previous stage waits a W less. Checked at
+    each stage's first send of a step (no linear weight has a gradient yet), with the
+    gradients equal to one process's after it."""
+    res = launch(p, "pipeline.py", "equiv", "mlp,gpt", schedule, str(2 * p), "--send-before-weights", *extra)
+    _passed(res, p, 2)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("p", [2, 3])
 def test_interleaved_equals_one_process(p):

@@ -112,7 +112,12 @@ def one(world, args, groups, kind, microbatches):
         ref_loss = loss_fn(kind)(ref(x), y)
         ref_loss.backward()
         mine = slice(replica * batch, (replica + 1) * batch)
-        loss = pipe.step(x[mine] if stage.is_first else None, y[mine] if stage.is_last else None)
+        with _first_gradient_sends(stage) as first_sends:
+            loss = pipe.step(x[mine] if stage.is_first else None, y[mine] if stage.is_last else None)
+        if args.send_before_weights:
+            sending = sorted(ch.index for ch in stage.chunks if ch.index > 0)
+            assert sorted(first_sends) == sending, (first_sends, sending)
+            assert all(first_sends.values()), f"a weight gradient was computed before the first send: {first_sends}"
         assert abs(float(loss) - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), (step, float(loss), ref_loss.item())
         for q in held:
             name = names[id(q)]
@@ -126,6 +131,32 @@ def one(world, args, groups, kind, microbatches):
         opt.zero_grad()
         ref_opt.step()
     print(f"pipeline {kind} {args.schedule} m={microbatches} passed on rank {world.rank}", flush=True)
+
+
+class _first_gradient_sends:
+    """Records, for each stage this rank holds, whether its nn.Linear weights still had
+    no gradient when it first sent an input gradient back in a step (gradients start
+    the step as None: zero_grad sets them so)."""
+
+    def __init__(self, stage):
+        from paratrain.parallel.pipeline import transport
+        self.transport, self.stage, self.seen = transport, stage, {}
+
+    def __enter__(self):
+        send = self.original = self.transport.send_gradients
+        chunks = {ch.index: ch for ch in self.stage.chunks}
+
+        def recording(group, grads, dst, s, works):
+            if s not in self.seen:
+                linears = [m for m in chunks[s].modules() if isinstance(m, nn.Linear)]
+                self.seen[s] = all(m.weight.grad is None for m in linears) and bool(linears)
+            return send(group, grads, dst, s, works)
+        self.transport.send_gradients = recording
+        return self.seen
+
+    def __exit__(self, *exc):
+        self.transport.send_gradients = self.original
+        return False
 
 
 def _slowed(fn, seconds):
@@ -241,6 +272,9 @@ def main():
     e.add_argument("--points", default=None)
     e.add_argument("--by", default="params")
     e.add_argument("--dp", type=int, default=1)
+    e.add_argument("--send-before-weights", action="store_true",
+                   help="check that every stage past the first sends its input gradient before it has "
+                        "computed any of its linear layers' weight gradients")
     e.add_argument("--slow-last", type=float, default=0.0,
                    help="seconds the last stage's loss sleeps per micro-batch: the first stage then waits for "
                         "every gradient of its tail, and zb-h1 must fill the waits with W's")
