@@ -76,12 +76,12 @@ class Pipeline:
         self.actions = schedules.actions(schedule, self.rank, self.p, self.m, stage.virtual)
         self.split_backward = schedule in schedules.SPLIT_BACKWARD
         self._capture = None
-        if self.split_backward or any(chunk.index > 0 for chunk in stage.chunks):
+        if any(self._splits(chunk.index) for chunk in stage.chunks):
             self._hook_weight_owners()
         # past the first stage's last F, its B's feed nobody: its W's may fill their waits
         forwards = [i for i, (kind, _, _) in enumerate(self.actions) if kind == "F"]
         self._free_tail = (forwards[-1] + 1 if self.split_backward and stage.is_first and not stage.is_last
-                           and stage.virtual == 1 and forwards else len(self.actions))
+                           and forwards else len(self.actions))
         self.timeline = []
         self.peak_activation_bytes = 0
         self.saved_per_forward = []          # bytes each forward of the last step saved for its backward
@@ -183,8 +183,8 @@ class Pipeline:
         if "sent" not in state:
             return
         if "posted" not in state:
-            state["posted"] = transport.post_gradients(self.group, self._rank_of(self.stage.chunks[c].index + 1),
-                                                       self.stage.chunks[c].index + 1, state["sent"])
+            after = self.stage.chunks[c].index + 1
+            state["posted"] = transport.post_gradients(self.group, self._rank_of(after), after, state["sent"])
         works = state["posted"][1]
         while not all(w.is_completed() for w in works):
             pending = [key for key, st in self._state.items() if "wgrads" in st]
