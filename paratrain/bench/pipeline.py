@@ -5,9 +5,9 @@
 
 The model of issue 25: the gpt task made bigger (8 blocks, width 256, 8
 heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank,
-cut into 2 stages of 4 blocks. One process alone runs it first (``single``);
-then, with 2 workers in the same processes, interleaved round by round
-(pipeline_worker.py): paratrain's schedules and torch's GPipe and 1F1B on the
+cut into 2 stages of 4 blocks. Two workers time, interleaved round by round
+(pipeline_worker.py): one process with the whole model (``single``, on rank 0
+while rank 1 sleeps), paratrain's schedules and torch's GPipe and 1F1B on the
 same stage modules, and ``alone/m<m>``: each stage's m forwards and backwards
 with no pipeline between them, both stages at once, which no schedule can
 beat (the formula's ideal assumes each stage is half a one-process step).
@@ -43,13 +43,15 @@ def parser():
     return p
 
 
-def summarize(single, piped, batch):
+def summarize(piped, batch):
     from ..parallel.pipeline.schedules import bubble_formula
-    one = statistics.median(single["times"]["single"])
+    one = statistics.median(piped["times"]["single"])
     rows = [dict(engine="single", step_ms=one * 1e3, samples_per_s=batch / one, vs_single=1.0, ideal=1.0,
                  vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None)]
     medians = {e: statistics.median(t) for e, t in piped["times"].items()}
     for engine, step in medians.items():
+        if engine == "single":
+            continue
         if engine.startswith("alone/"):   # the stages' compute alone: the ceiling (pipeline_worker.StagesAlone)
             rows.append(dict(engine=engine, step_ms=step * 1e3, samples_per_s=batch / step, vs_single=one / step,
                              ideal=None, vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None))
@@ -121,9 +123,8 @@ def main(argv=None):
     engines = gpt_runs.words(args.engines)
     worker = "paratrain.bench.pipeline_worker"
     with tempfile.TemporaryDirectory() as tmp:
-        single = gpt_runs.run_workers(1, worker, ["single"], model, args, tmp)
-        piped = gpt_runs.run_workers(2, worker, engines, model, args, tmp)
-    rows = summarize(single, piped, model["batch"])
+        piped = gpt_runs.run_workers(2, worker, ["single"] + [e for e in engines if e != "single"], model, args, tmp)
+    rows = summarize(piped, model["batch"])
     out = gpt_runs.show_and_save(table(rows), "pipeline", model, args, rows, piped, width=140)
     png = plot(out / "pipeline.png", rows)
     pictures = timelines(out, piped, rows)

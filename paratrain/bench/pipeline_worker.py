@@ -4,7 +4,7 @@ Each engine is a full training step (forward, backward, Adam) of the same GPT
 (same initial weights, same batch) cut into the same two stages at
 ``blocks.<n/2>``, run by:
 
-- ``single``: one process, the whole model (only with one worker);
+- ``single``: one process, the whole model, on rank 0 while the other rank sleeps;
 - ``pt/<schedule>/m<m>``: pt.Pipeline with that schedule and m micro-batches
   (``interleaved``: each rank holds two of four stages);
 - ``torch/<schedule>/m<m>``: torch.distributed.pipelining's PipelineStage and
@@ -40,12 +40,19 @@ def lm_loss(logits, y):
 
 
 class Single:
+    """``single``: one process, the whole model, timed in the same rounds as the
+    pipelines: rank 0 trains it while the other ranks sleep in the next barrier, so
+    the baseline sees the machine the engines beside it see, round by round, not as
+    it was minutes before them (on a shared host a machine's speed drifts)."""
+
     def __init__(self, cfg, group):
-        self.name, self.model = "single", build_gpt(cfg)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.barrier, self.bubble = (lambda: None), None
+        self.name, self.barrier, self.bubble = "single", group.barrier, None
+        self.model = build_gpt(cfg) if group.rank == 0 else None
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4) if self.model is not None else None
 
     def step(self, x, y):
+        if self.model is None:
+            return
         lm_loss(self.model(x), y).backward()
         self.opt.step()
         self.opt.zero_grad()

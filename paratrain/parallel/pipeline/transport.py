@@ -137,24 +137,23 @@ def send_gradients(group, grads, dst, stage, works):
             works.append((group.isend(g, dst, tag(stage, GRADIENT, 1 + i)), g))
 
 
+def _gradient_buffers(like):
+    """Where the gradients of the differentiable values sent (``like``) land, in order."""
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+
+
 def post_gradients(group, src, stage, like):
     """Start receiving the gradients, from stage ``stage``, of the differentiable values
     sent to it (``like``): (the tensors they land in, the receives' Works)."""
-    out, works = [], []
-    for i, t in enumerate(like):
-        g = torch.empty_like(t, memory_format=torch.contiguous_format)
-        if g.numel():
-            works.append(group.irecv(g, src, tag(stage, GRADIENT, 1 + i)))
-        out.append(g)
+    out = _gradient_buffers(like)
+    works = [group.irecv(g, src, tag(stage, GRADIENT, 1 + i)) for i, g in enumerate(out) if g.numel()]
     return out, works
 
 
 def recv_gradients(group, src, stage, like):
     """The gradients, from stage ``stage``, of the differentiable values sent to it (``like``)."""
-    out = []
-    for i, t in enumerate(like):
-        g = torch.empty_like(t, memory_format=torch.contiguous_format)
+    out = _gradient_buffers(like)
+    for i, g in enumerate(out):
         if g.numel():
             group.recv(g, src, tag(stage, GRADIENT, 1 + i))
-        out.append(g)
     return out
