@@ -144,6 +144,11 @@ def test_quick_pipeline_benchmark_reports_every_engine(tmp_path):
         if name.startswith("pt/"):
             assert r["vs_torch"] > 0 and 0 <= r["bubble"] < 1 and 0 < r["bubble_formula"] < 1
             assert len(r["peak_activation_mb"]) == 2 and min(r["peak_activation_mb"]) > 0
+        m = int(name.rsplit("/m", 1)[1]) if "/m" in name and not name.startswith("alone/") else None
+        if m is not None and f"alone/m{m}" in rows:   # the formula's ideal on this machine's stage compute
+            assert r["machine_ideal"] == pytest.approx(rows[f"alone/m{m}"]["vs_single"] * m / (m + 1))
+        elif name != "single" and not name.startswith("alone/"):
+            assert r["machine_ideal"] is None, name
     assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ENGINES:
         if name.startswith("pt/"):

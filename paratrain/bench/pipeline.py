@@ -13,7 +13,11 @@ with no pipeline between them, both stages at once, which no schedule can
 beat (the formula's ideal assumes each stage is half a one-process step).
 
 Prints ms/step, samples/s, the speedup over one process against the ideal
-2m/(m+1) for two stages, the ratio to torch's same schedule (zb-h1 and
+2m/(m+1) for two stages and against the same ideal on this machine (the
+formula's bubble, 1/(m+1) of the step, added to what ``alone/m<m>`` takes
+instead of to half a one-process step: ``alone``'s speedup x m/(m+1); two
+busy cores here are each slower than one alone, which the plain formula
+does not know), the ratio to torch's same schedule (zb-h1 and
 interleaved against torch's 1F1B at the same m), paratrain's bubble
 measured on each round's last step (median) against the schedule's formula,
 and the most activation memory each of paratrain's stages held at once.
@@ -47,22 +51,24 @@ def summarize(piped, batch):
     from ..parallel.pipeline.schedules import bubble_formula
     one = statistics.median(piped["times"]["single"])
     rows = [dict(engine="single", step_ms=one * 1e3, samples_per_s=batch / one, vs_single=1.0, ideal=1.0,
-                 vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None)]
+                 machine_ideal=None, vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None)]
     medians = {e: statistics.median(t) for e, t in piped["times"].items()}
     for engine, step in medians.items():
         if engine == "single":
             continue
         if engine.startswith("alone/"):   # the stages' compute alone: the ceiling (pipeline_worker.StagesAlone)
             rows.append(dict(engine=engine, step_ms=step * 1e3, samples_per_s=batch / step, vs_single=one / step,
-                             ideal=None, vs_torch=None, bubble=None, bubble_formula=None, peak_activation_mb=None))
+                             ideal=None, machine_ideal=None, vs_torch=None, bubble=None, bubble_formula=None,
+                             peak_activation_mb=None))
             continue
         owner, schedule, m = engine.split("/")
         m = int(m[1:])
         ref = f"torch/{schedule if schedule in ('gpipe', '1f1b') else '1f1b'}/m{m}"
         v = 2 if schedule == "interleaved" else 1
         bubbles = piped.get("bubble", {}).get(engine)
+        alone = medians.get(f"alone/m{m}")
         rows.append(dict(engine=engine, step_ms=step * 1e3, samples_per_s=batch / step, vs_single=one / step,
-                         ideal=2 * m / (m + 1),
+                         ideal=2 * m / (m + 1), machine_ideal=one / alone * m / (m + 1) if alone else None,
                          vs_torch=medians[ref] / step if owner == "pt" and ref in medians else None,
                          bubble=statistics.median(bubbles) if bubbles else None,
                          bubble_formula=bubble_formula(schedule, 2, m, v) if owner == "pt" else None,
@@ -73,13 +79,14 @@ def summarize(piped, batch):
 def table(rows):
     from rich.table import Table
     t = Table(title="2-stage pipeline: ms/step and samples/s, medians of interleaved rounds")
-    for c in ("engine", "step ms", "samples/s", "vs 1 process", "ideal 2m/(m+1)", "vs torch, same m",
+    for c in ("engine", "step ms", "samples/s", "vs 1 process", "ideal 2m/(m+1)", "ideal here: alone x m/(m+1)",
+              "vs torch, same m",
               "bubble measured", "bubble formula", "peak activations MB, stage 0 / 1"):
         t.add_column(c, justify="left" if c == "engine" else "right")
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
         t.add_row(r["engine"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}", f(r["vs_single"], "{:.2f}x"),
-                  f(r["ideal"], "{:.2f}x"), f(r["vs_torch"], "{:.2f}x"), f(r["bubble"], "{:.1%}"),
+                  f(r["ideal"], "{:.2f}x"), f(r["machine_ideal"], "{:.2f}x"), f(r["vs_torch"], "{:.2f}x"), f(r["bubble"], "{:.1%}"),
                   f(r["bubble_formula"], "{:.1%}"),
                   " / ".join(f"{x:.0f}" for x in r["peak_activation_mb"]) if r["peak_activation_mb"] else "-")
     return t
