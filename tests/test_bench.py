@@ -228,3 +228,15 @@ def test_quick_compression_benchmark_times_and_scores_every_engine(tmp_path):
     assert rows["pt/topk:0.01"]["accuracies"] == [rows["pt/topk:0.01"]["accuracy"]]   # --quick: seed 0 alone
     assert rows["pt/powersgd:4"]["accuracy"] is None and rows["pt/none"]["accuracy_steps"] == 3
     assert (tmp_path / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_steadiness_warns_when_an_engines_rounds_spread_widely():
+    """The benchmarks say when a run's rounds were too unsteady to judge a few-percent target."""
+    from paratrain.bench.gpt_runs import round_spreads, steadiness
+    quiet = {"a": [1.00, 1.02, 1.01, 1.03, 1.00], "b": [2.0, 2.1, 2.05, 2.0, 2.02]}
+    busy = {"a": [1.00, 1.40, 1.01, 1.25, 1.10], "b": [2.0, 2.6, 2.05, 2.9, 2.02]}
+    assert round_spreads(quiet)["a"] == pytest.approx(0.03 / 1.01)
+    assert "busy" not in steadiness(quiet)
+    line = steadiness(busy)
+    assert "busy" in line and "(b)" in line     # b's rounds spread the most: 0.9 / 2.05
+    assert steadiness({"a": [1.0]}) is None      # one round says nothing about steadiness

@@ -7,6 +7,7 @@ workers, and the printing and writing are here.
 """
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,16 +47,49 @@ def run_workers(nproc, module, engines, model, args, folder):
     return launcher.run_config(nproc, module, cfg, args.timeout, folder, f"{name}-{nproc}")
 
 
-def show_and_save(table, name, model, args, rows, raw, width=160, **meta):
-    """Print ``table``; write ``<out>/<name>.json`` (the model, the run's settings, the
-    rows and the workers' raw results); returns the output folder."""
+# Above this median spread of an engine's rounds, a run cannot judge a target of a few
+# percent. On a quiet machine the pipeline benchmark's engines spread by 1-7% (the ten
+# full runs in benchmarks/results/pipeline/2026-11-26-send-before-w); on the same
+# machine with a busy host, by 3-122%, a median of 15-30% a run (2026-11-26-same-rounds*).
+BUSY_SPREAD = 0.10
+
+
+def round_spreads(times):
+    """{engine: (slowest round - fastest round) / median round}: how steady the machine
+    was while the engine ran."""
+    return {e: (max(t) - min(t)) / statistics.median(t) for e, t in times.items() if len(t) > 1}
+
+
+def steadiness(times):
+    """One line on how steady the rounds were, and a warning when the machine was busy."""
+    spreads = round_spreads(times)
+    if not spreads:
+        return None
+    worst = max(spreads, key=spreads.get)
+    median = statistics.median(spreads.values())
+    line = (f"rounds' spread, (slowest - fastest) / median: {median:.0%} over engines (median), "
+            f"at worst {spreads[worst]:.0%} ({worst})")
+    if median > BUSY_SPREAD:
+        line += (f"; above {BUSY_SPREAD:.0%}: the machine was busy during this run, and its ratios cannot "
+                 "judge a target of a few percent; run it again on a quiet machine")
+    return line
+
+
+def show_and_save(table, name, model, args, rows, raw, width=160, times=None, **meta):
+    """Print ``table`` and, given each engine's round ``times``, how steady they were;
+    write ``<out>/<name>.json`` (the model, the run's settings, the rows, the rounds'
+    spread and the workers' raw results); returns the output folder."""
     from rich.console import Console
     console = Console()
     if not console.is_terminal:
         console = Console(width=width)
     console.print(table)
+    steady = steadiness(times or {})
+    if steady:
+        print(steady)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = dict(model, rounds=args.rounds, steps=args.steps, warmup=args.warmup, cpu_count=os.cpu_count(), quick=args.quick, **meta)
+    settings = dict(model, rounds=args.rounds, steps=args.steps, warmup=args.warmup, cpu_count=os.cpu_count(),
+                    quick=args.quick, round_spread=round_spreads(times or {}), **meta)
     (out / f"{name}.json").write_text(json.dumps(dict(settings, rows=rows, raw=raw), indent=1))
     return out

@@ -132,7 +132,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         piped = gpt_runs.run_workers(2, worker, ["single"] + [e for e in engines if e != "single"], model, args, tmp)
     rows = summarize(piped, model["batch"])
-    out = gpt_runs.show_and_save(table(rows), "pipeline", model, args, rows, piped, width=140)
+    out = gpt_runs.show_and_save(table(rows), "pipeline", model, args, rows, piped, width=140,
+                                 times=piped["times"])
     png = plot(out / "pipeline.png", rows)
     pictures = timelines(out, piped, rows)
     print(f"wrote {out / 'pipeline.json'}, {png} and {len(pictures)} timelines (pipeline-timeline-*.png)")

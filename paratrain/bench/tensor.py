@@ -141,7 +141,8 @@ def main(argv=None):
         for n in sizes:
             results[n] = gpt_runs.run_workers(n, worker, [f"{owner}/tp{n}" for owner in owners], model, args, tmp)
     rows = summarize(results, model)
-    out = gpt_runs.show_and_save(table(rows), "tensor", model, args, rows, results, sizes=sizes)
+    out = gpt_runs.show_and_save(table(rows), "tensor", model, args, rows, results, sizes=sizes,
+                                 times={e: t for r in results.values() for e, t in r["times"].items()})
     png = plot(out / "tensor.png", rows)
     print(f"wrote {out / 'tensor.json'} and {png}")
     return 0

@@ -102,7 +102,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         result = gpt_runs.run_workers(2, "paratrain.bench.zero_worker", engines, model, args, tmp)
     rows = summarize(result, model)
-    out = gpt_runs.show_and_save(table(rows), "zero", model, args, rows, result)
+    out = gpt_runs.show_and_save(table(rows), "zero", model, args, rows, result, times=result["times"])
     png = plot(out / "zero.png", rows)
     print(f"wrote {out / 'zero.json'} and {png}")
     return 0
