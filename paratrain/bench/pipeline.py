@@ -86,8 +86,8 @@ def table(rows):
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
         t.add_row(r["engine"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}", f(r["vs_single"], "{:.2f}x"),
-                  f(r["ideal"], "{:.2f}x"), f(r["machine_ideal"], "{:.2f}x"), f(r["vs_torch"], "{:.2f}x"), f(r["bubble"], "{:.1%}"),
-                  f(r["bubble_formula"], "{:.1%}"),
+                  f(r["ideal"], "{:.2f}x"), f(r["machine_ideal"], "{:.2f}x"), f(r["vs_torch"], "{:.2f}x"),
+                  f(r["bubble"], "{:.1%}"), f(r["bubble_formula"], "{:.1%}"),
                   " / ".join(f"{x:.0f}" for x in r["peak_activation_mb"]) if r["peak_activation_mb"] else "-")
     return t
 
