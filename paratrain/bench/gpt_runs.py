@@ -48,9 +48,10 @@ def run_workers(nproc, module, engines, model, args, folder):
 
 
 # Above this median spread of an engine's rounds, a run cannot judge a target of a few
-# percent. On a quiet machine the pipeline benchmark's engines spread by 1-7% (the ten
-# full runs in benchmarks/results/pipeline/2026-11-26-send-before-w); on the same
-# machine with a busy host, by 3-122%, a median of 15-30% a run (2026-11-26-same-rounds*).
+# percent. On a quiet machine the pipeline benchmark's engines spread by a median of 2-6%
+# a run (13% at worst; the ten full runs in benchmarks/results/pipeline/
+# 2026-11-26-send-before-w); on the same machine with a busy host, by a median of 11-30%
+# (122% at worst; eleven of the fifteen runs in 2026-11-26-same-rounds*).
 BUSY_SPREAD = 0.10
 
 
