@@ -254,9 +254,7 @@ class Pipeline:
             transport.send_gradients(self.group, input_grads, self._rank_of(s - 1), s, self._works)
         state["inputs"] = ()
         if not self.split_backward:
-            state = self._state.pop((mb, c))
-            self._weight_gradients(state)        # W at once, the input gradient on its way
-            self._held -= state["saved_bytes"]
+            self._weights(mb, c)                 # W at once, the input gradient on its way
         return began
 
     def _splits(self, s):
@@ -289,12 +287,6 @@ class Pipeline:
         """W: each weight-owning module's output gradient back to its own weights."""
         began = time.perf_counter()
         state = self._state.pop((mb, c))
-        self._weight_gradients(state)
-        self._held -= state["saved_bytes"]
-        return began
-
-    @staticmethod
-    def _weight_gradients(state):
         # one autograd call per module, asking for its own weights only: asked together,
         # a module's output gradient would also flow back through the modules before it
         # and add to their weights what their own output gradients already hold
@@ -304,6 +296,8 @@ class Pipeline:
                 continue
             params = _own_params(mod)
             _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
+        self._held -= state["saved_bytes"]
+        return began
 
     def _hook_weight_owners(self):
         """Record, during a forward, the output of every module that owns weights, and
