@@ -69,7 +69,7 @@ def test_pipeline_of_tensor_parallel_stages_reaches_one_process_and_resumes(tmp_
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,message", [
-    (["--tp", "2", "--model", "digits"], "--tp cuts the gpt model"),
+    (["--tp", "2", "--model", "digits"], "--tp cuts a transformer (gpt, hf-gpt2, hf-bert, hf-llama"),
     (["--tp", "3", "--model", "gpt", "--workers", "2"], "--workers 2 is not a multiple of --tp 3"),
     (["--tp", "3", "--model", "gpt"], "--tp 3: VocabParallelEmbedding: num_embeddings 256 cannot be cut into 3"),
     (["--dp", "2", "--tp", "2", "--model", "gpt", "--workers", "2"], "--dp x --pp x --tp = 2 x 1 x 2 = 4"),

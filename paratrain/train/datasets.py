@@ -155,3 +155,37 @@ def text_splits(block_size, max_bytes, val_fraction=0.1):
     data = stdlib_text(max_bytes)
     cut = int(len(data) * (1 - val_fraction))
     return CharDataset(data[:cut], block_size), CharDataset(data[cut:], block_size)
+
+
+class MaskedText(Dataset):
+    """A CharDataset's windows for masked language modelling, as BERT is trained
+    (Devlin et al., "BERT", arXiv 1810.04805, sec. 3.1): item i is (x, y), x the
+    window with 15% of its positions chosen, y the original byte at those
+    positions and -100 (cross-entropy's ignore_index) elsewhere. A chosen
+    position holds ``mask_id`` 80% of the time, a random byte 10%, and is left
+    as it is 10%.
+
+    The choice is drawn from a generator seeded by i, so every worker, every
+    epoch and a resumed run see the same masks for the same window.
+    """
+
+    FRACTION = 0.15
+
+    def __init__(self, windows, mask_id=1, vocab=256):
+        self.windows, self.mask_id, self.vocab = windows, mask_id, vocab
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        window = self.windows[i][0]
+        n = len(window)
+        gen = torch.Generator().manual_seed(int(i) % len(self) if len(self) else 0)
+        chosen = torch.randperm(n, generator=gen)[:max(1, round(self.FRACTION * n))]
+        x, y = window.clone(), torch.full_like(window, -100)
+        y[chosen] = window[chosen]
+        draw = torch.rand(len(chosen), generator=gen)
+        x[chosen[draw < 0.8]] = self.mask_id
+        randomised = chosen[(draw >= 0.8) & (draw < 0.9)]
+        x[randomised] = torch.randint(0, self.vocab, (len(randomised),), generator=gen)
+        return x, y

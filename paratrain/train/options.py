@@ -41,7 +41,9 @@ def build_parser():
                     "With no arguments: the digits classifier on 2 workers.")
     p.add_argument("--model", default="digits", choices=TASKS,
                    help="built-in task: digits (CNN on scikit-learn's digits), gpt (character-level GPT on "
-                        "the Python standard library's source), mlp / mlp-large (benchmark MLPs on synthetic data)")
+                        "the Python standard library's source), mlp / mlp-large (benchmark MLPs on synthetic data), "
+                        "recsys (click prediction with a large embedding table), hf-gpt2 / hf-llama / hf-bert "
+                        "(small Hugging Face models on the same text as gpt; needs pip install -e '.[hf]')")
     p.add_argument("--workers", "-n", type=positive_int, default=2, help="worker processes (default 2)")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the task's)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step")

@@ -13,6 +13,12 @@ with different seeds are scored on the same evaluation set.
     mlp-large   MLP 784-3072x3-10 (21M) on the same data; the large benchmark model
     recsys      click prediction with a 1M x 64 embedding table and Zipf ids (recsys.py); sparse rows
                 on the parameter servers with --strategy ps, a dense table otherwise
+    hf-gpt2     Hugging Face GPT-2 (tied embeddings, fused q/k/v in Conv1D) on the same text; eval loss
+    hf-llama    Hugging Face Llama (grouped-query attention, rotary positions) on the same text; eval loss
+    hf-bert     Hugging Face BERT, masked language modelling on the same text; eval loss of the masked bytes
+
+The hf-* models are built from small configs with random weights (hf_models.py;
+``pip install -e '.[hf]'``), wrapped so they take token ids and return logits.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +30,8 @@ import torch.nn.functional as F
 from . import datasets
 from .models import GPT, MLP, DigitsCNN
 
-TASKS = ("digits", "gpt", "mlp", "mlp-large", "recsys")
+HF_TASKS = {"hf-gpt2": "gpt2", "hf-bert": "bert", "hf-llama": "llama"}
+TASKS = ("digits", "gpt", "mlp", "mlp-large", "recsys", *HF_TASKS)
 
 
 @dataclass
@@ -38,6 +45,8 @@ class Task:
     defaults: dict   # steps, batch_size (per worker), lr, optimizer ("sgd" or "adam"), eval_every
     config: dict     # JSON description of the architecture, compared on checkpoint resume
     metric: str      # the headline metric: "accuracy" or "eval_loss"
+    tensor_plan: Callable[[nn.Module], dict] = None   # plan(model) -> its pt.tensor plan; None: no --tp
+    blocks: str = None   # the path of the model's transformer blocks (a ModuleList), for per-layer figures
 
 
 def classification_loss(model, batch):
@@ -46,7 +55,8 @@ def classification_loss(model, batch):
 
 
 def next_token_loss(model, batch):
-    """Cross-entropy of every position's prediction of the next byte, averaged over batch and positions."""
+    """Cross-entropy of every position's prediction of the next byte, averaged over batch and positions
+    (for masked bytes: over the positions whose target is not -100, cross-entropy's ignore_index)."""
     x, y = batch
     logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -121,7 +131,39 @@ def _gpt(seed):
         loss=next_token_loss, evaluate=text_eval(val),
         defaults={"steps": 300, "batch_size": 16, "lr": 1e-3, "optimizer": "adam", "eval_every": 50},
         config={"name": "gpt", "model": "GPT", **arch},
-        metric="eval_loss")
+        metric="eval_loss", tensor_plan=_gpt_plan, blocks="blocks")
+
+
+def _gpt_plan(model):
+    from ..parallel.tensor import GPT_PLAN
+    return GPT_PLAN
+
+
+def _plan_for(model):
+    from ..parallel.tensor import plan_for
+    return plan_for(model)
+
+
+HF_SIZES = {"vocab": 256, "positions": 64, "width": 128, "heads": 4, "kv_heads": 2, "layers": 4, "mlp": 512}
+HF_BLOCKS = {"gpt2": "hf.transformer.h", "bert": "hf.bert.encoder.layer", "llama": "hf.model.layers"}
+
+
+def _hf(name, seed):
+    """A small Hugging Face model of the family on the stdlib text: next-byte
+    prediction for the causal ones, masked bytes for BERT."""
+    from . import hf_models
+    family = HF_TASKS[name]
+    train, val = datasets.text_splits(block_size=HF_SIZES["positions"], max_bytes=2_000_000)
+    if family == "bert":
+        train, val = datasets.MaskedText(train), datasets.MaskedText(val)
+    torch.manual_seed(seed)
+    hf = hf_models.build(family, **HF_SIZES)
+    return Task(
+        name=name, model=hf_models.LogitsOf(hf), train_set=train, eval_set=val,
+        loss=next_token_loss, evaluate=text_eval(val),
+        defaults={"steps": 300, "batch_size": 16, "lr": 1e-3, "optimizer": "adam", "eval_every": 50},
+        config={"name": name, "model": type(hf).__name__, "tied": bool(hf.config.tie_word_embeddings), **HF_SIZES},
+        metric="eval_loss", tensor_plan=_plan_for, blocks=HF_BLOCKS[family])
 
 
 def _mlp(name, sizes, defaults, seed):
@@ -160,6 +202,8 @@ def build_task(name, seed=0, sparse=False):
         return _digits(seed)
     if name == "gpt":
         return _gpt(seed)
+    if name in HF_TASKS:
+        return _hf(name, seed)
     if name == "mlp":
         return _mlp(name, [784, 512, 512, 10],
                     {"steps": 200, "batch_size": 64, "lr": 0.02, "optimizer": "sgd", "eval_every": 50}, seed)

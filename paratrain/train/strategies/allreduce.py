@@ -76,13 +76,14 @@ def check(args, chosen):
     if args.tp > 1:   # --tp is also the pipeline's (3D: strategies/pipeline.py checks its own multiple)
         if args.strategy not in ("allreduce", "pipeline"):
             return "--tp is for --strategy allreduce or pipeline"
-        if args.model not in TP_PLANS:
-            return f"--tp cuts the {', '.join(TP_PLANS)} model (it has a tensor-parallel plan), not {args.model}"
         if args.workers % args.tp:
             return f"--workers {args.workers} is not a multiple of --tp {args.tp}"
         from ..tasks import build_task
+        task = build_task(args.model, seed=args.seed)
+        if task.tensor_plan is None:
+            return f"--tp cuts a transformer (gpt, hf-gpt2, hf-bert, hf-llama: each has a tensor-parallel plan), not {args.model}"
         try:   # widths, vocabulary and heads --tp must divide, before any worker starts
-            pt.tensor.check_plan(build_task(args.model, seed=args.seed).model, pt.tensor.GPT_PLAN, args.tp)
+            pt.tensor.check_plan(task.model, task.tensor_plan(task.model), args.tp)
         except ValueError as e:
             return f"--tp {args.tp}: {e}"
     elif args.sequence_parallel:
@@ -106,9 +107,8 @@ SUMMARY = {
     # with --tp: what the cut layers' collectives moved in the last step (pt.tensor.traffic), by kind,
     # and per transformer block (the step's bytes over the blocks; the token embedding's share included)
     "tensor_parallel_bytes_per_step": lambda step, args: step.traffic.bytes,
-    "tensor_parallel_bytes_per_layer": lambda step, args: step.traffic.per_layer(lambda: len(step.model.module.blocks)),
+    "tensor_parallel_bytes_per_layer": lambda step, args: step.traffic.per_layer(lambda: step.blocks),
 }
-TP_PLANS = ("gpt",)
 
 
 SGD_MOMENTUM = 0.9
@@ -129,11 +129,13 @@ class AllReduceStep(ReplicaStep):
     local_loss = False             # logged_loss is already the mean over the workers
     finish_changes_weights = False
 
-    def __init__(self, module, args, group, optimizer, lr):
+    def __init__(self, task, args, group, optimizer, lr):
+        module = task.model
         self.tp, self.mesh, replicas, self.traffic = args.tp, None, group, LastStepTraffic(args.tp)
+        self.blocks = len(module.get_submodule(task.blocks)) if task.blocks else 0
         if self.tp > 1:   # tensor parallel inside each replica, data parallel between them
             self.mesh = pt.mesh(dp=group.world_size // self.tp, tp=self.tp)
-            pt.tensor.parallelize(module, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN,
+            pt.tensor.parallelize(module, group=self.mesh["tp"], plan=task.tensor_plan(module),
                                   sequence_parallel=args.sequence_parallel)
             replicas = self.mesh["dp"]
         compression, momentum = None if args.compression == "none" else args.compression, SGD_MOMENTUM
@@ -252,4 +254,4 @@ class AllReduceStep(ReplicaStep):
 
 def make_step(task, args, settings):
     group = pt.init(backend=args.backend)
-    return AllReduceStep(task.model, args, group, settings.optimizer, settings.lr)
+    return AllReduceStep(task, args, group, settings.optimizer, settings.lr)

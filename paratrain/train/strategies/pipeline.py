@@ -106,8 +106,9 @@ class PipelineStep(ReplicaStep):
         points = pt.pipeline.choose_cut(task.model, self.stages, sample=sample, virtual=virtual, group=world,
                                         verbose=self.rank == 0)
         if self.tp > 1:
-            pt.tensor.parallelize(task.model, group=self.mesh["tp"], plan=pt.tensor.GPT_PLAN)
+            pt.tensor.parallelize(task.model, group=self.mesh["tp"], plan=task.tensor_plan(task.model))
         self.names = {id(q): n for n, q in task.model.named_parameters()}
+        self.blocks_path = task.blocks
         self.stage = pt.pipeline.split(task.model, group=self.pipe_group, virtual=virtual, split_points=points,
                                        verbose=self.rank == 0)
         self.pipe = pt.Pipeline(self.stage, group=self.pipe_group, microbatches=m, schedule=schedule,
@@ -132,8 +133,9 @@ class PipelineStep(ReplicaStep):
 
     def blocks_held(self):
         """How many of the model's transformer blocks this worker's stage holds."""
-        return len({name.split(".")[1] for name in (self.names[id(q)] for q in self.stage.parameters())
-                    if name.startswith("blocks.")})
+        prefix = f"{self.blocks_path}."
+        return len({name[len(prefix):].split(".")[0] for name in (self.names[id(q)] for q in self.stage.parameters())
+                    if self.blocks_path and name.startswith(prefix)})
 
     def coordination(self, settings, start):
         return GroupBoard(self.group), Lockstep(settings.steps, start)
