@@ -13,6 +13,10 @@ momentum) are cut as the parameter is, so the state dict is the one a single
 process's optimizer would have and a resumed run continues exactly, at any
 tensor-parallel size. All four are collective over the model's groups:
 every rank calls them.
+
+A tied parameter (GPT-2's head and embedding, one tensor) is whole under
+each of its names, as in ``state_dict()``; a Conv1D's shard keeps its (in,
+out) layout, and is gathered whole in it.
 """
 import torch
 
@@ -24,6 +28,12 @@ CUT = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 def _whole(module, name, t):
+    if name == "weight" and getattr(module, "transposed", False):   # a Conv1D's (in, out): cut as its transpose
+        return _whole_rows(module, name, t.t()).t().contiguous()
+    return _whole_rows(module, name, t)
+
+
+def _whole_rows(module, name, t):
     g, p = module.group, module.group.world_size
     if isinstance(module, ColumnParallelLinear):
         pieces = _gather(g, t, 0).chunk(p)                       # rank order, each its rows of every part
@@ -35,6 +45,12 @@ def _whole(module, name, t):
 
 
 def _slice(module, name, full):
+    if name == "weight" and getattr(module, "transposed", False):
+        return _slice_rows(module, name, full.t()).t().contiguous()
+    return _slice_rows(module, name, full)
+
+
+def _slice_rows(module, name, full):
     p, r = module.group.world_size, module.group.rank
     if isinstance(module, ColumnParallelLinear):
         return _rows(full, p, r, module.parts)
@@ -43,12 +59,20 @@ def _slice(module, name, full):
     return full.chunk(p)[r].clone()
 
 
+def _cut_names(model):
+    """[(state dict name, cut module, its parameter name)], a tied parameter under each of its names."""
+    cut = _cut_parameters(model)
+    return [(key, *cut[id(t)]) for key, t in model.named_parameters(remove_duplicate=False) if id(t) in cut]
+
+
 def full_state_dict(model):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for prefix, module in model.named_modules():
-        if isinstance(module, CUT):
-            for name, t in module.named_parameters(recurse=False):
-                state[f"{prefix}.{name}" if prefix else name] = _whole(module, name, t.detach())
+    whole = {}
+    for key, module, name in _cut_names(model):
+        held = getattr(module, name)
+        if id(held) not in whole:   # a tied parameter is gathered once
+            whole[id(held)] = _whole(module, name, held.detach())
+        state[key] = whole[id(held)]
     return state
 
 
@@ -56,12 +80,9 @@ def load_full_state_dict(model, state, strict=True):
     """``strict=False``: ``state`` may hold only some of the model's tensors (a
     pipeline stage's), and only those are loaded."""
     local = dict(state)
-    for prefix, module in model.named_modules():
-        if isinstance(module, CUT):
-            for name, _ in module.named_parameters(recurse=False):
-                key = f"{prefix}.{name}" if prefix else name
-                if key in state or strict:
-                    local[key] = _slice(module, name, state[key])
+    for key, module, name in _cut_names(model):
+        if key in state or strict:
+            local[key] = _slice(module, name, state[key])
     model.load_state_dict(local, strict=strict)
 
 

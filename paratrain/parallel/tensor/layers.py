@@ -21,6 +21,19 @@ along it instead of all-reducing: the same bytes, but what lies between
 bias is then added to this rank's tokens only, and its gradient is summed
 over the group.
 
+Both also cut transformers' ``Conv1D`` (GPT-2's layers: the weight stored
+(in, out) and applied as ``x @ W + b``, Radford et al.): the cut is the same,
+taken on the transposed weight, and the shard keeps Conv1D's layout
+(``transposed``), so its name and shape match the Hugging Face state dict's.
+
+``input_gathered=True`` (a column layer under sequence parallelism): an
+enclosing module already all-gathered the input along the sequence (the
+plan's ``"gather_input"``: Hugging Face attention reads the sequence length
+from its input, so it must see every token), and that gather's backward
+reduce-scatters. The layer then neither gathers nor all-reduces: its input
+gradient is left partial, summed with its siblings' (q, k and v) by that one
+reduce-scatter, as torch's ``PrepareModuleInput`` before ``ColwiseParallel``.
+
 Both start from the weights a single process would have with the same seed:
 the whole ``nn.Linear`` is made first, drawing from the generator exactly as
 ``nn.Linear(in, out)`` does, and this rank keeps its slice. So a tensor-
@@ -47,6 +60,23 @@ def _divisible(n, p, what, layer):
     return n // p
 
 
+def is_conv1d(module):
+    """transformers' Conv1D (GPT-2), recognised without importing transformers (optional)."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def features(module):
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
+
+
+def _as_linear(module):
+    """(weight as nn.Linear holds it, (out, in); bias; transposed): Conv1D's (in, out) weight turned."""
+    if is_conv1d(module):
+        return module.weight.detach().t(), module.bias, True
+    return module.weight.detach(), module.bias, False
+
+
 def _rows(t, p, r, parts):
     """Rank r's rows of t (dim 0) when t stacks ``parts`` equal blocks (a fused q, k, v
     projection has 3): each block is cut alike and r's pieces are stacked again."""
@@ -58,42 +88,48 @@ class ColumnParallelLinear(nn.Module):
     each cut across the group alike, so a rank holds its own heads of each."""
 
     def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False, parts=1,
-                 sequence_parallel=False, sequence_dim=1):
+                 sequence_parallel=False, sequence_dim=1, input_gathered=False):
         super().__init__()
         full = nn.Linear(in_features, out_features, bias=bias)   # the one-process initialisation
-        self._shard(full, group, gather_output, parts, sequence_parallel, sequence_dim)
+        self._shard(full, group, gather_output, parts, sequence_parallel, sequence_dim, input_gathered)
 
     @classmethod
-    def from_linear(cls, linear, group=None, gather_output=False, parts=1, sequence_parallel=False, sequence_dim=1):
-        """This rank's share of an existing nn.Linear (its weights, not new ones)."""
+    def from_linear(cls, linear, group=None, gather_output=False, parts=1, sequence_parallel=False, sequence_dim=1,
+                    input_gathered=False):
+        """This rank's share of an existing nn.Linear or Conv1D (its weights, not new ones)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._shard(linear, group, gather_output, parts, sequence_parallel, sequence_dim)
+        layer._shard(linear, group, gather_output, parts, sequence_parallel, sequence_dim, input_gathered)
         return layer
 
-    def _shard(self, full, group, gather_output, parts, sequence_parallel, sequence_dim):
+    def _shard(self, full, group, gather_output, parts, sequence_parallel, sequence_dim, input_gathered):
         self.group, p, r = _size_of(group)
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.in_features, self.out_features, self.parts = full.in_features, full.out_features, parts
-        _divisible(full.out_features, p * parts, "out_features", "ColumnParallelLinear")
+        self.input_gathered = input_gathered
+        (self.in_features, self.out_features), self.parts = features(full), parts
+        _divisible(self.out_features, p * parts, "out_features", "ColumnParallelLinear")
         if gather_output and parts > 1:
             raise ValueError("ColumnParallelLinear: gather_output with parts > 1 would interleave the parts; "
                              "gather each part yourself")
         self.gather_output = gather_output
-        self.weight = nn.Parameter(_rows(full.weight.detach(), p, r, parts))
-        self.bias = nn.Parameter(_rows(full.bias.detach(), p, r, parts)) if full.bias is not None else None
+        weight, bias, self.transposed = _as_linear(full)
+        mine = _rows(weight, p, r, parts)
+        self.weight = nn.Parameter(mine.t().contiguous() if self.transposed else mine)
+        self.bias = nn.Parameter(_rows(bias.detach(), p, r, parts)) if bias is not None else None
 
     def forward(self, x):
-        if self.sequence_parallel:   # this rank's tokens in, every token out
+        if self.input_gathered:        # the enclosing module gathered it, and its backward sums the gradient
+            pass
+        elif self.sequence_parallel:   # this rank's tokens in, every token out
             x = tpf.all_gather(x, self.group, dim=self.sequence_dim, reduce_grad=True)
         else:
             x = tpf.copy_to_group(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         return tpf.all_gather(y, self.group, dim=-1) if self.gather_output else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.weight.shape[0]} on this rank), gather_output={self.gather_output}")
+                f"({self.weight.shape[int(self.transposed)]} on this rank), gather_output={self.gather_output}")
 
 
 class RowParallelLinear(nn.Module):
@@ -105,7 +141,7 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear, group=None, input_is_parallel=True, sequence_parallel=False, sequence_dim=1):
-        """This rank's share of an existing nn.Linear (its weights, not new ones)."""
+        """This rank's share of an existing nn.Linear or Conv1D (its weights, not new ones)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._shard(linear, group, input_is_parallel, sequence_parallel, sequence_dim)
@@ -117,11 +153,12 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: sequence_parallel takes the input a column-parallel layer leaves "
                              "(input_is_parallel=True)")
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.in_features, self.out_features = full.in_features, full.out_features
-        per = _divisible(full.in_features, p, "in_features", "RowParallelLinear")
+        self.in_features, self.out_features = features(full)
+        per = _divisible(self.in_features, p, "in_features", "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
-        self.weight = nn.Parameter(full.weight.detach()[:, r * per:(r + 1) * per].clone())
-        bias = full.bias
+        weight, bias, self.transposed = _as_linear(full)
+        mine = weight[:, r * per:(r + 1) * per]
+        self.weight = nn.Parameter(mine.t().contiguous() if self.transposed else mine.clone())
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None   # replicated, added once
         if self.bias is not None and sequence_parallel:
             tpf.sum_gradient(self.bias, self.group)   # added to this rank's tokens only
@@ -129,7 +166,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = tpf.split(x, self.group, dim=-1)
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.sequence_parallel:   # summed, and this rank keeps its tokens
             y = tpf.reduce_scatter(partial, self.group, dim=self.sequence_dim)
         else:
@@ -137,5 +174,5 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
-        return (f"in_features={self.in_features} ({self.weight.shape[1]} on this rank), "
+        return (f"in_features={self.in_features} ({self.weight.shape[1 - int(self.transposed)]} on this rank), "
                 f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")

@@ -17,15 +17,24 @@ level (one name between dots); a value is how that ``nn.Linear`` is cut:
 - ``"rowwise"``: by input features (RowParallelLinear). It takes a sharded
   input, what a colwise layer leaves, and leaves its output replicated (the
   partial products summed by one all-reduce);
+- ``"colwise_gather"``: by output features, its output gathered whole along
+  the last dimension: a language model's head, whose logits the model's own
+  loss reads (torch's ``ColwiseParallel(output_layouts=Replicate())``);
 - ``"vocab"``: an ``nn.Embedding`` by rows (VocabParallelEmbedding, vocab.py):
   ids in, replicated rows out.
+
+transformers' ``Conv1D`` (GPT-2) is cut as an ``nn.Linear`` is. An attention
+module whose projections are cut by heads then reads this rank's head counts
+(heads.py), and a tensor two modules share (tied embeddings) stays one
+parameter, cut alike in both (ties.py). ``pt.tensor.plan_for(model)``
+(families.py) writes the plan of a GPT-2-, BERT- or Llama-shaped model.
 
 With ``sequence_parallel=True`` (Korthikanti et al., arXiv 2205.05198) the
 activations between a rowwise and the next colwise layer are cut along the
 sequence (dimension ``sequence_dim``, 1 for (B, T, d)): each rank runs the
 LayerNorms and the residual on T/p tokens, a colwise layer all-gathers its
 input along the sequence and a rowwise layer reduce-scatters its output
-along it. Three more values say where that region lies; without
+along it. Four more values say where that region lies; without
 ``sequence_parallel`` they do nothing, so one plan serves both ways:
 
 - ``"split_input"`` (any module): its first input is cut along the sequence
@@ -34,23 +43,35 @@ along it. Three more values say where that region lies; without
   parameters (a LayerNorm, as torch's ``SequenceParallel`` style), so their
   gradients are summed over the group;
 - ``"gather_output"`` (any module): its output is gathered along the sequence:
-  where the region ends (``"sequence+gather_output"`` for the final norm).
+  where the region ends (``"sequence+gather_output"`` for the final norm);
+- ``"gather_input"`` (any module): its first input is gathered along the
+  sequence before it runs, and the column layers inside take it as it is
+  (their input gradients summed by the gather's reduce-scatter, once): for a
+  module that needs every token, as Hugging Face attention, which reads the
+  sequence length from its input and takes the mask and rotary positions of
+  every token (torch's ``PrepareModuleInput``). A transformers attention
+  module cut under sequence parallelism without it is refused.
 
 Values join with ``+``.
+
+A module's first input is its first positional argument, or its ``hidden_states``
+keyword; a module's output may be a tuple, whose first element is gathered.
 
 Each module keeps its own weights: this rank's slice of them replaces it, so a
 model built from a seed and then parallelized equals the one-process model
 built from that seed. Whatever sits between a colwise and a rowwise layer
 must work on the last dimension's shard as on the whole (an activation, or
 attention reading its head count from its input's width, as the built-in
-GPT does). Modules the plan does not name stay replicated.
+GPT and transformers' attention do, or from the sizes heads.py divides).
+Modules the plan does not name stay replicated.
 """
 import re
 
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, _divisible
-from .vocab import VocabParallelEmbedding
+from . import heads, ties
+from .layers import ColumnParallelLinear, RowParallelLinear, _divisible, features, is_conv1d
+from .vocab import VocabParallelEmbedding, check_embedding
 
 GPT_PLAN = {
     "tok_emb": "vocab",
@@ -63,8 +84,8 @@ GPT_PLAN = {
     "blocks.*.mlp.2": "rowwise",
     "ln_f": "sequence+gather_output",    # ... and ends here, before the head
 }
-LAYER_STYLES = ("colwise", "rowwise", "vocab")
-SEQUENCE_STYLES = ("split_input", "sequence", "gather_output")
+LAYER_STYLES = ("colwise", "rowwise", "vocab", "colwise_gather")
+SEQUENCE_STYLES = ("split_input", "sequence", "gather_output", "gather_input")
 
 
 def _pattern(key):
@@ -79,25 +100,13 @@ def _styles(value, key):
         if kind not in LAYER_STYLES + SEQUENCE_STYLES or (
                 parts and (kind != "colwise" or not parts.isdigit() or int(parts) < 1)):
             raise ValueError(f"parallelize: plan[{key!r}] = {value!r}; use 'colwise', 'colwise:k' (k stacked "
-                             "parts), 'rowwise', 'vocab', or 'split_input', 'sequence', 'gather_output' "
-                             "(joined by '+')")
+                             "parts), 'colwise_gather', 'rowwise', 'vocab', or 'split_input', 'sequence', "
+                             "'gather_output', 'gather_input' (joined by '+')")
         out.append((kind, int(parts or 1)))
     if sum(kind in LAYER_STYLES for kind, _ in out) > 1:
         raise ValueError(f"parallelize: plan[{key!r}] = {value!r} cuts one layer two ways; choose one of "
-                         "colwise, rowwise, vocab")
+                         "colwise, colwise_gather, rowwise, vocab")
     return out
-
-
-def _check_heads(parent, name, module, kind, parts, p):
-    """A fused projection cut by heads (``colwise:k`` inside a module with ``head_dim``,
-    as the gpt model's attention) must give every rank whole heads."""
-    head_dim = getattr(parent, "head_dim", None)
-    if kind != "colwise" or parts == 1 or not head_dim:
-        return
-    heads = module.out_features // parts // head_dim
-    if heads % p:
-        raise ValueError(f"parallelize: {name} feeds {heads} attention heads, which cannot be cut into {p} "
-                         f"equal groups (the tensor-parallel size); use a head count {p} divides")
 
 
 def _choose(model, plan, strict=True):
@@ -117,46 +126,110 @@ def _choose(model, plan, strict=True):
                                  "under one key")
             module = model.get_submodule(name)
             for kind, _ in styles:
-                wanted = {"vocab": nn.Embedding, "colwise": nn.Linear, "rowwise": nn.Linear}.get(kind)
-                if wanted and type(module) is not wanted:
+                if kind == "vocab" and type(module) is not nn.Embedding:
+                    raise ValueError(f"parallelize: {name} is a {type(module).__name__}; 'vocab' cuts an "
+                                     "nn.Embedding")
+                if kind in LAYER_STYLES and kind != "vocab" and type(module) is not nn.Linear and not is_conv1d(module):
                     raise ValueError(f"parallelize: {name} is a {type(module).__name__}; '{kind}' cuts an "
-                                     f"nn.{wanted.__name__}")
+                                     "nn.Linear (or transformers' Conv1D)")
             chosen[name] = styles
     return chosen
 
 
-def check_plan(model, plan, size, strict=True):
+def check_plan(model, plan, size, strict=True, sequence_parallel=False):
     """Raise the ValueError ``parallelize`` would, without a group and without touching
-    the model: plan keys, module kinds, and every width, vocabulary and head count
-    ``size`` must divide. For a front-end that refuses bad options before starting
-    any worker."""
+    the model: plan keys, module kinds, every width, vocabulary and head count
+    ``size`` must divide, tied parameters cut alike, and (``sequence_parallel``)
+    attention that would see part of the sequence. For a front-end that refuses bad
+    options before starting any worker."""
     chosen = _choose(model, plan, strict)
     for name, styles in chosen.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = model.get_submodule(name)
         for kind, parts in styles:
-            if kind == "colwise":
-                _divisible(module.out_features, size * parts, "out_features", "ColumnParallelLinear")
-                _check_heads(parent, name, module, kind, parts, size)
+            if kind.startswith("colwise"):
+                _divisible(features(module)[1], size * parts, "out_features", "ColumnParallelLinear")
+                heads.check_heads(parent, name, features(module)[1], parts, size)
             elif kind == "rowwise":
-                _divisible(module.in_features, size, "in_features", "RowParallelLinear")
+                _divisible(features(module)[0], size, "in_features", "RowParallelLinear")
             elif kind == "vocab":
-                _divisible(module.num_embeddings, size, "num_embeddings", "VocabParallelEmbedding")
+                check_embedding(module, size)
+    ties.tied_groups(model, chosen)
+    if sequence_parallel:
+        _check_sequence_parallel(model, chosen)
     return chosen
 
 
+def _gathered(chosen, name):
+    """Whether module ``name`` lies inside a module the plan marks 'gather_input'."""
+    return any(kind == "gather_input" and name.startswith(f"{other}.") for other, styles in chosen.items()
+               for kind, _ in styles)
+
+
+def _check_sequence_parallel(model, chosen):
+    if not any(kind == "split_input" for styles in chosen.values() for kind, _ in styles):
+        raise ValueError("parallelize: sequence_parallel=True, but the plan names no module as 'split_input' "
+                         "(where the sequence is first cut) nor 'gather_output' (where it is gathered again); "
+                         "add them, as pt.tensor.GPT_PLAN does")
+    for name, styles in chosen.items():
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if (any(kind == "colwise" for kind, _ in styles) and heads.head_dim_of(parent)
+                and type(parent).__module__.startswith("transformers") and not _gathered(chosen, name)):
+            raise ValueError(f"parallelize: sequence_parallel=True, but {name} lies in {type(parent).__name__}, "
+                             "whose forward reads the sequence length from its input (hidden_states.shape) and "
+                             "takes the attention mask and rotary positions of every token: it would see "
+                             f"1/p of them. Mark {parent_name!r} 'gather_input' so it sees them all "
+                             "(pt.tensor.plan_for(model) does)")
+
+
+def _first_input(args, kwargs, change, name):
+    """(args, kwargs) with ``change`` applied to a module's first input."""
+    if args:
+        return (change(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+    raise ValueError(f"parallelize: {name} was called with no positional input and no hidden_states=, so "
+                     "its input cannot be cut or gathered along the sequence; name another module in the plan")
+
+
+def _first_output(out, change):
+    return (change(out[0]), *out[1:]) if isinstance(out, tuple) else change(out)
+
+
 def _sequence_region(model, name, kinds, group, dim):
-    """The hooks of 'split_input', 'sequence' and 'gather_output' on module ``name``."""
+    """The hooks of 'split_input', 'sequence', 'gather_output' and 'gather_input' on module ``name``."""
     from . import functional as tpf
     module = model.get_submodule(name)
     if "split_input" in kinds:
-        module.register_forward_pre_hook(lambda m, args: (tpf.split(args[0], group, dim=dim), *args[1:]))
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: _first_input(args, kwargs, lambda x: tpf.split(x, group, dim=dim), name),
+            with_kwargs=True)
+    if "gather_input" in kinds:   # every token in; the gradient reduce-scattered once, for every layer inside
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: _first_input(
+                args, kwargs, lambda x: tpf.all_gather(x, group, dim=dim, reduce_grad=True), name),
+            with_kwargs=True)
     if "sequence" in kinds:
         for param in module.parameters():
             tpf.sum_gradient(param, group)
     if "gather_output" in kinds:
-        module.register_forward_hook(lambda m, args, out: tpf.all_gather(out, group, dim=dim))
+        module.register_forward_hook(
+            lambda m, args, out: _first_output(out, lambda y: tpf.all_gather(y, group, dim=dim)))
+
+
+def _cut(module, kind, parts, group, sequence_parallel, sequence_dim, input_gathered):
+    """This rank's layer in place of ``module``, cut as ``kind``."""
+    if kind == "colwise":
+        return ColumnParallelLinear.from_linear(module, group, parts=parts, sequence_parallel=sequence_parallel,
+                                                sequence_dim=sequence_dim, input_gathered=input_gathered)
+    if kind == "colwise_gather":   # the head, after the sequence-parallel region: replicated input
+        return ColumnParallelLinear.from_linear(module, group, gather_output=True)
+    if kind == "rowwise":
+        return RowParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel,
+                                             sequence_dim=sequence_dim)
+    return VocabParallelEmbedding.from_embedding(module, group)
 
 
 def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_dim=1, strict=True):
@@ -167,13 +240,12 @@ def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_
     from ...comm import world
     group = group or world()
     if not plan:
-        raise ValueError("parallelize: give a plan, {module path: 'colwise' | 'colwise:k' | 'rowwise' | 'vocab'}")
-    chosen = check_plan(model, plan, group.world_size, strict)
-    if sequence_parallel and not any(kind == "split_input" for styles in chosen.values() for kind, _ in styles):
-        raise ValueError("parallelize: sequence_parallel=True, but the plan names no module as 'split_input' "
-                         "(where the sequence is first cut) nor 'gather_output' (where it is gathered again); "
-                         "add them, as pt.tensor.GPT_PLAN does")
-    sp = dict(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+        raise ValueError("parallelize: give a plan, {module path: 'colwise' | 'colwise:k' | 'rowwise' | 'vocab'}, "
+                         "or pt.tensor.plan_for(model)")
+    p = group.world_size
+    chosen = check_plan(model, plan, p, strict, sequence_parallel)
+    tied = ties.tied_groups(model, chosen)
+    attention = {}   # attention module name -> the width of each part its cut projections yield
     for name, styles in chosen.items():
         kinds = [kind for kind, _ in styles]
         if sequence_parallel:
@@ -183,13 +255,12 @@ def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_
                 continue
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            _check_heads(parent, name, model.get_submodule(name), kind, parts, group.world_size)
             old = getattr(parent, attr)
-            if kind == "colwise":
-                new = ColumnParallelLinear.from_linear(old, group, parts=parts, **sp)
-            elif kind == "rowwise":
-                new = RowParallelLinear.from_linear(old, group, **sp)
-            else:
-                new = VocabParallelEmbedding.from_embedding(old, group)
-            setattr(parent, attr, new)
+            if kind == "colwise" and heads.head_dim_of(parent):
+                attention.setdefault(parent_name, set()).add(features(old)[1] // parts)
+            setattr(parent, attr, _cut(old, kind, parts, group, sequence_parallel, sequence_dim,
+                                       sequence_parallel and _gathered(chosen, name)))
+    ties.retie(model, tied)
+    for name, widths in attention.items():
+        heads.localize(model.get_submodule(name) if name else model, widths, p)
     return model

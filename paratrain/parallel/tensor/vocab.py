@@ -5,6 +5,11 @@ cross-entropy that never gathers the full logits (Megatron-LM, arXiv
 - ``VocabParallelEmbedding(V, d)``: rank r holds rows r*V/p .. (r+1)*V/p - 1.
   Each rank looks up the ids in its range (the others give zero rows) and an
   all-reduce sums the p partial results: every rank ends with every id's row.
+  A ``padding_idx`` is kept as ``nn.Embedding`` keeps it: its row's gradient
+  stays zero, masked on the one rank that holds the row (a tied decoder may
+  still train it, as it does in one process). ``max_norm``,
+  ``scale_grad_by_freq`` and ``sparse`` would need every rank's ids or rows
+  at once, and are refused.
 - ``vocab_parallel_cross_entropy(logits, target, group)``: the logits of a
   column-parallel head are cut along the vocabulary, rank r holding its V/p
   columns. The softmax denominator is the all-reduce of the ranks' local sums
@@ -19,11 +24,26 @@ from torch import nn
 from . import functional as tpf
 from .layers import _divisible, _size_of
 
+UNSUPPORTED = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}   # nn.Embedding's options, and off
+
+
+def check_embedding(embedding, p):
+    """Raise the ValueError cutting ``embedding`` into ``p`` would: a vocabulary ``p`` does
+    not divide, or an option no rank can honour alone."""
+    unsupported = [f"{name}={getattr(embedding, name)!r}" for name, off in UNSUPPORTED.items()
+                   if getattr(embedding, name, off) != off]
+    if unsupported:
+        raise ValueError(f"VocabParallelEmbedding: an embedding with {', '.join(unsupported)} cannot be cut by "
+                         "rows (each rank sees only its rows of the vocabulary); leave it whole (no 'vocab' in "
+                         "the plan) or build it without them")
+    return _divisible(embedding.num_embeddings, p, "num_embeddings", "VocabParallelEmbedding")
+
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings, embedding_dim, group=None):
+    def __init__(self, num_embeddings, embedding_dim, group=None, padding_idx=None):
         super().__init__()
-        self._shard(nn.Embedding(num_embeddings, embedding_dim), group)   # the one-process initialisation
+        full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)   # the one-process initialisation
+        self._shard(full, group)
 
     @classmethod
     def from_embedding(cls, embedding, group=None):
@@ -36,18 +56,21 @@ class VocabParallelEmbedding(nn.Module):
     def _shard(self, full, group):
         self.group, p, r = _size_of(group)
         self.num_embeddings, self.embedding_dim = full.num_embeddings, full.embedding_dim
-        per = _divisible(full.num_embeddings, p, "num_embeddings", "VocabParallelEmbedding")
+        per = check_embedding(full, p)
         self.start, self.end = r * per, (r + 1) * per
+        self.padding_idx = full.padding_idx   # nn.Embedding's, already made non-negative
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        rows = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return tpf.all_reduce(rows, self.group)
+        mine = self.padding_idx is not None and self.start <= self.padding_idx < self.end
+        rows = nn.functional.embedding(local, self.weight, padding_idx=self.padding_idx - self.start if mine else None)
+        return tpf.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim} (rows {self.start}..{self.end - 1} on this rank)"
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad} (rows {self.start}..{self.end - 1} on this rank)"
 
 
 def _reduce(group, t, op):
