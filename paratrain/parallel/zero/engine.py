@@ -27,13 +27,15 @@ numbers on a flat chunk as on the tensors it came from):
   not reach (unused parameters) at its end: every rank runs the same
   collectives in the same order, as DDP's buckets do (arXiv 2006.15704, sec.
   3.2.3).
-- stage 3 (P_os+g+p): parameters too. A unit's full parameters exist only
-  from just before its forward to just after it, and again around its
-  backward: its flat buffer's storage is all-gathered from the chunks, then
-  resized to nothing (FSDP's way, arXiv 2304.11277 sec. 3.2), the tensors
-  autograd saved keeping their shape and finding their values again when the
-  buffer is re-gathered before the unit's backward. With ``prefetch`` (the
-  default) the next unit's gather starts as a unit starts (``_start_gather``).
+- stage 3 (P_os+g+p): parameters too. The units are the model's repeated
+  blocks (found, or named with ``units=``: classes, module names or a
+  predicate) and the root holding the rest (units.py); a unit's full
+  parameters exist only while it runs forward or backward, gathered from the
+  chunks and freed after, whatever its module returns (gather.py). With
+  ``prefetch`` (the default) the next unit's gather starts as a unit starts.
+
+Tied weights (one parameter under two names) are sharded once, in every
+stage; autograd sums both uses into its one gradient.
 
 Checkpoints come full (``full_state_dict``, ``full_optimizer_state``: loadable
 at any world size or stage, or by one process) or sharded
@@ -43,35 +45,28 @@ The memory this holds is measured by ``memory()`` (the storages actually
 allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
 (4+4)P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
 """
-import ctypes
 import math
-import warnings
 
-import numpy as np
 import torch
 from torch import nn
 
-from .layout import bucket_units, layer_units
+from .gather import Gathering, untracked
+from .layout import bucket_units, layer_units, parameter_names
 from .memory import held_bytes, optimizer_tensors
 
 STAGES = (1, 2, 3)
 
 
-def _untracked(t):
-    """A numpy array on ``t``'s memory that torch does not know of. The collectives
-    take numpy views of torch tensors, and torch marks a storage that numpy has seen
-    unresizable for good; stage 3 frees and re-allocates its buffers' storage
-    (``resize_``), so it hands them over this way. Valid while the storage keeps
-    its size: for the length of one call."""
-    raw = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    return np.frombuffer(raw, dtype=_NUMPY[t.dtype])
-
-
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
-
-
 class ZeRO:
-    def __init__(self, model, optimizer_class, stage=1, group=None, bucket_mb=25.0, prefetch=True,
+    """``pt.ZeRO(model, optimizer_class, stage, group, **optimizer_kwargs)``: the model
+    trained as data parallelism with ZeRO's ``stage`` (1, 2 or 3) of sharding.
+
+    bucket_mb: stages 1 and 2's unit size. prefetch: stage 3 starts the next unit's
+    gather as a unit starts. units: stage 3's units (units.py): None to find the
+    model's repeated blocks, or block classes, qualified module names, or a
+    predicate ``(name, module) -> bool``."""
+
+    def __init__(self, model, optimizer_class, stage=1, group=None, bucket_mb=25.0, prefetch=True, units=None,
                  **optimizer_kwargs):
         from ...comm import world
         if stage not in STAGES:
@@ -81,16 +76,16 @@ class ZeRO:
         if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
             raise TypeError("ZeRO: give the optimizer's class and its keyword arguments, e.g. "
                             "pt.ZeRO(model, torch.optim.Adam, stage=2, lr=1e-3), not an optimizer object")
+        if units is not None and stage != 3:
+            raise ValueError(f"ZeRO: units= is for stage 3 (the modules gathered around their forward); stage {stage} "
+                             "cuts the parameters in buckets of bucket_mb instead")
         self.module, self.stage = model, stage
         self.group = group or world()
         self.world_size, self.rank = self.group.world_size, self.group.rank
-        self.units = (layer_units(model, self.world_size) if stage == 3
+        self.units = (layer_units(model, self.world_size, units) if stage == 3
                       else bucket_units(model, self.world_size, bucket_mb * 1e6))
+        self.names = parameter_names(model)          # a tied parameter has several
         self.order = list(reversed(self.units))     # the order backward finishes them
-        # stage 3's prefetch: the units in the order the first forward ran them, and the gathers started
-        self.prefetch = bool(prefetch) and stage == 3
-        self._order, self._position, self._order_known, self._pending = [], {}, False, {}
-        self.prefetched = 0   # gathers started ahead of their unit (for tests and the curious)
         for u in self.units:
             self._shard(u)
         self.optimizer = optimizer_class([u.shard for u in self.units], **optimizer_kwargs)
@@ -100,15 +95,13 @@ class ZeRO:
             for u in self.units:
                 for _, p in u.params:
                     p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
-        if stage == 3:
-            # the first layer takes token ids (no gradient): torch warns that its pre-hook fires on the
-            # outputs' gradients alone, which is all stage 3 asks of it
-            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed "
-                                                      "with respect to module outputs")
-            for u in self.units:
-                u.module.register_forward_pre_hook(lambda m, args, u=u: self._gather(u, step=+1))
-                u.module.register_forward_hook(lambda m, args, out, u=u: self._free(u))
-                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._gather(u, step=-1))
+        self.gathering = (Gathering(self.units, self.group, prefetch, self._backward_started) if stage == 3
+                          else None)
+
+    @property
+    def prefetched(self):
+        """Stage 3: gathers started ahead of their unit (prefetch), for tests and the curious."""
+        return self.gathering.prefetched if self.gathering else 0
 
     # ---- layout -----------------------------------------------------------------------------
 
@@ -116,7 +109,7 @@ class ZeRO:
         """Pack the unit in a flat buffer (rank 0's values: every rank starts alike),
         make its parameters views of it, and take this rank's chunk."""
         flat = u.flat_of([p.detach() for _, p in u.params])
-        self.group.broadcast(_untracked(flat) if self.stage == 3 else flat, 0)
+        self.group.broadcast(untracked(flat) if self.stage == 3 else flat, 0)
         u.flat = flat
         for (_, p), view in zip(u.params, u.views(flat)):
             p.data = view
@@ -125,52 +118,15 @@ class ZeRO:
             u.shard = nn.Parameter(mine)        # a view: stepping it writes the model's own parameters
         else:
             u.shard = nn.Parameter(mine.clone())
-            u.gathered = True
-            self._free(u)
+            u.gathered = True                   # until Gathering frees it
 
-    def _gather(self, u, step=0):
-        """The unit's full parameters, before its forward (step +1) or backward (-1); then
-        the gather of the unit that runs next in that direction is started (prefetch)."""
-        if self.stage < 3:
-            return
-        self._wait_for(u)
-        if not u.gathered:
-            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-            self.group.all_gather(_untracked(u.flat), u.shard.detach())
-            u.gathered = True
-        if step > 0 and not self._order_known and torch.is_grad_enabled() and id(u) not in self._position:
-            self._position[id(u)] = len(self._order)
-            self._order.append(u)
-        if self.prefetch and self._order_known and step and id(u) in self._position:
-            at = self._position[id(u)] + step
-            if 0 <= at < len(self._order):
-                self._start_gather(self._order[at])
-
-    def _start_gather(self, u):
-        """Prefetch (FSDP's forward and backward prefetch, arXiv 2304.11277 sec. 3.3): the
-        next unit's all-gather runs on the group's communication lane while this unit
-        computes; ``_wait_for`` collects it. Every rank starts the same gathers in the
-        same order (the order the first forward ran the units in, the same on every rank)."""
-        if u.gathered or id(u) in self._pending:
-            return
-        u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-        self._pending[id(u)] = self.group.all_gather(_untracked(u.flat), u.shard.detach(), async_op=True)
-        self.prefetched += 1
-
-    def _wait_for(self, u):
-        work = self._pending.pop(id(u), None)
-        if work is not None:
-            work.wait()
-            u.gathered = True
+    def _gather(self, u):
+        if self.gathering:
+            self.gathering.gather(u)
 
     def _free(self, u):
-        if self.stage < 3:
-            return
-        self._wait_for(u)   # (a prefetched unit is never freed mid-gather)
-        if not u.gathered:
-            return
-        u.flat.untyped_storage().resize_(0)
-        u.gathered = False
+        if self.gathering:
+            self.gathering.free(u)
 
     # ---- gradients --------------------------------------------------------------------------
 
@@ -179,10 +135,14 @@ class ZeRO:
         self._next = 0
         self._queued = False
 
-    def _on_grad(self, u):
+    def _backward_started(self):
+        """Once a backward: what it did not reach is reduced at its end (``_end_of_backward``)."""
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad(self, u):
+        self._backward_started()
         self._ready[id(u)] += 1
         while self._next < len(self.order) and self._ready[id(self.order[self._next])] == len(self.order[self._next].params):
             self._reduce(self.order[self._next])
@@ -194,10 +154,8 @@ class ZeRO:
             self._reduce(self.order[self._next])
             self._next += 1
         self._round_reset()
-        self._order_known = bool(self._order)   # one forward and backward seen: prefetch from now on
-        for u in self.units:   # a prefetch backward did not use (a unit with no gradient): collected
-            if id(u) in self._pending:
-                self._free(u)
+        if self.gathering:
+            self.gathering.end_of_backward()
 
     def _reduce(self, u):
         """This rank's chunk of the unit's averaged gradient, added to the shard's; the
@@ -269,24 +227,27 @@ class ZeRO:
 
     def load_full_state_dict(self, state):
         """Load a whole model's state dict (a one-process model's, or ``full_state_dict``):
-        the model's parameters and this rank's chunks of them."""
-        missing = [name for u in self.units for name in self._names(u) if name not in state]
+        the model's parameters and this rank's chunks of them. A tied parameter is read
+        under whichever of its names the state has."""
+        found = {id(q): next((n for n in self.names[id(q)] if n in state), None)
+                 for u in self.units for _, q in u.params}
+        missing = [self.names[i][0] for i, name in found.items() if name is None]
         if missing:
             raise ValueError(f"ZeRO: the state dict has no {', '.join(missing[:5])}; it is not this model's")
         for u in self.units:
-            flat = u.flat_of([state[name] for name in self._names(u)])
+            flat = u.flat_of([state[found[id(q)]] for _, q in u.params])
             with torch.no_grad():
                 u.shard.copy_(flat[self.rank * u.chunk:(self.rank + 1) * u.chunk])
                 if self.stage < 3:
                     u.flat.copy_(flat)
+            self._free(u)   # stage 3: a unit gathered now (the root, between forward and backward) is stale
         buffers = {k: v for k, v in state.items() if k in dict(self.module.named_buffers())}
         self.module.load_state_dict(buffers, strict=False)
 
-    def _names(self, u):
-        """The unit's parameters' names in the model's state dict."""
-        if u.module is None or u.name == "(root)":
-            return [n for n, _ in u.params]
-        return [f"{u.name}.{n}" for n, _ in u.params]
+    @staticmethod
+    def _names(u):
+        """The unit's parameters' names in the model's state dict (a tied one's first)."""
+        return [n for n, _ in u.params]
 
     def full_optimizer_state(self):
         """The optimizer's state as a one-process optimizer over ``model.parameters()``
@@ -368,6 +329,7 @@ class ZeRO:
                 u.shard.copy_(shard)
                 if self.stage < 3:
                     self.group.all_gather(u.flat, u.shard.detach().clone())
+                self._free(u)
         self.module.load_state_dict(state.get("buffers", {}), strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
 

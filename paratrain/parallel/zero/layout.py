@@ -1,31 +1,31 @@
 """How ZeRO lays a model's parameters out in shards.
 
-A *unit* is a run of parameters handled together: under stage 3 a layer of
-the model (``layer_units``: an embedding, a transformer block, the head),
-gathered around its forward and backward; under stages 1 and 2 a bucket of
-up to 25 MB (``bucket_units``), so a step costs few, large collectives. A
-unit's parameters are packed
-one after the other in a flat buffer, padded to a multiple of the world size
-W, and cut into W equal chunks: rank r owns chunk r of every unit. So each
-unit's collectives (reduce-scatter of its gradients, all-gather of its
-parameters) are equal pieces on every rank, the padding is under W elements
-a unit, and the optimizer's shard of a rank is its chunks, one per unit.
+A *unit* is a run of parameters handled together: under stage 3 a module
+(``layer_units``: each transformer block, and the root holding the rest, as
+units.py chooses them), gathered around its forward and backward; under
+stages 1 and 2 a bucket of up to 25 MB (``bucket_units``), so a step costs
+few, large collectives. A unit's parameters are packed one after the other in
+a flat buffer, padded to a multiple of the world size W, and cut into W equal
+chunks: rank r owns chunk r of every unit. So each unit's collectives
+(reduce-scatter of its gradients, all-gather of its parameters) are equal
+pieces on every rank, the padding is under W elements a unit, and the
+optimizer's shard of a rank is its chunks, one per unit.
 
-Units are the modules that run a forward of their own, so stage 3 can gather
-a unit's parameters just before that forward (and its backward) and free them
-after, as FSDP does per wrapped module (Zhao et al., "PyTorch FSDP", arXiv
-2304.11277, sec. 3.2); finer units cost more, smaller collectives, and hold
-less at once.
+A parameter reached under two names (tied weights) is one tensor: it is in
+one unit under its first name, and autograd sums both uses into its one
+``.grad``.
 """
 from dataclasses import dataclass, field
 
 import torch
 
+from .units import assign, choose, warn_if_lopsided
+
 
 @dataclass
 class Unit:
     name: str
-    module: torch.nn.Module           # the layer (stage 3), or None (a bucket)
+    module: torch.nn.Module           # the module gathered around its forward (stage 3), or None (a bucket)
     params: list                      # [(name, nn.Parameter)] in the model's order
     world: int
     offsets: list = field(default_factory=list)
@@ -53,43 +53,24 @@ class Unit:
         return [flat[at:at + p.numel()].view_as(p) for (_, p), at in zip(self.params, self.offsets)]
 
 
-CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
-
-
-def _check_untied(model):
-    seen = {}
-    for name, q in model.named_parameters(remove_duplicate=False):
-        if id(q) in seen:
-            raise ValueError(f"ZeRO: {name} is the same parameter as {seen[id(q)]} (tied weights); "
-                             "ZeRO shards each parameter once: untie them")
-        seen[id(q)] = name
-
-
 def _trainable(module, recurse):
     return [(n, q) for n, q in module.named_parameters(recurse=recurse) if q.requires_grad]
 
 
-def layer_units(model, world):
-    """Stage 3's units: the model's layers, each gathered whole around its own forward.
-    A layer is a module with parameters reached from the root through containers only
-    (ModuleList, ModuleDict, Sequential: a GPT's embeddings, each block, the final
-    norm and the head; each Linear of an MLP); the root's own parameters are one more."""
-    _check_untied(model)
-    units = []
-    if _trainable(model, recurse=False):
-        units.append(Unit("(root)", model, _trainable(model, recurse=False), world))
+def layer_units(model, world, units=None):
+    """Stage 3's units: the modules units.py chooses (the model's repeated blocks, or
+    ``units=``), and the root owning the rest; each tied parameter in one unit."""
+    owned = assign(model, choose(model, units))
+    warn_if_lopsided(model, owned)
+    return _nonempty([Unit(name, module, params, world) for name, module, params in owned])
 
-    def visit(prefix, module):
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(child, CONTAINERS):
-                if _trainable(child, recurse=False):
-                    units.append(Unit(path, child, _trainable(child, recurse=False), world))
-                visit(path + ".", child)
-            elif _trainable(child, recurse=True):
-                units.append(Unit(path, child, _trainable(child, recurse=True), world))
-    visit("", model)
-    return _nonempty(units)
+
+def parameter_names(model):
+    """{id(parameter): every name it has in the model's state dict}: a tied one has several."""
+    names = {}
+    for name, q in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(q), []).append(name)
+    return names
 
 
 def bucket_units(model, world, bucket_bytes):
@@ -98,8 +79,7 @@ def bucket_units(model, world, bucket_bytes):
     parameter back, the order backward produces their gradients, and returned in
     the model's order. Fewer, larger collectives than per layer: nothing needs a
     layer's parameters gathered at a time of its own."""
-    _check_untied(model)
-    named = _trainable(model, recurse=True)
+    named = _trainable(model, recurse=True)   # a tied parameter once
     buckets, current, size = [], [], 0
     for name, q in reversed(named):
         nbytes = q.numel() * q.element_size()
