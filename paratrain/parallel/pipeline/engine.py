@@ -32,6 +32,11 @@ held stay the schedule's. With two stages 1F1B's steady state has no slack
 removes the small waits the stages' jitter made: 1F1B m=8 of the benchmark
 GPT took 614-630 ms a step against 650-666 before (standalone, medians).
 
+A weight that several ranks' stages read (tied input and output embeddings)
+is held by each of them: building the Pipeline copies the first holder's
+value to the others, and the end of ``step`` sums their gradients between
+them (tied.py), so the optimizer step that follows keeps the copies equal.
+
 ``dp_group``: this stage's replicas in other pipelines (DP x PP); after the
 step their gradients and the loss are averaged over it.
 
@@ -49,9 +54,11 @@ most p - r on rank r.
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import linear_grads
-from . import schedules, transport
+from . import schedules, tied, transport
+from .trace import TensorRead
 from .transport import differentiable
 
 
@@ -73,6 +80,7 @@ class Pipeline:
                              f"{stage.virtual}); only schedule='interleaved' runs several, or split with virtual=1")
         self.m, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
         self._agree()
+        tied.copy_from_first(self.group, stage.tied, stage.total)
         self.actions = schedules.actions(schedule, self.rank, self.p, self.m, stage.virtual)
         self.split_backward = schedule in schedules.SPLIT_BACKWARD
         self._capture = None
@@ -153,6 +161,7 @@ class Pipeline:
                 self._run(kind, mb, c)
             for work, _ in self._works:
                 work.wait()
+            tied.sum_gradients(self.group, self.stage.tied, self.stage.total)
         finally:
             self._state, self._works, self._inputs, self._targets = {}, [], None, None
         loss = torch.zeros(1, dtype=torch.float64)
@@ -317,7 +326,14 @@ class Pipeline:
     def forward(self, inputs=None):
         """The model's output for a whole batch (no micro-batches, no gradients), on
         every rank of the pipeline: the last stage sends it to the others. Every
-        rank calls it, in the same order; ``inputs`` matter on the first stage."""
+        rank calls it, in the same order; ``inputs`` matter on the first stage. The output
+        reaches the other ranks as its tensors (and None, ints), in the model's structure:
+        a tensor, a tuple, list or dict of them, or a dataclass torch.export flattened (a
+        Hugging Face ModelOutput)."""
+        if self.stage.output_unsendable:
+            raise ValueError(f"Pipeline.forward: the model returns an object of class "
+                             f"{self.stage.output_unsendable}, which cannot be sent to the other ranks: wrap the "
+                             "model so that forward returns a tensor, or a tuple, list or dict of tensors")
         works = []
         out = None
         for chunk in self.stage.chunks:
@@ -330,11 +346,14 @@ class Pipeline:
             if s < self.stage.total - 1:
                 transport.send_activations(self.group, out, self._rank_of(s + 1), s + 1, works)
         last, done = self.p - 1, self.stage.total   # tag range past the last stage: the output
+        spec = self.stage.output_spec                # every rank knows the output's structure
         if self.rank == last:
+            leaves = tuple(spec.flatten_up_to(out)) if spec is not None else (out,)
             for r in range(self.p - 1):
-                transport.send_activations(self.group, (out,), r, done, works)
+                transport.send_activations(self.group, leaves, r, done, works)
         else:
-            out = transport.recv_activations(self.group, last, done)[0]
+            leaves = transport.recv_activations(self.group, last, done)
+            out = pytree.tree_unflatten(list(leaves), spec) if spec is not None else leaves[0]
         for work, _ in works:
             work.wait()
         return out
@@ -381,9 +400,10 @@ class _SavedBytes:
 
 # Modules whose weight gradients B computes along with their input's, in the same kernel
 # (a normalization's weight and bias gradients are two sums over what its input gradient
-# reads anyway), so W does not read their input and output gradient a second time.
+# reads anyway), so W does not read their input and output gradient a second time; and a
+# traced graph's read of a weight (trace.py), whose output is the weight itself.
 _WEIGHTS_IN_B = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm,
-                 torch.nn.Embedding)
+                 torch.nn.Embedding, TensorRead)
 
 
 def _own_params(module):

@@ -2,25 +2,37 @@
 between devices (TensorFlow inserts a Send/Recv pair on every edge that
 crosses devices; Abadi et al., "TensorFlow", OSDI 2016, sec. 3.2.2).
 
-    stage = pt.pipeline.split(model, group=g, stages=2)               # balanced by measured time
-    stage = pt.pipeline.split(model, group=g, stages=2, by="params")
+    stage = pt.pipeline.split(model, group=g, stages=2)               # balanced by parameters
+    stage = pt.pipeline.split(model, group=g, stages=2, sample=x)     # balanced by measured time
     stage = pt.pipeline.split(model, group=g, split_points=["blocks.4"])
+    stage = pt.pipeline.split(LogitsOf(hf), group=g, sample=ids, split_points=["hf.transformer.h.2"])
 
-1. The model is traced with torch.fx into a graph of operations (an
-   nn.Sequential traces as its chain of children). Each operation belongs to
-   a *layer*: the outermost submodule it runs in, looking through
-   nn.Sequential containers (``blocks.3`` of a GPT, ``features.2`` of the
-   digits CNN, ``2`` of a Sequential); operations outside any submodule join
-   the next layer. Cuts fall between layers only.
-2. The layers are grouped into consecutive runs, one per stage: at the named
+1. The model becomes a graph of operations (trace.py): an nn.Sequential the
+   chain of its children, kept whole; another model traced by torch.fx, or,
+   where fx cannot (Hugging Face models), by torch.export on ``sample``.
+2. Each operation belongs to a *layer* (layers.py): the outermost module it
+   runs in that is not a container of layers (``blocks.3`` of a GPT,
+   ``hf.transformer.h.3`` of a wrapped GPT-2, ``features.2`` of the digits
+   CNN, ``2`` of a Sequential). Cuts fall between layers only.
+3. The layers are grouped into consecutive runs, one per stage: at the named
    ``split_points``, or so that the most expensive stage is as cheap as
    possible (``balance``), by parameter count or by forward+backward time
    measured on a sample input (on rank 0, then broadcast, so every rank cuts
    alike).
-3. ``torch.fx.passes.split_module`` makes one GraphModule per stage. Every
+4. ``torch.fx.passes.split_module`` makes one GraphModule per stage. Every
    value that some later stage needs crosses each cut on its way (a skip
    connection over a stage is received by that stage and sent on), so
-   stages only ever talk to their neighbours.
+   stages only ever talk to their neighbours. A weight that several stages
+   read (tied embeddings) is held by each of them, its gradients summed
+   between them after the backward (tied.py).
+
+The last stage returns what the model returns, and ``loss_fn`` gets it: a
+tensor, or a tuple, list or dict (None allowed), or a dataclass (a Hugging
+Face ModelOutput). ``Pipeline.forward`` sends it to the other ranks as its
+tensors, in its structure; a dataclass torch.fx recorded as one value cannot
+travel, and forward refuses it (wrap the model to return a dict). A Hugging
+Face model that returns its key/value cache cannot be traced: set
+``config.use_cache = False``, or wrap it (``hf_models.LogitsOf``).
 
 The stage a rank gets is a ``Stage``: its chunk of the model (several for the
 interleaved schedule, ``virtual=v``: rank r holds stages r, r + p, ...), which
@@ -32,10 +44,14 @@ import time
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
+from . import tied
+from .layers import find_layers, layer_params, starts_at
 from .partition import balance
+from .trace import trace
 
 
 def split(model, group=None, stages=None, split_points=None, by=None, sample=None, virtual=1, verbose=True):
@@ -43,9 +59,12 @@ def split(model, group=None, stages=None, split_points=None, by=None, sample=Non
 
     stages: the number of pipeline ranks (default: the group's size; it must be
     the group's size). virtual: stages per rank (the interleaved schedule).
-    split_points: layer names where a stage starts (stages*virtual - 1 of them).
-    by: "time" (forward+backward measured on ``sample``, the first stage's
-    input; the default when a sample is given) or "params" (the default
+    split_points: names of the modules where a stage starts (stages*virtual - 1
+    of them): layers, or any module inside one (``hf.model.layers.2.mlp``).
+    sample: a batch of the first stage's input (the model's positional
+    arguments); needed to measure time, and to trace a model torch.fx cannot
+    (torch.export runs it). by: "time" (forward+backward measured on
+    ``sample``; the default when a sample is given) or "params" (the default
     without one). verbose: rank 0 prints the cut.
     """
     from ...comm import world
@@ -57,10 +76,12 @@ def split(model, group=None, stages=None, split_points=None, by=None, sample=Non
     if int(virtual) < 1:
         raise ValueError(f"split: virtual must be at least 1, got {virtual}")
     total = p * int(virtual)
-    gm = trace(model)
-    layers = _layers_for(gm, total)
+    traced = trace(model, sample)
+    gm = traced.gm
+    points = [] if split_points is None else list(split_points)
+    layers = _layers_for(gm, total, points)
     if split_points is not None:
-        starts = _starts_at(layers, split_points, total)
+        starts = starts_at(layers, points, total)
         how, costs = "split_points", [layer_params(gm, nodes) for _, nodes in layers]
     else:
         starts, costs, how = _balanced(gm, model, layers, total, by, sample, group)
@@ -71,13 +92,14 @@ def split(model, group=None, stages=None, split_points=None, by=None, sample=Non
             for n in nodes:
                 owner[n] = s
     top = split_module(gm, model, lambda n: owner[n])
-    plan = StagePlan(top, total)
-    _check_parameters_not_shared(plan, model)
-    report = _report(layers, starts, costs, how, plan)
+    plan = StagePlan(top, total, traced.out_spec)
+    shared = tied.shared([getattr(top, f"submod_{s}") for s in range(total)], model)
+    report = _report(layers, starts, costs, how, plan, traced.how, shared)
     if verbose and group.rank == 0:
         print(report, file=sys.stderr, flush=True)
     mine = [s for s in range(total) if s % p == group.rank]
-    return Stage([plan.chunk(s) for s in mine], mine, total, p, report)
+    return Stage([plan.chunk(s) for s in mine], mine, total, p, report,
+                 tied.held(shared, group.rank, p), plan.output_spec(), _unsendable(traced))
 
 
 def choose_cut(model, stages, by=None, sample=None, virtual=1, group=None, verbose=False):
@@ -89,7 +111,7 @@ def choose_cut(model, stages, by=None, sample=None, virtual=1, group=None, verbo
     from ...comm import world
     group = group or world()
     total = int(stages) * int(virtual)
-    gm = trace(model)
+    gm = trace(model, sample).gm
     layers = _layers_for(gm, total)
     starts, costs, how = _balanced(gm, model, layers, total, by, sample, group)
     if verbose and group.rank == 0:
@@ -101,8 +123,8 @@ def choose_cut(model, stages, by=None, sample=None, virtual=1, group=None, verbo
     return [layers[i][0] for i in starts[1:]]
 
 
-def _layers_for(gm, total):
-    layers = find_layers(gm)
+def _layers_for(gm, total, points=()):
+    layers = find_layers(gm, points)
     if len(layers) < total:
         raise ValueError(f"split: {total} stages but the model has only {len(layers)} layers "
                          f"({', '.join(key for key, _ in layers)}); use fewer stages")
@@ -120,107 +142,6 @@ def _balanced(gm, model, layers, total, by, sample, group):
     costs = ([layer_params(gm, nodes) for _, nodes in layers] if how == "params"
              else _measured_on_rank0(gm, model, layers, sample, group))
     return balance(costs, total), costs, how
-
-
-class _Tracer(fx.Tracer):
-    """fx's tracer, with tensor-parallel layers kept whole (their forward is a
-    collective, not operations to cut between), so a model cut inside its layers
-    can then be cut between them (3D parallelism)."""
-
-    def is_leaf_module(self, m, qualname):
-        from ..tensor.checkpoint import CUT
-        return isinstance(m, CUT) or super().is_leaf_module(m, qualname)
-
-
-def trace(model):
-    if isinstance(model, fx.GraphModule):
-        return model
-    try:
-        return fx.GraphModule(model, _Tracer().trace(model), model.__class__.__name__)
-    except Exception as e:  # noqa: BLE001 - fx raises many kinds; all mean the same to a user
-        raise ValueError(
-            f"split: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {e}). A pipeline cuts "
-            "a traced graph: keep Python control flow off tensors in forward (torch._assert instead of "
-            "if/raise), give split() an nn.Sequential, or name the cut with split_points after making it "
-            "traceable") from None
-
-
-def find_layers(gm):
-    """[(layer name, [nodes])] in graph order: maximal runs of operations under the
-    same outermost submodule; operations under none join the next layer."""
-    layers, loose = [], []
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        key = _layer_of(n.meta.get("nn_module_stack"))
-        if n.op == "call_module" and key is None:
-            key = str(n.target)
-        if key is None:
-            loose.append(n)
-            continue
-        if layers and layers[-1][0] == key:
-            layers[-1][1].extend(loose + [n])
-        else:
-            layers.append((key, loose + [n]))
-        loose = []
-    if loose:
-        if not layers:
-            raise ValueError("split: the model has no submodules to cut between")
-        layers[-1][1].extend(loose)
-    return layers
-
-
-def _layer_of(stack):
-    """The outermost module an operation runs in that is not an nn.Sequential: a
-    Sequential is a list of layers, not one (DigitsCNN's ``features.0`` and
-    ``features.2`` are two layers; a ModuleList is never called, so fx never
-    shows it)."""
-    if not stack:
-        return None
-    entries = list(stack.items())
-    for key, value in entries:
-        kind = value[1] if isinstance(value, tuple) and len(value) > 1 else None
-        if not (isinstance(kind, type) and issubclass(kind, nn.Sequential)):
-            return key
-    return entries[-1][0]
-
-
-def layer_params(gm, nodes):
-    """Parameter elements a layer's operations use."""
-    seen = {}
-    for n in nodes:
-        if n.op == "call_module":
-            for q in gm.get_submodule(n.target).parameters():
-                seen[id(q)] = q.numel()
-        elif n.op == "get_attr":
-            t = _attr(gm, n.target)
-            if isinstance(t, nn.Parameter):
-                seen[id(t)] = t.numel()
-    return sum(seen.values())
-
-
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _starts_at(layers, split_points, total):
-    names = [key for key, _ in layers]
-    if len(split_points) != total - 1:
-        raise ValueError(f"split: {len(split_points)} split_points for {total} stages; give {total - 1} "
-                         f"layer names where a stage starts, from: {', '.join(names)}")
-    starts = [0]
-    for point in split_points:
-        if point not in names:
-            raise ValueError(f"split: split point {point!r} is not a layer of the model; layers: {', '.join(names)}")
-        i = names.index(point)
-        if i <= starts[-1]:
-            raise ValueError(f"split: split point {point!r} must come after the previous one and after "
-                             f"the first layer, in the model's order: {', '.join(names)}")
-        starts.append(i)
-    return starts
 
 
 def _measured_on_rank0(gm, model, layers, sample, group):
@@ -251,8 +172,7 @@ def measure_layers(gm, model, layers, sample, repeats=3):
                          for v in values)
             t0 = time.perf_counter()
             result = chunk(*args)
-            outs = result if isinstance(result, tuple) else (result,)
-            grads = [o for o in outs if torch.is_tensor(o) and o.requires_grad]
+            grads = [o for o in pytree.tree_leaves(result) if torch.is_tensor(o) and o.requires_grad]
             if grads:
                 torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
             times.append(time.perf_counter() - t0)
@@ -270,8 +190,8 @@ class StagePlan:
     values it receives (``live_in``: produced before s, needed at s or later,
     in graph order) and the values it sends on (``live_in`` of s + 1)."""
 
-    def __init__(self, top, total):
-        self.top, self.total = top, total
+    def __init__(self, top, total, out_spec=None):
+        self.top, self.total, self.out_spec = top, total, out_spec
         self.stage_of, self.calls = {}, {}
         for n in top.graph.nodes:
             if n.op == "placeholder":
@@ -303,24 +223,31 @@ class StagePlan:
     def chunk(self, s):
         call = self.calls[s]
         getitems = [n for n in self.order if n.op == "call_function" and n.args[0] is call]
+        last = s == self.total - 1
         return Chunk(s, self.total, getattr(self.top, str(call.target)), call, getitems,
-                     self.live_in[s], self.live_in[s + 1] if s + 1 < self.total else None,
-                     self.output if s == self.total - 1 else None)
+                     self.live_in[s], self.live_in[s + 1] if not last else None,
+                     self.output if last else None, self.out_spec if last else None)
 
+    def output_spec(self):
+        """The pytree structure of the model's output, each value the graph returns one
+        leaf: every rank knows it, so the last stage may send just the leaves."""
+        if self.out_spec is not None:
+            return self.out_spec
+        return pytree.tree_structure(_value(self.output.args[0], lambda n: _Leaf()))
 
 class Chunk(nn.Module):
     """One stage's part of the model: called with the values it receives (the
     model's inputs on stage 0), returns the tuple of values it sends on, or the
     model's output on the last stage."""
 
-    def __init__(self, index, total, module, call, getitems, live_in, live_out, output):
+    def __init__(self, index, total, module, call, getitems, live_in, live_out, output, out_spec=None):
         super().__init__()
         self.index, self.total = index, total
         self.module = module
         self._call, self._getitems = call, getitems
         self._live_in = [n.name for n in live_in]
         self._live_out = None if live_out is None else [n.name for n in live_out]
-        self._output = output
+        self._output, self._out_spec = output, out_spec
         self.receives = len(live_in)
         self.sends = None if live_out is None else len(live_out)
 
@@ -334,19 +261,55 @@ class Chunk(nn.Module):
         for g in self._getitems:
             env[g.name] = result[g.args[1]]
         if self._output is not None:
-            return fx.node.map_arg(self._output.args[0], lambda n: env[n.name])
+            out = _value(self._output.args[0], lambda n: env[n.name])
+            return out if self._out_spec is None else pytree.tree_unflatten(list(out), self._out_spec)
         return tuple(env[name] for name in self._live_out)
 
 
-class Stage(nn.Module):
-    """This rank's stages: ``chunks[i]`` is stage ``indices[i]`` of ``total``."""
+def _value(arg, of):
+    """An fx argument with each node replaced by ``of(node)``, in plain Python
+    containers (fx's own are immutable subclasses): what the model's forward returns."""
+    if isinstance(arg, fx.Node):
+        return of(arg)
+    if isinstance(arg, dict):
+        return {k: _value(v, of) for k, v in arg.items()}
+    if isinstance(arg, list):
+        return [_value(v, of) for v in arg]
+    if isinstance(arg, tuple):
+        items = [_value(v, of) for v in arg]
+        return type(arg)(*items) if hasattr(arg, "_fields") else tuple(items)
+    return arg
 
-    def __init__(self, chunks, indices, total, ranks, report):
+
+def _unsendable(traced):
+    """The class of an object the model's output holds that cannot travel between
+    ranks (a dataclass built in forward, which torch.fx records as one value), or None."""
+    if traced.out_spec is not None:
+        return None
+    output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    for leaf in pytree.tree_leaves(fx.node.map_arg(output.args[0], lambda n: (n,))):
+        if isinstance(leaf, fx.Node) and leaf.op == "call_function" and isinstance(leaf.target, type):
+            return leaf.target.__name__
+    return None
+
+
+class _Leaf:
+    """A value of the graph's output, in the output's structure."""
+
+
+class Stage(nn.Module):
+    """This rank's stages: ``chunks[i]`` is stage ``indices[i]`` of ``total``.
+    ``tied``: [(name, parameter, holding ranks)] for the weights this rank shares
+    with other ranks (tied.py). ``output_spec``: the model's output structure;
+    ``output_unsendable``: the class of an object in it that cannot be sent, or None."""
+
+    def __init__(self, chunks, indices, total, ranks, report, tied=(), output_spec=None, output_unsendable=None):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.indices, self.total, self.ranks = list(indices), total, ranks
         self.virtual = len(chunks)
         self.report = report
+        self.tied, self.output_spec, self.output_unsendable = list(tied), output_spec, output_unsendable
 
     @property
     def is_first(self):
@@ -363,20 +326,10 @@ class Stage(nn.Module):
         return self.chunks[0](*values)
 
 
-def _check_parameters_not_shared(plan, model):
-    """A parameter used by two stages (tied weights) would be updated twice, apart."""
-    owner, names = {}, {id(q): name for name, q in model.named_parameters()}
-    for s in range(plan.total):
-        for q in getattr(plan.top, f"submod_{s}").parameters():
-            if owner.setdefault(id(q), s) != s:
-                raise ValueError(f"split: parameter {names.get(id(q), '?')} is used by stages {owner[id(q)]} and "
-                                 f"{s} (tied weights); untie it, or cut so that its users share a stage")
-
-
-def _report(layers, starts, costs, how, plan):
+def _report(layers, starts, costs, how, plan, traced_by, shared):
     total = len(starts)
     unit = "ms" if how == "time" else None
-    lines = [f"[pipeline] {total} stages, cut by {how}:"]
+    lines = [f"[pipeline] {total} stages, traced by {traced_by}, cut by {how}:"]
     for s in range(total):
         end = starts[s + 1] if s + 1 < total else len(layers)
         names = [key for key, _ in layers[starts[s]:end]]
@@ -387,4 +340,7 @@ def _report(layers, starts, costs, how, plan):
         layers_text = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} layers)"
         lines.append(f"  stage {s}: {layers_text}, {params:,} parameters{timed}"
                      + (f", sends {crossing} value{'s' if crossing > 1 else ''} on" if crossing else ""))
+    for name, _, stages in shared:
+        lines.append(f"  {name} is read by stages {', '.join(map(str, stages))} (tied): each holds it, "
+                     "their gradients summed")
     return "\n".join(lines)

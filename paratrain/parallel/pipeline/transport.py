@@ -41,6 +41,12 @@ def tag(stage, direction, index):
     return (stage * 2 + direction) * (MAX_VALUES + 1) + index
 
 
+def tied_tag(total, index):
+    """The ``index``-th weight that several of ``total`` stages share (tied.py): tags
+    past those of every stage and of the forward's output (``Pipeline.forward``)."""
+    return tag(total + 1, ACTIVATION, 0) + index
+
+
 def _describe(values, where):
     if len(values) > MAX_VALUES:
         raise ValueError(f"{where}: {len(values)} values cross this cut, at most {MAX_VALUES}; "
