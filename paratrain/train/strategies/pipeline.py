@@ -32,7 +32,7 @@ from .base import LastStepTraffic, ReplicaStep
 
 HELP = "pipeline: the model cut between layers into --stages stages, micro-batches through a --schedule"
 SPARSE = False
-CUTTABLE = ("digits", "gpt", "mlp", "mlp-large")
+CUTTABLE = ("digits", "gpt", "mlp", "mlp-large", "hf-gpt2", "hf-bert", "hf-llama")
 
 
 def add_options(parser):
@@ -103,14 +103,19 @@ class PipelineStep(ReplicaStep):
         sample = _sample_inputs(task, max(1, settings.batch_size // m))
         # one cut for every pipeline (replicas and tensor-parallel ranks alike), timed on the whole
         # model on rank 0; then each layer is cut inside across --tp, then the model between layers
-        points = pt.pipeline.choose_cut(task.model, self.stages, sample=sample, virtual=virtual, group=world,
-                                        verbose=self.rank == 0)
+        points = self._saved_cut(task, args, self.stages * virtual)
+        if points is None:
+            points = pt.pipeline.choose_cut(task.model, self.stages, sample=sample, virtual=virtual, group=world,
+                                            verbose=self.rank == 0)
+        self.cut = points
         if self.tp > 1:
             pt.tensor.parallelize(task.model, group=self.mesh["tp"], plan=task.tensor_plan(task.model))
-        self.names = {id(q): n for n, q in task.model.named_parameters()}
+        self.names = {}   # every name of each parameter: a tied weight is saved under all of them, as one process does
+        for n, q in task.model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(q), []).append(n)
         self.blocks_path = task.blocks
         self.stage = pt.pipeline.split(task.model, group=self.pipe_group, virtual=virtual, split_points=points,
-                                       verbose=self.rank == 0)
+                                       sample=sample, verbose=self.rank == 0)
         self.pipe = pt.Pipeline(self.stage, group=self.pipe_group, microbatches=m, schedule=schedule,
                                 loss_fn=_loss_of(task), dp_group=self.dp_group)
         self.model = self.stage
@@ -123,6 +128,20 @@ class PipelineStep(ReplicaStep):
         world.all_gather(counts, mine)   # per worker: with --tp, each holds its slices of its stage
         self.params_per_stage = [int(counts[self.mesh.rank_at(pp=k)]) for k in range(self.stages)]
 
+    def _held_names(self):
+        """The names of the parameters this worker's stage holds (a tied weight's every name)."""
+        return [n for q in self.stage.parameters() for n in self.names[id(q)]]
+
+    def _saved_cut(self, task, args, total):
+        """On a resume, the cut the checkpoint was written with (when it has as many stages):
+        a cut chosen by measured time may fall elsewhere on another run, and each stage's
+        file holds only its own layers."""
+        if not args.resume:
+            return None
+        from ..checkpoint import load_checkpoint
+        saved = load_checkpoint(self.checkpoint_path(args.resume, writing=False), task.config).get("pipeline_cut")
+        return list(saved) if saved is not None and len(saved) == total - 1 else None
+
     @property
     def data_replicas(self):
         return self.replicas
@@ -134,7 +153,7 @@ class PipelineStep(ReplicaStep):
     def blocks_held(self):
         """How many of the model's transformer blocks this worker's stage holds."""
         prefix = f"{self.blocks_path}."
-        return len({name[len(prefix):].split(".")[0] for name in (self.names[id(q)] for q in self.stage.parameters())
+        return len({name[len(prefix):].split(".")[0] for name in self._held_names()
                     if self.blocks_path and name.startswith(prefix)})
 
     def coordination(self, settings, start):
@@ -173,13 +192,13 @@ class PipelineStep(ReplicaStep):
         return f"{root}.stage{k}{ext}"
 
     def model_state(self, task):
-        mine = {self.names[id(q)] for q in self.stage.parameters()}
+        mine = set(self._held_names())
         if self.tp > 1:   # collective over the tensor-parallel group: every worker calls it
             return {k: v for k, v in pt.tensor.full_state_dict(task.model).items() if k in mine}
-        return {self.names[id(q)]: q.detach().clone() for q in self.stage.parameters()}
+        return {n: q.detach().clone() for q in self.stage.parameters() for n in self.names[id(q)]}
 
     def load_model_state(self, task, state):
-        mine = {self.names[id(q)] for q in self.stage.parameters()}
+        mine = set(self._held_names())
         if set(state) != mine:
             raise ValueError(f"this checkpoint holds {len(state)} tensors of another stage or cut than stage "
                              f"{self.mesh.coords['pp']}'s {len(mine)}: resume with the same --stages")
@@ -190,8 +209,8 @@ class PipelineStep(ReplicaStep):
 
     def state_dict(self):
         if self.tp > 1:   # gathered whole, as the stage's parameters are
-            return {"optimizer": pt.tensor.full_optimizer_state(self.stage, self.opt)}
-        return {"optimizer": self.opt.state_dict()}
+            return {"optimizer": pt.tensor.full_optimizer_state(self.stage, self.opt), "pipeline_cut": self.cut}
+        return {"optimizer": self.opt.state_dict(), "pipeline_cut": self.cut}
 
     def load_state_dict(self, state):
         if self.tp > 1:
