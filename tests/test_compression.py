@@ -144,15 +144,25 @@ def test_powersgd_is_refused_for_parameter_server_pushes():
 def test_compressed_pushes_train_digits_to_the_uncompressed_accuracy(tmp_path):
     """paratrain train --strategy ps (digits, BSP, 2 workers, 1 server) with its pushes as
     top-k 1%, 1-bit and fp16 ends within 1 accuracy point of plain pushes, the compressed
-    ones pushing a small share of the bytes."""
+    ones pushing a small share of the bytes. Accuracy is the mean over three seeds for the
+    lossy codecs: one seed's test accuracy moves by a point either way from the processor's
+    rounding alone (359 test digits, 0.28 points each), for plain pushes too."""
     from test_train import ok, train
-    ok(train(tmp_path / "none", "--strategy", "ps"))
-    plain = _summary(tmp_path / "none")
+
+    def run(spec, seed):
+        folder = tmp_path / f"{spec.replace(':', '-')}-{seed}"
+        ok(train(folder, "--strategy", "ps", "--compression", spec, "--seed", str(seed)))
+        return _summary(folder)
+    seeds = {"none": (0, 1, 2), "topk:0.01": (0, 1, 2), "onebit": (0, 1, 2), "fp16": (0,)}
+    runs = {spec: [run(spec, seed) for seed in chosen] for spec, chosen in seeds.items()}
+
+    def accuracy(spec, chosen):
+        return sum(r["accuracy"] for r, seed in zip(runs[spec], seeds[spec]) if seed in chosen) / len(chosen)
+    plain_bytes = runs["none"][0]["bytes_pushed"]
     for spec, share in (("topk:0.01", 0.03), ("onebit", 0.05), ("fp16", 0.51)):
-        ok(train(tmp_path / spec.replace(":", "-"), "--strategy", "ps", "--compression", spec))
-        got = _summary(tmp_path / spec.replace(":", "-"))
-        assert got["accuracy"] >= plain["accuracy"] - 0.01, (spec, got["accuracy"], plain["accuracy"])
-        assert got["bytes_pushed"] <= share * plain["bytes_pushed"], (spec, got["bytes_pushed"], plain["bytes_pushed"])
+        got, plain = accuracy(spec, seeds[spec]), accuracy("none", seeds[spec])
+        assert got >= plain - 0.01, (spec, got, plain)
+        assert runs[spec][0]["bytes_pushed"] <= share * plain_bytes, (spec, runs[spec][0]["bytes_pushed"], plain_bytes)
 
 
 @pytest.mark.timeout(300)

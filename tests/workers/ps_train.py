@@ -42,12 +42,15 @@ def data(step, n):
 
 
 OPTS = {"sgd": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), dict(lr=0.1, momentum=0.9)),
-        "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2), dict(lr=1e-2))}
+        "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2, eps=1e-5), dict(lr=1e-2, eps=1e-5))}
 
 
 # The servers run their own numpy optimizers (ps/optimizers.py), which round differently
 # from torch's fused kernels (one rounding per step: p + (-lr) * g is an FMA in torch);
-# Adam divides by sqrt(v), which magnifies such roundings where gradients are near zero.
+# Adam divides by sqrt(v), which magnifies such roundings where gradients are near zero: an
+# element whose gradient is float32 noise (summed in another order over W workers' pushes than
+# in one process's batch) would take a step of up to lr either way. eps = 1e-5 keeps such
+# elements' steps in proportion to their gradients, as on any processor's kernels.
 TOL = {"sgd": 1e-5, "adam": 1e-4}
 
 
