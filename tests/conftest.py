@@ -82,3 +82,10 @@ def cma_permitted():
         return False
     finally:
         p.communicate("")
+
+
+def passed_on_every_rank(res, what, n):
+    """A launch() ended well: exit 0 and "<what> passed on rank" printed by each of its n ranks."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert out.count(f"{what} passed on rank") == n, out[-4000:]

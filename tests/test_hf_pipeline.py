@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conftest import launch

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import paratrain as pt
-from conftest import launch
+from conftest import launch, passed_on_every_rank
 
 pytest.importorskip("transformers")
 from paratrain.train import hf_models  # noqa: E402
@@ -18,9 +18,7 @@ SIZES = dict(layers=2, width=32, heads=4, kv_heads=2, mlp=64, vocab=64, position
 @pytest.mark.parametrize("n", [2, 4])   # 2: every family, tp = 2; 4: pt.mesh(dp=2, tp=2), DataParallel over dp
 def test_cut_models_equal_one_process(n):
     res = launch(n, "hf_tensor.py")
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
-    assert out.count("hf tensor passed on rank") == n, out[-4000:]
+    passed_on_every_rank(res, "hf tensor", n)
 
 
 def _tiny(name):

@@ -3,16 +3,14 @@ and the differentiable collectives, through real processes, against one process
 (tests/workers/tensor_parallel.py)."""
 import pytest
 
-from conftest import launch
+from conftest import launch, passed_on_every_rank
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3, 4])   # 4: also pt.mesh(dp=2, tp=2) with DataParallel over dp
 def test_layers_and_collectives_equal_one_process(n):
     res = launch(n, "tensor_parallel.py")
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
-    assert out.count("tensor parallel passed on rank") == n, out[-4000:]
+    passed_on_every_rank(res, "tensor parallel", n)
 
 
 @pytest.mark.timeout(180)
@@ -21,9 +19,7 @@ def test_the_mesh_puts_tensor_parallel_groups_inside_a_host():
     each TP group the shm engine and DP the path between hosts, and DP x TP still equals
     one process (with every other check of the worker)."""
     res = launch(4, "tensor_parallel.py", "hierarchical", env={"PARATRAIN_PRETEND_HOSTS": "2"})
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
-    assert out.count("tensor parallel passed on rank") == 4, out[-4000:]
+    passed_on_every_rank(res, "tensor parallel", 4)
 
 
 @pytest.mark.timeout(120)
@@ -36,6 +32,4 @@ def test_a_checkpoint_written_at_tp2_resumes_at_tp3_and_in_one_process(tmp_path)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     for n in (3, 1):
         res = launch(n, "tensor_checkpoint.py", "load", path)
-        out = res.stdout + res.stderr
-        assert res.returncode == 0, out[-4000:]
-        assert out.count("tensor checkpoint load passed on rank") == n, out[-4000:]
+        passed_on_every_rank(res, "tensor checkpoint load", n)
