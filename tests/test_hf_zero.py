@@ -1,6 +1,7 @@
 """pt.ZeRO on any nn.Module: Hugging Face GPT-2 (tied and untied), BERT and Llama, and blocks
 returning dicts, dataclasses, tuples with None or opaque objects, equal to one process at
-every stage (tests/workers/hf_zero.py); and, in process, how stage 3 chooses its units."""
+every stage, as pt.DataParallel is on the same models (tests/workers/hf_zero.py); and, in
+process, how stage 3 chooses its units."""
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ SMALL = dict(vocab=96, positions=16, width=32, layers=2, heads=4, kv_heads=2, ml
 
 
 @pytest.mark.timeout(240)
-def test_hf_models_under_every_stage_equal_one_process_and_hold_the_papers_bytes():
+def test_hf_models_under_data_parallel_and_every_stage_equal_one_process_and_hold_the_papers_bytes():
     res = launch(2, "hf_zero.py", timeout=230)
     passed_on_every_rank(res, "hf zero", 2)
 

@@ -1,4 +1,4 @@
-"""Worker: pt.ZeRO stages 1-3 on Hugging Face GPT-2 (tied and untied), BERT and Llama,
+"""Worker: pt.DataParallel, and pt.ZeRO stages 1-3, on Hugging Face GPT-2 (tied and untied), BERT and Llama,
 and on models whose blocks return a dict, a dataclass, a tuple with None in it, or an
 object no walk opens, all equal to one process on the global batch.
 
@@ -85,6 +85,36 @@ def equal_to_one_process(g, build, loss_fn, stage, what, inside=None):
     for name in want:
         close(got[name], want[name], f"{what} stage {stage} after {STEPS} steps: {name}")
     return engine, ref, ref_opt
+
+
+def data_parallel_cases(g):
+    """pt.DataParallel on each family, as the baseline the other strategies are held to:
+    the loss, every averaged gradient and the parameters after 3 Adam steps equal to one
+    process on the global batch (a tied weight's gradient is both uses' sum)."""
+    for family, tied in CASES:
+        what = f"DataParallel {family}" + ("" if tied is None else " tied" if tied else " untied")
+        torch.manual_seed(0)
+        model = hf_models.build(family, tied=tied, **SIZES)
+        ref = copy.deepcopy(model)
+        dp = pt.DataParallel(model, group=g)
+        opt, ref_opt = torch.optim.Adam(dp.parameters(), **ADAM), torch.optim.Adam(ref.parameters(), **ADAM)
+        loss_fn = hf_loss(family)
+        for k in range(STEPS):
+            loss = loss_fn(dp, tokens(g.rank, k))
+            loss.backward()
+            ref_loss = loss_fn(ref, torch.cat([tokens(r, k) for r in range(g.world_size)]))
+            ref_loss.backward()
+            mean = loss.detach().reshape(1).clone()
+            g.all_reduce(mean, op="avg")
+            close(mean, ref_loss.detach().reshape(1), f"{what} step {k}: loss")
+            for (name, q), r in zip(model.named_parameters(), ref.parameters()):
+                close(q.grad, r.grad, f"{what} step {k}: gradient of {name}")
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for (name, q), r in zip(model.named_parameters(), ref.parameters()):
+            close(q.detach(), r.detach(), f"{what} after {STEPS} steps: {name}")
 
 
 def hf_cases(g):
@@ -245,6 +275,7 @@ def toy_cases(g):
 def main():
     torch.set_default_dtype(torch.float64)
     g = pt.init()
+    data_parallel_cases(g)
     hf_cases(g)
     toy_cases(g)
     print(f"hf zero passed on rank {g.rank}", flush=True)
