@@ -207,7 +207,6 @@ def test_control_flow_on_a_tensor_is_refused_and_torch_where_splits():
 @pytest.mark.timeout(120)
 def test_a_hugging_face_model_returning_its_cache_is_refused_with_the_fix():
     """The fix, config.use_cache = False, is followed in tests/workers/hf_pipeline.py."""
-    pytest.importorskip("transformers")
     from paratrain.train import hf_models
     torch.manual_seed(0)
     model = hf_models.build("gpt2", vocab=32, positions=8, width=16, layers=1, heads=2, mlp=32)
@@ -298,14 +297,14 @@ def test_the_last_stage_returns_what_the_model_returns(kind, pick):
 @pytest.mark.timeout(300)
 def test_hugging_face_models_equal_one_process_under_every_schedule():
     """GPT-2 tied (wrapped, cut by parameters) and untied (bare, its ModelOutput to loss_fn,
-    cut at a nested name), BERT (tied), Llama (rotary, grouped-query attention), GPT-2's
+    cut at a nested name), BERT (tied), Llama (rotary, grouped-query attention), Qwen2 (a
+    family paratrain names nowhere), GPT-2's
     blocks in an nn.Sequential (cut by time; and in four stages, two a rank, interleaved), and outputs that are a dict, a tuple with a
     None and a dataclass: loss, gradients and the weights after 3 Adam steps within 1e-10."""
-    pytest.importorskip("transformers")
     res = launch(2, "hf_pipeline.py", "equiv", timeout=280, env={"PARATRAIN_TIMEOUT": "120"})
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    runs = {"gpt2": 3, "gpt2-untied": 3, "bert": 3, "llama": 3, "sequential": 2, "interleaved": 1, "dict": 1,
+    runs = {"gpt2": 3, "gpt2-untied": 3, "bert": 3, "llama": 3, "qwen2": 1, "sequential": 2, "interleaved": 1, "dict": 1,
             "tuple-none": 1, "dataclass": 1}
     tied = {"gpt2": "hf.transformer.wte.weight", "bert": "hf.bert.embeddings.word_embeddings.weight",
             "sequential": "0.weight", "interleaved": "0.weight"}

@@ -8,8 +8,7 @@ from torch import nn
 import paratrain as pt
 from conftest import launch, passed_on_every_rank
 
-pytest.importorskip("transformers")
-from paratrain.train import hf_models  # noqa: E402
+from paratrain.train import hf_models
 
 SIZES = dict(layers=2, width=32, heads=4, kv_heads=2, mlp=64, vocab=64, positions=16)
 

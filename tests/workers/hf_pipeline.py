@@ -22,6 +22,7 @@ from torch import nn
 import paratrain as pt
 from paratrain.train import hf_models
 from paratrain.train.models import GPT
+from unnamed_family import qwen2
 
 torch.set_default_dtype(torch.float64)
 TOL, STEPS, M, MB, SEQ, VOCAB = 1e-10, 3, 4, 2, 8, 64
@@ -40,6 +41,11 @@ def field_loss(get):
 def hf(family, **kw):
     torch.manual_seed(0)
     return hf_models.build(family, **SIZES, **kw)
+
+
+def seeded(build, *args):
+    torch.manual_seed(0)
+    return build(*args)
 
 
 def bare_gpt2():
@@ -95,6 +101,8 @@ CASES = {
     "bert": (lambda: hf_models.LogitsOf(hf("bert")), dict(split_points=["hf.bert.encoder.layer.1"]), ALL,
              logits_loss, "hf.bert.encoder.layer.1"),
     "llama": (lambda: hf_models.LogitsOf(hf("llama")), dict(by="params"), ALL, logits_loss, "hf.model.layers.1"),
+    "qwen2": (lambda: hf_models.LogitsOf(seeded(qwen2, SIZES)), dict(by="params"), ("1f1b",), logits_loss,
+              "hf.model.layers.1"),   # a family paratrain names nowhere
     "sequential": (blocks_in_sequence, dict(by="time"), ("1f1b", "zb-h1"), logits_loss, None),
     "interleaved": (blocks_in_sequence, dict(by="params", virtual=2), ("interleaved",), logits_loss, None),
     "dict": (lambda: Returning("dict"), dict(split_points=["gpt.blocks.1"]), ("1f1b",),

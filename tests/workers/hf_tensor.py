@@ -24,6 +24,7 @@ from torch import nn
 import paratrain as pt
 from paratrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.train import hf_models
+from unnamed_family import qwen2
 
 torch.set_default_dtype(torch.float64)
 TOL = 1e-10
@@ -77,21 +78,13 @@ def compare(ref, tp, p, r, what, grads=True):
     return n
 
 
-def qwen2():
-    import transformers
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=SIZES["vocab"], hidden_size=SIZES["width"], intermediate_size=SIZES["mlp"],
-        num_hidden_layers=SIZES["layers"], num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=SIZES["positions"]))
-
-
 MODELS = {
     "gpt2 tied": lambda: hf_models.build("gpt2", tied=True, **SIZES),
     "gpt2 untied": lambda: hf_models.build("gpt2", tied=False, **SIZES),
     "gpt2 tied, vocab whole": lambda: hf_models.build("gpt2", tied=True, **SIZES),   # plan_for(vocab=False)
     "bert": lambda: hf_models.build("bert", **SIZES),
     "llama": lambda: hf_models.build("llama", **SIZES),
-    "qwen2": qwen2,
+    "qwen2": lambda: qwen2(SIZES),
 }
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain.train import hf_models
+from unnamed_family import qwen2
 
 TOL = 1e-10
 STEPS = 3
@@ -134,6 +135,10 @@ def hf_cases(g):
                     [u.name for u in engine.units]
             if family == "gpt2" and tied and stage == 3:
                 checkpoint_resumes(g, engine, ref, ref_opt, build, hf_loss(family))
+    # a family paratrain names nowhere, built like Llama: its blocks found as units all the same
+    engine, _, _ = equal_to_one_process(g, lambda: qwen2(SIZES), hf_loss("qwen2"), 3, "qwen2")
+    assert [u.name for u in engine.units][1:] == [f"model.layers.{i}" for i in range(SIZES["layers"])], \
+        [u.name for u in engine.units]
     for reentrant in (False, True):   # each block's forward run again in backward: its unit stays gathered
         def checkpointed(reentrant=reentrant):
             model = hf_models.build("llama", **SIZES)
