@@ -180,7 +180,7 @@ class MaskedText(Dataset):
     def __getitem__(self, i):
         window = self.windows[i][0]
         n = len(window)
-        gen = torch.Generator().manual_seed(int(i) % len(self) if len(self) else 0)
+        gen = torch.Generator().manual_seed(int(i) % len(self))   # window -1 masked as window n - 1
         chosen = torch.randperm(n, generator=gen)[:max(1, round(self.FRACTION * n))]
         x, y = window.clone(), torch.full_like(window, -100)
         y[chosen] = window[chosen]

@@ -58,11 +58,9 @@ def config(family, tied=None, **sizes):
 def build(family, tied=None, **sizes):
     """A randomly initialised ``family`` model (GPT2LMHeadModel, BertForMaskedLM,
     LlamaForCausalLM) from ``config``; seed torch first for the same weights everywhere."""
+    cfg = config(family, tied, **sizes)   # (which refuses an unknown family)
     tf = _transformers()
-    cls = {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM, "llama": tf.LlamaForCausalLM}
-    if family not in cls:
-        raise ValueError(f"unknown Hugging Face family {family!r}; choose from {', '.join(FAMILIES)}")
-    return cls[family](config(family, tied, **sizes))
+    return {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM, "llama": tf.LlamaForCausalLM}[family](cfg)
 
 
 class LogitsOf(nn.Module):
