@@ -314,3 +314,13 @@ def test_short_digits_training_learns():
                 break
     after = task.evaluate(task.model)
     assert before < 0.2 and after["accuracy"] > 0.9, (before, after)
+
+
+def test_hf_models_name_their_families_and_untie_on_request():
+    from paratrain.train import hf_models
+    with pytest.raises(ValueError, match="choose from gpt2, bert, llama"):
+        hf_models.build("gpt3")
+    tied, untied = hf_models.build("gpt2", layers=1), hf_models.build("gpt2", tied=False, layers=1)
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+    assert hf_models.build("llama", layers=1).model.layers[0].self_attn.k_proj.out_features == 32   # 2 of 4 heads
