@@ -52,6 +52,18 @@ def hf_loss(family):
     return loss
 
 
+def backward_beside_one_process(g, model, ref, loss_fn, k, what):
+    """Step k's backward on this rank's batch and on one process's (every rank's batch):
+    the loss averaged over the ranks must be one process's."""
+    loss = loss_fn(model, tokens(g.rank, k))
+    loss.backward()
+    ref_loss = loss_fn(ref, torch.cat([tokens(r, k) for r in range(g.world_size)]))
+    ref_loss.backward()
+    mean = loss.detach().reshape(1).clone()
+    g.all_reduce(mean, op="avg")
+    close(mean, ref_loss.detach().reshape(1), f"{what}: loss")
+
+
 def equal_to_one_process(g, build, loss_fn, stage, what, inside=None):
     """3 Adam steps of pt.ZeRO (each rank its own batch) beside one process on both batches.
     ``inside(engine, step)`` runs in the middle of each ZeRO forward (stage 3's memory)."""
@@ -64,13 +76,7 @@ def equal_to_one_process(g, build, loss_fn, stage, what, inside=None):
     for k in range(STEPS):
         if inside is not None:
             inside(engine, k)
-        loss = loss_fn(engine, tokens(g.rank, k))
-        loss.backward()
-        ref_loss = loss_fn(ref, torch.cat([tokens(r, k) for r in range(g.world_size)]))
-        ref_loss.backward()
-        mean = loss.detach().reshape(1).clone()
-        g.all_reduce(mean, op="avg")
-        close(mean, ref_loss.detach().reshape(1), f"{what} stage {stage} step {k}: loss")
+        backward_beside_one_process(g, engine, ref, loss_fn, k, f"{what} stage {stage} step {k}")
         norm = engine.clip_grad_norm_(float("inf"))   # (stage 1: reduces the gradients into the chunks)
         ref_norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in ref.parameters()]))
         close(norm.double(), ref_norm, f"{what} stage {stage} step {k}: gradient norm")
@@ -101,13 +107,7 @@ def data_parallel_cases(g):
         opt, ref_opt = torch.optim.Adam(dp.parameters(), **ADAM), torch.optim.Adam(ref.parameters(), **ADAM)
         loss_fn = hf_loss(family)
         for k in range(STEPS):
-            loss = loss_fn(dp, tokens(g.rank, k))
-            loss.backward()
-            ref_loss = loss_fn(ref, torch.cat([tokens(r, k) for r in range(g.world_size)]))
-            ref_loss.backward()
-            mean = loss.detach().reshape(1).clone()
-            g.all_reduce(mean, op="avg")
-            close(mean, ref_loss.detach().reshape(1), f"{what} step {k}: loss")
+            backward_beside_one_process(g, dp, ref, loss_fn, k, f"{what} step {k}")
             for (name, q), r in zip(model.named_parameters(), ref.parameters()):
                 close(q.grad, r.grad, f"{what} step {k}: gradient of {name}")
             opt.step()
