@@ -1,10 +1,15 @@
 """The ``paratrain`` command: one entry point, a subcommand per job.
 
-    paratrain train                          the main job: a built-in model on 2 local workers
-    paratrain run -n 4 script.py args...     start workers (paratrain.launch)
+    paratrain train                          the main job: a built-in model on 2 local workers, with any
+                                             strategy: data parallel (allreduce, allreduce-naive), parameter
+                                             server (ps: BSP/ASP/SSP), pipeline (GPipe, 1F1B, interleaved,
+                                             ZB-H1), tensor and 3D parallel (--tp, --dp, --pp), ZeRO 1-3
+                                             (zero), gradient compression (--compression)
+    paratrain run -n 4 script.py args...     start workers running your script (like torchrun)
     paratrain server --servers 2             parameter servers on this host for a multi-node job
-    paratrain bench collectives -n 2         collective benchmark beside Gloo and MPI
+    paratrain bench collectives -n 2         collectives beside Gloo and Open MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
+    paratrain bench parameter-server         the parameter server beside all-reduce, BSP beside ASP/SSP
     paratrain bench pipeline                 pipeline schedules beside torch.distributed.pipelining
     paratrain bench tensor                   tensor parallelism beside torch's parallelize_module
     paratrain bench zero                     pt.ZeRO beside DataParallel, ZeroRedundancyOptimizer and FSDP2
@@ -15,13 +20,19 @@ import sys
 USAGE = """usage: paratrain <command> [args]
 
 commands:
-  train    train a built-in model: data parallelism, parameter servers or a pipeline (defaults: digits, 2 workers)
-  run      start N worker processes running a script (like torchrun)
+  train    train a built-in model (default: digits on 2 workers) with any strategy:
+           data parallelism (--strategy allreduce, allreduce-naive), parameter servers
+           (--strategy ps: BSP, ASP, SSP), pipeline parallelism (--strategy pipeline or --pp:
+           GPipe, 1F1B, interleaved, ZB-H1), tensor and 3D parallelism (--tp, --dp, --pp),
+           ZeRO stages 1-3 (--strategy zero), gradient compression (--compression)
+  run      start N worker processes running your script (like torchrun), with parameter
+           servers if asked (`paratrain run -n 2 --servers 1 script.py`)
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
-  bench    benchmarks: `paratrain bench collectives -n 2`, `paratrain bench data-parallel`,
-           `paratrain bench parameter-server`, `paratrain bench pipeline`, `paratrain bench tensor`,
-           `paratrain bench zero`, `paratrain bench compression`
+  bench    benchmarks beside PyTorch, Gloo and Open MPI: `paratrain bench collectives -n 2`,
+           `paratrain bench data-parallel`, `paratrain bench parameter-server`,
+           `paratrain bench pipeline`, `paratrain bench tensor`, `paratrain bench zero`,
+           `paratrain bench compression`
 
 `paratrain <command> --help` for a command's options."""
 
