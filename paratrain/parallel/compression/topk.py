@@ -14,31 +14,29 @@ sparse gradients). What was not sent is not lost:
   accumulated here, before the sparsification, as u = m u + g, v = v + u,
   and what is sent is top-k of v (use the optimizer without momentum then);
   the entries sent are cleared from u and v alike (momentum factor masking);
-  ``paratrain train --compression topk`` with SGD runs it this way (its
-  momentum after top-k left mlp-large points behind uncompressed);
+  ``paratrain train --compression topk`` with SGD runs it this way, since
+  momentum applied after top-k loses accuracy (sec. 3.2);
 - **warm-up** (sec. 3.3, ``warmup_steps``): the density starts at 25% (DGC's
   first warm-up epoch: 75% sparsity) and falls geometrically to ``ratio``
   over the first steps. Starting at 100% would send more than fp32 does
-  (index and value for every entry): 50 such steps add 5.6% of fp32's bytes
-  to a 400-step run. The momentum masking starts when the warm-up ends:
-  masked at high density, nearly every entry is sent and cleared each step,
-  which is SGD with no momentum (a 50-step warm-up from 100% with masking
-  ended seed 0 of mlp-large 4.6 points below no warm-up); unmasked, density
-  1 is SGD's momentum exactly (tested);
+  (index and value for every entry). The momentum masking starts when the
+  warm-up ends: masked at high density, nearly every entry is sent and
+  cleared each step, which is SGD with no momentum; unmasked, density 1 is
+  SGD's momentum exactly (tested);
 - **small tensors whole** (``small_whole``, on by default): the smallest
   tensors of the model (biases, norms' scales, a small last layer), as many
   as together hold at most ``ratio`` of all its entries, are sent every step
   and never wait in the residual, and k is chosen among the rest. DGC's code
   compresses only tensors of two or more dimensions and PowerSGD sends small
   tensors whole; the budget bounds the cost: at most twice the entries. Picked
-  from the whole bucket, mlp-large's output bias (10 entries beside a 10 x 3072
-  weight) was not sent on steps 150, 200 and 250 of seed 4 (those looked at), its residual growing.
+  from the whole bucket, a small tensor beside a large one (a last layer's
+  bias) can lose the selection step after step while its residual grows.
 
 Choosing the k largest is the costly part on a CPU: ``torch.topk`` over a
-6.5M-entry bucket takes about 110 ms, more than sending the result over a
-1 Gbit/s link. ``largest`` follows DGC's sampled selection (sec. 5): the
-threshold is estimated from a random sample, everything above it is taken as
-candidates (a compare and a nonzero, about 15 ms), and the exact top-k is then
+large bucket can take longer than sending the result over a slow link.
+``largest`` follows DGC's sampled selection (sec. 5): the threshold is
+estimated from a random sample, everything above it is taken as candidates
+(one pass: a compare and a nonzero), and the exact top-k is then
 chosen among the candidates, so the result is the true top-k whenever the
 candidates are at least k (the threshold is set low enough that a shortfall
 is five standard deviations away; if it happens, the full topk runs).
@@ -131,9 +129,10 @@ class TopK(Compressor):
         return max(1, min(n, int(round(self.density(step) * n))))
 
     def wire_bytes(self, flat):
-        """What the last call sent for this bucket (its k, at that step's density)."""
-        k = self.sent_k.get(id(flat), self.k_of(flat.numel(), 0))
-        return k * (4 + flat.element_size())
+        """What the last call sent for this bucket: the small tensors' values, and its k
+        (at that step's density) as index and value."""
+        whole, k = self.sent_k.get(id(flat), (0, self.k_of(flat.numel(), 0)))
+        return whole * flat.element_size() + k * (4 + flat.element_size())
 
     def encode(self, index, flat):
         """This rank's (indices, values) for ``flat`` plus its residual; keeps the rest as the
@@ -147,8 +146,8 @@ class TopK(Compressor):
             acc = u.clone() if acc is None else acc.add_(u)
         else:
             acc = flat.clone() if acc is None else acc.add_(flat)
-        # one k over the whole bucket: chosen layer by layer instead (DGC's way), 1% of each of
-        # mlp-large's layers reached 78.5% after 400 steps, against 82.7% for the bucket's 1%
+        # one k over the whole bucket, not DGC's k per layer: the budget goes to the largest
+        # entries wherever they are, instead of the same share of every layer
         whole = self.whole.get(index)
         if whole is None:
             chosen = largest_k = largest(acc.abs(), self.k_of(n, step), self.generator)
@@ -159,7 +158,7 @@ class TopK(Compressor):
             magnitude[whole] = -1.0         # never among the k largest: they go anyway
             largest_k = largest(magnitude, self.k_of(n - whole.numel(), step), self.generator)
             chosen = torch.cat([whole, largest_k])
-        self.sent_k[id(flat)] = chosen.numel()
+        self.sent_k[id(flat)] = (chosen.numel() - largest_k.numel(), largest_k.numel())
         values = acc[chosen]
         acc[chosen] = 0.0                   # sent: what stays is the residual
         if self.momentum and step >= self.warmup_steps:
@@ -170,12 +169,20 @@ class TopK(Compressor):
         return chosen, values
 
     def __call__(self, group, index, flat):
+        """The small tensors' values are all-reduced densely (every rank sends the same
+        positions, so no indices go with them); the top k go as (index, value) pairs."""
         chosen, values = self.encode(index, flat)
-        k = chosen.numel()
-        all_idx = torch.empty(group.world_size * k, dtype=torch.int32)
-        all_val = torch.empty(group.world_size * k, dtype=flat.dtype)
-        group.all_gather(all_idx, chosen.to(torch.int32))
-        group.all_gather(all_val, values.contiguous())
+        whole = chosen.numel() - self.sent_k[id(flat)][1]
+        k = chosen.numel() - whole
+        dense = values[:whole].clone()     # values stay what this rank sent (self.sent)
+        if whole:
+            group.all_reduce(dense)
         flat.zero_()
-        flat.index_add_(0, all_idx.long(), all_val)
+        flat[chosen[:whole]] = dense
+        if k:      # the same on every rank: k follows the bucket's size and the step
+            all_idx = torch.empty(group.world_size * k, dtype=torch.int32)
+            all_val = torch.empty(group.world_size * k, dtype=flat.dtype)
+            group.all_gather(all_idx, chosen[whole:].to(torch.int32))
+            group.all_gather(all_val, values[whole:].contiguous())
+            flat.index_add_(0, all_idx.long(), all_val)
         flat.div_(group.world_size)
