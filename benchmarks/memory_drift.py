@@ -4,12 +4,11 @@
 
 The same shm all_reduce of one buffer (84 MB: the 21M-parameter MLP's
 gradients), repeated for ``--seconds`` seconds, reported as the median of
-every second. On these 2-core virtual machines it runs at about 9 ms for a
-while, then flips to about 23 ms and stays there, in the same process on the
-same buffer (2026-11-25: ``[8.8, 8.6, 8.7, 8.7, 8.7, 22.2, 22.9, ...]``).
-Only work that reads what another core just wrote slows down this much, which
-points at where the host places our two virtual CPUs, outside anything a
-process can choose. Run it before and after a benchmark round to know which
+every second. On small virtual machines it can run fast for a while, then
+flip to a much slower state and stay there, in the same process on the same
+buffer. Only work that reads what another core just wrote slows down this
+much, which points at where the host places the virtual CPUs, outside
+anything a process can choose. Run it before and after a benchmark round to know which
 state the numbers came from; ``paratrain bench data-parallel``'s ratio to
 DDP follows it (docs/benchmarks.md).
 

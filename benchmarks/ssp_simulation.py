@@ -19,8 +19,8 @@ samples per push, 3 x steps pushes in all) and evaluation are those of
 So a change to the servers' arithmetic (prediction, gap damping) can be
 judged over several seeds in minutes, without the machine's noise; the real
 system's numbers stay table 3's. With the workers sharing 2 cores (the
-default, as on this machine) the simulated SSP(3) is 1.63x BSP under jitter,
-near the real 1.50-1.59x. The options try what the servers do not:
+default), the simulated SSP(3)'s lead over BSP under jitter comes near the
+real one, so the simulation can stand in for it. The options try what the servers do not:
 prediction without gap damping, another look-ahead, Adam's beta1 or the
 learning rate per push, delay compensation (DC-ASGD) and, as the bound on
 all of them, ``--fresh``: no staleness at all. The README has the table.

@@ -14,7 +14,7 @@ from paratrain.bench.parameter_server import QUICK_MODES, SLOWDOWNS, main
 @pytest.mark.timeout(240)
 def test_quick_parameter_server_benchmark_writes_every_table(tmp_path, monkeypatch):
     from paratrain.bench import parameter_server as bench
-    monkeypatch.setattr(bench, "SLOWDOWNS", SLOWDOWNS[:1])   # one slowdown: 2 of table 3's 4 runs, ~25 s
+    monkeypatch.setattr(bench, "SLOWDOWNS", SLOWDOWNS[:1])   # one slowdown: 2 of table 3's 4 runs, to keep the test short
     assert main(["--quick", "--tables", "1,3", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "parameter_server_quick.json").read_text())
     dense = {r["config"]: r for r in data["dense"]}

@@ -38,7 +38,7 @@ def test_debug_receive_left_pending_does_not_hold_the_exit(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     held = [float(l.rsplit(" ", 1)[1].rstrip("s")) for l in res.stdout.splitlines() if "exit held" in l]
-    assert len(held) == 1 and held[0] < 3, out[-3000:]   # without the fix: until rank 1 left, 7 s
+    assert len(held) == 1 and held[0] < 3, out[-3000:]   # not held until rank 1 leaves, 7 s in
 
 
 @pytest.mark.timeout(90)

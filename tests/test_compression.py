@@ -1,4 +1,4 @@
-"""Gradient compression (issue 27): top-k and 1-bit with error feedback, on real
+"""Gradient compression: top-k and 1-bit with error feedback, on real
 collectives (tests/workers/compression.py), and through paratrain train."""
 import pytest
 

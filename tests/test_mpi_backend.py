@@ -96,8 +96,8 @@ def test_irecvs_from_a_silent_peer_time_out_together_over_mpi():
 @pytest.mark.timeout(90)
 def test_mpi_backend_outside_mpirun_refuses_a_larger_world():
     """`paratrain run -n 2` starting a script that asks for backend='mpi': each process
-    is an MPI world of one, and used to compute alone (an all_reduce of ones gave 1).
-    Now each refuses, saying to start the job with mpirun."""
+    is an MPI world of one, which must not compute alone (an all_reduce of ones would
+    give 1): each refuses, saying to start the job with mpirun."""
     res = launch(2, "reinit.py", "mpi", env={"PARATRAIN_TIMEOUT": "10"})
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-4000:]

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 26, in progress): ColumnParallelLinear, RowParallelLinear
+"""Tensor parallelism: ColumnParallelLinear, RowParallelLinear
 and the differentiable collectives, through real processes, against one process
 (tests/workers/tensor_parallel.py)."""
 import pytest

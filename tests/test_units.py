@@ -341,7 +341,7 @@ def test_posted_receive_futures_settle_from_whichever_side_ends_first():
 def test_lanes_shutdown_waits_for_running_jobs_only():
     """Lanes.shutdown(wait_s): the running job gets up to wait_s to end; a queued one
     it cancels does not hold it for the whole wait_s (a cancelled future never
-    counts as done for concurrent.futures.wait, and once it held destroy() 2 s)."""
+    counts as done for concurrent.futures.wait, so waiting on it would hold destroy())."""
     import threading
     import time as _time
 

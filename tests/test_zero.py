@@ -1,4 +1,4 @@
-"""pt.ZeRO (issue 27): stages 1-3 step for step equal to DataParallel with Adam and
+"""pt.ZeRO: stages 1-3 step for step equal to DataParallel with Adam and
 SGD with momentum, clipping included, and the bytes each stage holds against the
 ZeRO paper's formulas (tests/workers/zero.py)."""
 import pytest

@@ -3,7 +3,7 @@
     paratrain bench compression [--links 1gbit,10gbit,unlimited] [--rounds 6] [--steps 10] [--quick]
     python benchmarks/compression.py            (the same)
 
-The setting of issue 27: the ``mlp-large`` task (21M parameters, 84 MB of
+The setting: the ``mlp-large`` task (21M parameters, 84 MB of
 fp32 gradients a step), 2 pretend hosts x 1 worker joined by a link limited
 with ``paratrain run --link RATE`` (launch/link.py; needs root), or by
 nothing but the loopback. Every engine runs in the same 2 processes, round
@@ -25,7 +25,7 @@ and to DDP, MB a rank sends per step and their share of fp32's (in the
 timed steps, which are past top-k's density warm-up, and over the whole
 accuracy run, warm-up included), the test
 accuracy after the same steps and its distance to uncompressed; and the
-issue's goals at 1 Gbit/s (top-k and PowerSGD: at least 3x, at most 5% of the
+goals at 1 Gbit/s (top-k and PowerSGD: at least 3x, at most 5% of the
 bytes, within 1 accuracy point). Writes benchmarks/results/compression.json
 and compression.png.
 """
@@ -119,9 +119,8 @@ def accuracy_run(args, folder):
     test set; once per seed of ``--accuracy-seeds``. {engine: its worker report, with
     ``accuracy`` the mean over the seeds and ``accuracies`` each seed's}.
 
-    Why several seeds: one run's accuracy after 400 steps moves by a point or two from
-    one evaluation to the next, and more with sparse updates: top-k 1% (error feedback
-    alone) was 1.7, 4.9 and 7.2 points behind uncompressed on seeds 0, 1 and 2."""
+    Why several seeds: one run's accuracy moves from one evaluation to the next, and
+    more with sparse updates, so a single seed cannot tell a compressor's cost from noise."""
     engines = gpt_runs.words(args.accuracy_engines)
     if not engines or args.accuracy_steps < 1:
         return {}
@@ -158,7 +157,7 @@ def summarize(link, result, scored):
 
 
 def goals(rows):
-    """The issue's goals at 1 Gbit/s, per engine: {engine: {speedup, bytes, accuracy: bool}}."""
+    """The goals at 1 Gbit/s (the module's note), per engine: {engine: {speedup, bytes, accuracy: bool}}."""
     out = {}
     for r in rows:
         if r["link"] == "1gbit" and r["engine"] in GOAL_ENGINES and r["vs_none"] is not None:

@@ -11,7 +11,7 @@ timed call: a barrier of another engine would leave this one's internal state
 
 - Paratrain: ``pt.init(backend="shm")`` (or "hierarchical"), numpy in, numpy out.
 - Gloo: torch.distributed with its own store on MASTER_PORT+1; torch tensors
-  share the numpy buffers' memory (``torch.from_numpy`` is a view, ~1 us).
+  share the numpy buffers' memory (``torch.from_numpy`` is a view, no copy).
 - Mpi: mpi4py's buffer-protocol calls (capitalised: no pickling), which go
   straight to Open MPI's C collectives.
 """

@@ -1,6 +1,6 @@
 """What the GPT benchmarks' front-ends share (pipeline.py, tensor.py, zero.py).
 
-Each times the issues' model (the gpt task made bigger) under several engines
+Each times the same model (the gpt task made bigger) under several engines
 in worker processes (their workers: rounds.serve_gpt), then prints a table and
 writes JSON and a plot. The options every one takes, the run of one set of
 workers, and the printing and writing are here.
@@ -48,10 +48,7 @@ def run_workers(nproc, module, engines, model, args, folder):
 
 
 # Above this median spread of an engine's rounds, a run cannot judge a target of a few
-# percent. On a quiet machine the pipeline benchmark's engines spread by a median of 2-6%
-# a run (13% at worst; the ten full runs in benchmarks/results/pipeline/
-# 2026-11-26-send-before-w); on the same machine with a busy host, by a median of 11-30%
-# (122% at worst; eleven of the fifteen runs in 2026-11-26-same-rounds*).
+# percent: the threshold sits between a quiet machine's spread and a busy host's.
 BUSY_SPREAD = 0.10
 
 

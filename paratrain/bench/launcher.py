@@ -77,11 +77,10 @@ def worker_env(master_port, extra=None, host="127.0.0.1"):
     # All ranks are on this host: Gloo should use loopback, not whatever the
     # hostname resolves to (in a container that may be an unreachable address).
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Open MPI busy-polls inside its calls unless told to yield. On a shared
-    # 2-core machine a spinning rank whose peer was descheduled burns whole
-    # time slices: we saw MPI medians of 5-14 ms for 4 KiB, and the next Gloo
-    # call in the same process 3x slower, whenever anything else ran. Yielding
-    # keeps MPI at tens of us and stops it taxing the engines it is compared to.
+    # Open MPI busy-polls inside its calls unless told to yield. On a machine
+    # with few cores a spinning rank whose peer was descheduled burns whole
+    # time slices, and slows the engines it is compared to in the same process.
+    # Yielding stops it taxing them.
     # An explicit setting in the caller's environment wins.
     env.setdefault(MPI_YIELD, "1")
     env.update(extra or {})

@@ -3,7 +3,7 @@
     paratrain bench pipeline [--rounds 5] [--engines ...] [--quick]
     python benchmarks/pipeline.py            (the same)
 
-The model of issue 25: the gpt task made bigger (8 blocks, width 256, 8
+The GPT benchmarks' model (gpt_runs.py): the gpt task made bigger (8 blocks, width 256, 8
 heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank,
 cut into 2 stages of 4 blocks. Two workers time, interleaved round by round
 (pipeline_worker.py): one process with the whole model (``single``, on rank 0
@@ -16,7 +16,7 @@ Prints ms/step, samples/s, the speedup over one process against the ideal
 2m/(m+1) for two stages and against the same ideal on this machine (the
 formula's bubble, 1/(m+1) of the step, added to what ``alone/m<m>`` takes
 instead of to half a one-process step: ``alone``'s speedup x m/(m+1); two
-busy cores here are each slower than one alone, which the plain formula
+busy cores are often each slower than one alone, which the plain formula
 does not know), the ratio to torch's same schedule (zb-h1 and
 interleaved against torch's 1F1B at the same m), paratrain's bubble
 measured on each round's last step (median) against the schedule's formula,

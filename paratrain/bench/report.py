@@ -14,8 +14,8 @@ is faster); for a given size that equals the inverse ratio of times.
 
 Beside the ratio of the medians, each ratio is also taken round by round: the
 engines' turns in one round are adjacent in time, so the per-round ratio
-cancels the drift of a shared machine (a 16 MiB all_gather's median moved
-from 1.2 to 1.9 ms within an hour here) that the two medians each carry. Its
+cancels the drift of a shared machine (its speed moves within an hour) that
+the two medians each carry. Its
 median comes with a 95% interval, so "at parity" and "ahead" can be told apart.
 """
 import json

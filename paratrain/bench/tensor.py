@@ -3,13 +3,13 @@
     paratrain bench tensor [--rounds 5] [--sizes 2,4] [--quick]
     python benchmarks/tensor.py            (the same)
 
-The model of issue 26: the gpt task made bigger (8 blocks, width 256, 8
+The GPT benchmarks' model (gpt_runs.py): the gpt task made bigger (8 blocks, width 256, 8
 heads, context 128: 6.5M parameters), batch 16, Adam, one thread per rank.
 One process alone runs it first (``single``); then for each tensor-parallel
 size n, n workers run paratrain's and torch's tensor parallelism in the same
 processes, interleaved round by round (tensor_worker.py), ours with and
-without sequence parallelism. n = 4 on this
-2-core machine is oversubscribed: it shows the trend, not a speedup.
+without sequence parallelism. An n above the machine's cores is
+oversubscribed: it shows the trend, not a speedup.
 
 Prints ms/step, samples/s, the speedup over one process and over torch at
 the same size, each engine's first loss (equal when both cut the same model

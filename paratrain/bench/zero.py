@@ -3,13 +3,13 @@
     paratrain bench zero [--rounds 5] [--engines ...] [--quick]
     python benchmarks/zero.py            (the same)
 
-The model of issue 27: the gpt task made bigger (8 blocks, width 256, 8
+The GPT benchmarks' model (gpt_runs.py): the gpt task made bigger (8 blocks, width 256, 8
 heads, context 128: 6.5M parameters), global batch 16 (8 a rank), Adam, 2
 ranks, one thread each. Every engine runs in the same 2 processes,
 interleaved round by round (zero_worker.py): paratrain's DataParallel and
 ZeRO stages 1-3, and torch's DDP, DDP with ZeroRedundancyOptimizer and FSDP2.
 
-Prints ms/step, samples/s, the ratios the issue sets goals on (our stages 1
+Prints ms/step, samples/s, the ratios that judge ZeRO's cost (our stages 1
 and 2 against our DataParallel; stage 1 against ZeroRedundancyOptimizer;
 stage 3 against FSDP2), each engine's first loss (the same weights and data:
 equal), and the bytes each rank held after a backward, measured, with the

@@ -5,10 +5,8 @@
 from the CPUs the launcher itself may use, the way ``mpirun --bind-to core``
 does (Open MPI's default for two ranks or fewer). Why pin: a worker that the
 scheduler moves to another core leaves its caches behind, and two workers that
-it briefly stacks on one core wait for each other at the next collective.
-Measured with ``paratrain bench collectives --bind-to core`` (both engines
-pinned) in four pairs alternated with unpinned runs: the shm all_gather of
-16 MiB went from 0.94-0.97x Open MPI to 0.96-1.02x (README).
+it briefly stacks on one core wait for each other at the next collective
+(``paratrain bench collectives --bind-to core`` compares it with unpinned runs).
 
 When there are more workers x threads than CPUs the blocks wrap around, so
 workers share CPUs evenly instead of the launcher refusing (mpirun refuses

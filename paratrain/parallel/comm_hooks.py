@@ -5,8 +5,8 @@ communication thread, in the same bucket order on every rank; the hook must
 leave the *average* of all ranks' ``flat`` in ``flat``. ``prepare(group, flats)``
 runs once at construction (collective), to allocate what the hook needs.
 This is the role of DDP's ``register_comm_hook`` (arXiv 2006.15704, and
-``torch.distributed.algorithms.ddp_comm_hooks``); the compression issue adds
-top-k and PowerSGD as further hooks.
+``torch.distributed.algorithms.ddp_comm_hooks``); parallel/compression/ adds
+top-k, PowerSGD and 1-bit as further hooks.
 """
 import torch
 

@@ -66,11 +66,7 @@ def overlap_pays(group):
     waiting thread costs nothing: overlap, as DDP does. The shm engine's
     all-reduce is memory work done by the CPU itself; with one worker per core
     (the launcher's default on a small machine) it can only time-share the core
-    with backward, adding thread switches and cache misses. Measured here, 2
-    workers on 2 cores, interleaved in the same processes, medians of 5 rounds,
-    three runs; step time with overlap vs after backward on the training thread:
-    0.7M-parameter MLP 4.7/3.5, 4.5/3.6, 4.2/4.4 ms (2.0 ms without any
-    communication); 21M-parameter MLP 145/173, 134/134, 127/118 ms. So on shm we
+    with backward, adding thread switches and cache misses. So on shm we
     overlap only when every worker has a spare core for its communication
     thread; ``overlap=True`` forces it (``paratrain bench data-parallel`` shows
     both).
@@ -357,12 +353,9 @@ class DataParallel(_DataParallelBase):
         and keeps the gradients as bucket views, so backward adds into them.
 
         The copy is the cheaper of the two: it reads and writes each gradient once,
-        where zeroing writes it and accumulating reads two and writes one. 21M
-        parameter MLP, 2 workers on 2 cores, launched workers keeping freed memory
-        (launch/heap.py), step medians of two runs: 106 and 109 ms with None against
-        133 and 115 ms with zeroed buckets (2026-11-25). Without heap.py's setting it
-        was the other way round: each step's fresh gradients were new mmaps, faulted
-        in page by page."""
+        where zeroing writes it and accumulating reads two and writes one. It holds
+        only while freed memory is kept for reuse (launch/heap.py); otherwise each
+        step's fresh gradients are new mmaps, faulted in page by page."""
         if set_to_none:
             return super().zero_grad(set_to_none=True)
         for b in self.buckets:

@@ -2,10 +2,10 @@
 
 Autograd computes a linear layer's weight gradient g^T x into a fresh tensor
 and then either keeps it as ``.grad`` or adds it to what ``.grad`` holds.
-DataParallel then copied it into its bucket (buckets.py, ``adopt_grad``):
-for the 21M-parameter MLP, 84 MB read and written a step, as much memory
-traffic as the averaging itself, on a machine where two workers already
-share the memory bandwidth (DDP pays the same copy).
+DataParallel would then copy it into its bucket (buckets.py, ``adopt_grad``):
+every gradient read and written once more each step, as much memory traffic
+as the averaging itself, where the workers of a host share the memory
+bandwidth (DDP pays the same copy).
 
 While DataParallel's forward runs, ``LinearsWithOwnGrads`` has each of its
 ``nn.Linear`` modules whose parameters all live in buckets (and whose weight
@@ -19,11 +19,11 @@ view), ``product.add_to(t)`` accumulates inside the matrix product
 (``addmm_``: the pipeline's split-backward W uses it), ``product.fresh()``
 is autograd's own tensor.
 
-A custom Function costs a Python call per linear layer. On the MLP that is
-nothing beside the copy it saves (a step 5-9 ms shorter). The pipeline's
-1F1B, which tried accumulating its micro-batches' gradients this way (addmm_
-instead of a fresh tensor and an add) through a TorchFunctionMode, got 2-3%
-slower (1F1B m = 4 and 8, two runs each, 2026-11-26) and does not use it.
+A custom Function costs a Python call per linear layer, which pays only where
+the layer's gradient is large (``LINEAR_GRADS_MIN_NUMEL``). The pipeline's
+1F1B keeps autograd's fresh tensor and add for its micro-batches' gradients:
+catching its linear layers with a TorchFunctionMode costs more than the
+``addmm_`` saves.
 
 A parameter with hooks of its own (``register_hook``) keeps autograd's path,
 so they run. The weight gets no AccumulateGrad, so the owner must do what it
@@ -68,8 +68,6 @@ class BiasProduct:
 
 # A layer takes this path only if its weight has at least this many entries: its
 # gradient's copy (4 MB and more) then costs more than the Function's Python calls.
-# The gpt task's layers (16-66K entries) lost 1.5% a step through it (86.6 against
-# 85.3 ms, 2 workers); the 21M MLP's (2.4M and 9.4M) gained 5-9 ms of a 98 ms step.
 LINEAR_GRADS_MIN_NUMEL = 1 << 20
 
 
@@ -109,10 +107,8 @@ class LinearsWithOwnGrads:
 
     It sets the modules' own ``forward`` for the duration and removes it after, so
     nothing of it outlives the forward (a copy or a pickle of the model sees plain
-    nn.Linear). A TorchFunctionMode catching every F.linear did the same with a Python
-    call on every torch operation of the forward: the gpt task's step was 2.8% slower
-    with it than with autograd's gradients copied into the buckets (85.6 against 83.2
-    ms, 2 workers, 2026-11-26); here only the linear layers pay a call."""
+    nn.Linear). A TorchFunctionMode catching every F.linear would put a Python call on
+    every torch operation of the forward; here only the linear layers pay a call."""
 
     def __init__(self, linears, sink):
         self.linears, self.sink = linears, sink

@@ -16,10 +16,9 @@ applies updates as they arrive ("read-my-writes" plus best effort in the paper).
 - SSP: any s >= 0. The fastest worker runs at most s clocks ahead of the
   slowest, so it neither waits at every step (BSP) nor reads arbitrarily old
   weights (ASP); the paper's Theorem 1 bounds the regret for bounded s.
-  SSP applies each push on arrival, as the paper's SSPTable does; measured on
-  the gpt task (benchmarks/stale_gradients.py), a round applied once per clock
-  from gradients up to s clocks old lost far more than these smaller, fresher
-  steps.
+  SSP applies each push on arrival, as the paper's SSPTable does: smaller,
+  fresher steps than one round applied per clock from gradients up to s clocks
+  old (benchmarks/stale_gradients.py compares the two).
 - BSP: s = 0, and the server applies one *aggregated* update per clock, once
   every active worker has pushed for it (``aggregate_ready``). The aggregation
   is what makes BSP equal synchronous data parallelism (Valiant's bulk

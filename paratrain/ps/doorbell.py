@@ -3,11 +3,9 @@
 With the tensors already in shared memory (shared.py), what is left of a
 same-host step is two small messages, and ZeroMQ makes each of them hop
 through two I/O threads: the sender's thread wakes its I/O thread, which
-writes to TCP, whose reader thread wakes the receiving thread. A round trip of
-a 64-byte message between two Python processes takes 132 us that way on our
-2-core VM, and 8 us through a pair of named pipes (FIFOs), where the write
-itself wakes the reader. With 2 workers and 2 servers on 2 cores, that is
-most of the difference between one and two servers.
+writes to TCP, whose reader thread wakes the receiving thread. Through a pair
+of named pipes (FIFOs) the write itself wakes the reader, so a small message's
+round trip costs one wake-up a side instead of three.
 
 So the requests a worker makes through a shared segment (``Client.step``:
 push, clock and pull in one request, the hot path of dense training; and the

@@ -1,4 +1,4 @@
-"""Compressed gradient pushes to the parameter servers (issue 27).
+"""Compressed gradient pushes to the parameter servers.
 
     ps.register(model, optimizer="sgd", lr=0.05, compression="topk:0.01")
     paratrain train --strategy ps --compression topk:0.01 | onebit | fp16 | bf16

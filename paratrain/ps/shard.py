@@ -12,11 +12,10 @@ over its last few steps, starting from W - 1, the round-robin value, so one
 jittery step does not swing it; a persistent straggler's grows to what it is).
 That is SpecTrain's weight prediction (Chen et al., "Efficient and Robust
 Parallel DNN Training through Model Parallelism on Multi-GPU Platform",
-arXiv 1809.02839, 2018, sec. 4), here with the last update as the direction.
-Replayed in one process on the gpt task (benchmarks/stale_gradients.py):
-pushes two updates stale cost +11.0% eval loss against BSP, +2.5% predicted.
-The shard's own value is never changed by it: a read with ``exact`` (the
-final pull of a run) gets the weights as they are, and checkpoints save them.
+arXiv 1809.02839, 2018, sec. 4), here with the last update as the direction
+(benchmarks/stale_gradients.py replays what it recovers). The shard's own
+value is never changed by it: a read with ``exact`` (the final pull of a run)
+gets the weights as they are, and checkpoints save them.
 
 With a momentum optimizer the read looks mu updates further still, value +
 (tau + mu) * delta, mu the momentum coefficient (Adam's beta1, SGD's
@@ -26,13 +25,8 @@ method (Sutskever et al., ICML 2013) it is best taken ahead of where it will
 be applied, a step further than prediction alone. DANA (Hakimi et al.,
 "Taming Momentum in a Distributed Asynchronous Environment", arXiv
 1907.11612, 2019) builds its asynchronous look-ahead on the same Nesterov
-step. Simulated with this class on the gpt task (benchmarks/ssp_simulation.py:
-3 workers sharing 2 cores, SSP(3), four seeds), the mean loss against BSP
-went from +1.55% to +0.57% with jitter and from -0.47% to -2.50% with a
-persistent straggler; scaling tau by 1.3 / 1.6 / 2.0 instead gave +1.06 /
-+0.69 / +0.83%, and tau + 1.5 +0.98%. In the real system (table 3 of
-benchmarks/parameter_server.py, seed 0, 3 alternated runs) SSP(3) under
-jitter went from +2.3% (4 runs, up to +4.0%) to +0.3% (at most +1.0%).
+step (benchmarks/ssp_simulation.py and table 3 of
+benchmarks/parameter_server.py measure it).
 
 What prediction misses, the other workers' fresh gradient noise, is damped
 as Gap-Aware staleness mitigation does (Barkai, Hakimi and Schuster, "Gap
@@ -40,13 +34,8 @@ Aware Mitigation of Gradient Staleness", ICLR 2020): each element of a pushed
 gradient is divided by its *gap*, max(1, |value - served| / step), where
 served is what this worker was given to compute on and step a running mean of
 the element's update size (|delta|), so elements the prediction got wrong by
-more than a typical update move less. Replayed (three batch orders, the
-setting above): predicted +2.5 / +6.6 / +8.8% against BSP, predicted and
-damped +1.0 / +3.3 / +5.3%; damping alone, without prediction, gained nothing
-(+10.5% against +11.0%), so it comes only with prediction. In the real system
-(gpt, 3 workers, jitter, SSP(3)), alternated runs with and without it over
-three seeds: -1.7 / +1.9 / -2.2% against BSP with it, -0.7 / +7.4 / -1.7%
-without.
+more than a typical update move less. It damps the prediction's errors,
+so it comes only with prediction.
 """
 import numpy as np
 import torch

@@ -279,10 +279,10 @@ def main():
         assert "read-only" in str(e), e
     g.barrier()
 
-    # 9. a receive still pending at pt.destroy() fails with CommError (on mpi it used to
-    # probe the freed communicator, which MPI answers by aborting the job; on shm it
-    # waited out the timeout, as on torch, where a posted Gloo receive cannot be withdrawn:
-    # a wait begun after the destroy gives it a last look)
+    # 9. a receive still pending at pt.destroy() fails with CommError, at once: on mpi
+    # without probing the freed communicator (which MPI answers by aborting the job), on
+    # shm and torch without waiting out the timeout (a posted Gloo receive cannot be
+    # withdrawn: a wait begun after the destroy gives it a last look)
     # An isend that finished before the destroy, waited for after it, succeeds.
     finished = g.isend(np.full(3, me, np.float32), (me + 1) % P, tag=22)
     got = np.zeros(3, np.float32)

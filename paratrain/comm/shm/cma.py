@@ -6,9 +6,9 @@ can do it in one: ``process_vm_readv(pid, local, remote)`` copies from another
 process's address space into ours, in the kernel, with no intermediate
 buffer. Open MPI's shared-memory transport uses it for large messages (its
 "single-copy" mechanism, ``smsc/cma``; XPMEM and KNEM are the alternatives),
-and that is where its all_gather beat our two-copy one. Here it is a system
-call through ctypes to libc, not a compiled extension. ``G`` is the group's
-Rounds (rounds.py).
+which is what makes its all_gather of large inputs faster than a two-copy
+one. Here it is a system call through ctypes to libc, not a compiled
+extension. ``G`` is the group's Rounds (rounds.py).
 
 all_gather over CMA:
 

@@ -22,11 +22,9 @@ class OneBit(Compressor):
     never spans two: a bias's scale is not set by the weights beside it).
 
     One scale for a whole bucket lets its largest layer's magnitudes set every
-    layer's step: on the digits task (lr 0.05, momentum 0.9) that ends at 61-69%
-    accuracy against 98.6% uncompressed. Blocks of 64 across tensor boundaries
-    gave 98.1% on one seed but 94.4% and 84.7% on two others (the accuracy rose,
-    then fell); blocks of 32 inside each tensor, scales in bfloat16, end within
-    0.6 points of uncompressed on seeds 0-4 (-0.56 to +0.28).
+    layer's step, and a block across a tensor boundary lets one tensor set its
+    neighbour's; small blocks inside each tensor keep each scale close to the
+    entries it stands for.
     32 entries share a 2-byte scale: 1/8 + 1/16 of a byte an entry, 4.7% of fp32's."""
 
     wants_shapes = True

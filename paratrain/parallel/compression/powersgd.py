@@ -20,12 +20,11 @@ do. At full rank the approximation is exact: PowerSGD equals plain
 averaging (tested).
 
 The cost is a few passes over each matrix, so how each product runs
-matters: on a 3072 x 3072 gradient with r = 4, torch's ``M.T @ P`` takes
-58 ms here and ``M @ Q`` 12 ms, where numpy's matmul on the same memory
-takes 3.8 and 2.3 ms (``_times``); ``P Q^T`` is written straight into the
-bucket and ``P P^T M`` taken off the residual in place (``addmm_``), with
-no m x n temporary. A step of the 21M-parameter MLP: 550 ms before, see
-``paratrain bench compression`` for after.
+matters: torch's CPU matmul of a large matrix by a thin one (``M.T @ P``,
+``M @ Q``) is many times slower than numpy's on the same memory, so both go
+through numpy (``_times``); ``P Q^T`` is written straight into the bucket
+and ``P P^T M`` taken off the residual in place (``addmm_``), with no
+m x n temporary (``paratrain bench compression`` times it).
 """
 import math
 
@@ -124,5 +123,5 @@ def _times(m, q):
 
 
 def _transposed_times(m, p):
-    """M^T P, as (P^T M)^T: read M row by row (torch's M.T @ P is 15x slower here)."""
+    """M^T P, as (P^T M)^T: read M row by row (torch's M.T @ P is far slower on a CPU)."""
     return torch.from_numpy((p.numpy().T @ m.numpy()).T)

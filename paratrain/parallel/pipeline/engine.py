@@ -29,8 +29,7 @@ previous stage waits for that gradient, not for the weight gradients, and
 gets it a W sooner, while the order of micro-batches and the activations
 held stay the schedule's. With two stages 1F1B's steady state has no slack
 (each stage's next forward waits for the other's backward), so this also
-removes the small waits the stages' jitter made: 1F1B m=8 of the benchmark
-GPT took 614-630 ms a step against 650-666 before (standalone, medians).
+removes the small waits the stages' jitter would make.
 
 A weight that several ranks' stages read (tied input and output embeddings)
 is held by each of them: building the Pipeline copies the first holder's
@@ -185,9 +184,8 @@ class Pipeline:
         nothing it sends depends on when its B's run, so any order of its last B's
         and W's ends the step at the same time, except that a wait is lost time.
         The static placement (``schedules._zero_bubble_h1``) counts F, B and W as
-        equal; where they are not (the benchmark GPT: B 50, W 40 ms), the gradient
-        of the last micro-batch comes 10 ms after the W placed before it, and a W
-        more fits in the wait (rank 0's step 597 -> 586 ms, rank 1's 588)."""
+        equal; where B takes longer than W, the gradient of the last micro-batch
+        comes after the W placed before it is done, and a W more fits in the wait."""
         state = self._state[(mb, c)]
         if "sent" not in state:
             return
@@ -414,8 +412,7 @@ def _own_params(module):
 def _linear_weight_gradients(linear, x, g):
     """W of an nn.Linear: weight += g^T x, bias += the sum of g over the tokens, straight
     into .grad (linear_grads.py's products). The same sums autograd would form, without an
-    autograd call per layer and a new tensor for each result: 39 against 41 ms of W per
-    micro-batch of a 4-block stage of the benchmark GPT (m = 4)."""
+    autograd call per layer and a new tensor for each result."""
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
     if linear.weight.requires_grad:
         linear_grads.accumulate(linear.weight, linear_grads.WeightProduct(g2, x2))

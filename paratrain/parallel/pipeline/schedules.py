@@ -80,9 +80,8 @@ def _zero_bubble_h1(p, m, r):
     after B only the weight operations' inputs are still needed.
 
     Why the bound is on what a rank holds, the same 2p on every rank: a bound of
-    p pending W's made the last stage run a W before its last F, while the first
-    stage waited for that micro-batch's B (ZB-H1 m=4 of the benchmark GPT: 1.10x
-    torch's 1F1B before, 1.11-1.12x after, in 5 runs each).
+    p pending W's would make the last stage run a W before its last F, while the
+    first stage waits for that micro-batch's B.
 
     The list is where each W goes at the latest: past its last F, the first
     stage runs its pending W's early while a B's gradient is on its way

@@ -7,7 +7,7 @@ fixed-size int64 header saying, per value, its kind, dtype and shape (an int
 or a float travels inside the header itself), so the receiver allocates
 exactly what comes and a stage follows shapes that change from one
 micro-batch to the next (a shorter sequence): the price is one small message
-per bundle (2.8 KB; tens of microseconds on shm). Tensors follow, one
+per bundle (2.8 KB, small beside the activations). Tensors follow, one
 message each, in their own dtype, straight from their memory.
 
 A gradient bundle needs no header: it holds, in order, one gradient for each
