@@ -15,7 +15,7 @@ environment, load average and every round's time go to the JSON, so a
 surprising number can be traced.
 
 This module is the parent: it parses options, starts the workers
-(launcher.py; each runs worker.py), and hands rank 0's raw times to
+(launcher.py; each runs collectives_worker.py), and hands rank 0's raw times to
 report.py. ``--worker`` is how a started worker enters.
 """
 import argparse
@@ -58,8 +58,8 @@ def parse_list(text, allowed, what):
 
 def default_iters(nbytes):
     """Rounds per size: ~2 GiB through each engine, between 20 and 300 rounds.
-    Small sizes get many rounds (their times are noisy and cheap), 64 MiB gets 32;
-    the default run (2 ranks, 3 engines) then takes one to two minutes on 2 cores."""
+    Small sizes get many rounds (their times are noisy and cheap), 64 MiB gets 32,
+    so every size gets the same bytes and the whole run stays short."""
     return max(20, min(300, (2 << 30) // max(1, nbytes)))
 
 
@@ -67,11 +67,9 @@ CALLS_BELOW = 1024 * 1024   # sizes up to this make several back-to-back calls p
 
 
 def default_calls(nbytes):
-    """Back-to-back calls per timed turn: 10 up to 1 MiB, whose calls (0.1-0.2 ms
-    here) are no longer than a CPU's wake-up from sleep after the engine before
-    (worker.py), 1 above. At 1 MiB, four alternated pairs of runs: with one call
-    per turn paratrain took 183-225 us and Open MPI 181-194 us, with ten 110-144
-    and 123-137 us: both engines measured mostly their wake-up."""
+    """Back-to-back calls per timed turn: 10 up to 1 MiB, whose calls are no longer
+    than a CPU's wake-up from sleep after the engine before (collectives_worker.py), 1 above;
+    with one call per turn, both engines would time mostly their wake-up."""
     return 10 if nbytes <= CALLS_BELOW else 1
 
 
@@ -241,7 +239,7 @@ def _console():
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        from .worker import main as worker_main
+        from .collectives_worker import main as worker_main
         return worker_main(argv[1:])
     try:
         args = parser().parse_args(argv)

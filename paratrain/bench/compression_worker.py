@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rounds
-from .dp_worker import init_gloo, release_ddp
+from .gloo_group import init_gloo, release_ddp
 
 TASK = "mlp-large"
 
@@ -77,7 +77,7 @@ def build(name, task, cfg, group, port):
         else:   # as paratrain train does with SGD (top-k: DGC's momentum correction)
             compression, momentum = with_sgd_momentum(None if arg == "none" else arg, 0.9)
         if cfg.get("steady") and getattr(compression, "warmup_steps", 0):
-            # the timed rounds are a few steps: time top-k past its density warm-up (the first 50
+            # the timed rounds are a few steps: time top-k past its density warm-up (the first
             # steps, sent denser), whose bytes the accuracy run counts
             compression.warmup_steps = 0
         model = pt.DataParallel(mine, group=group, compression=compression)

@@ -12,7 +12,7 @@ same batch on this rank, SGD) under a different way of averaging gradients:
   there, sent back); ``paratrain+overlap``: reducing buckets during backward on
   a communication thread even where DataParallel would not choose to;
   ``paratrain+copy``: linear layers' gradients left to autograd and copied
-  into the buckets (``linear_grads_in_buckets=False``), as before linear_grads.py;
+  into the buckets (``linear_grads_in_buckets=False``), the copy linear_grads.py avoids;
 - ``ddp``: PyTorch's DistributedDataParallel over Gloo (its defaults: 25 MB
   buckets, overlap with backward);
 - ``compute-only``: every worker trains its own model at the same time with no
@@ -36,12 +36,12 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
 
 from . import rounds
+from .gloo_group import init_gloo, release_ddp
 
 
 def build_model(sizes):
@@ -119,17 +119,6 @@ def make_engines(names, sizes, group, port, timeout):
     return engines
 
 
-def init_gloo(group, port, timeout):
-    """torch.distributed over Gloo beside paratrain's group, once per process (the
-    competitor engines of the benchmarks), on the port after the job's."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        from ..comm.world import bind_world_defaults_early
-        bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
-                                world_size=group.world_size, timeout=timedelta(seconds=timeout))
-
-
 def main(cfg_path):
     import paratrain as pt
     cfg = json.loads(open(cfg_path).read())
@@ -155,24 +144,6 @@ def main(cfg_path):
     group.barrier()
     pt.destroy()
     release_ddp(engines)
-
-
-def release_ddp(engines):
-    """Free DDP before its Gloo group, then the group, while the interpreter is whole.
-
-    The other orders hang or abort: a group left to the interpreter's exit may
-    abort the process ("terminate called without an active exception"), and a
-    group whose last reference is DDP's reducer is destroyed when the reducer is
-    freed, with the GIL held, joining a Gloo thread that waits for the GIL to
-    drop a Python object: a deadlock (seen with destroy_process_group() before
-    the models were freed)."""
-    import gc
-
-    import torch.distributed as dist
-    engines.clear()
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

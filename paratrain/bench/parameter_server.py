@@ -19,10 +19,10 @@ metrics.jsonl, so what is measured is what users get:
    SSP(s=1,3,8), once with ``--jitter 0.3:3`` and once with ``--straggler
    1:3``: samples/s, final evaluation loss, and the time until the training
    loss (a 20-step moving average of rank 0's) first reaches a fixed target.
-   Theory (the issue's): with jitter BSP's step is 2.31 compute units, a
-   worker's mean 1.6, so enough slack approaches 1.44x BSP; with the straggler
-   ASP approaches 2.33x BSP and SSP stays near BSP. ASP and SSP(3) run once
-   more with ``--predict-weights`` (weight prediction, ps/shard.py).
+   In theory, with jitter BSP's step is 2.31 compute units, a worker's mean
+   1.6, so enough slack approaches 1.44x BSP; with the straggler ASP
+   approaches 2.33x BSP and SSP stays near BSP. ASP and SSP(3) run once more
+   with ``--predict-weights`` (weight prediction, ps/shard.py).
 
 Writes benchmarks/results/parameter_server.json and parameter_server.png
 (loss against time for table 3).
@@ -97,10 +97,6 @@ def smoothed(curve, window=20):
 def time_to(curve, target):
     """When the smoothed loss first reached ``target`` (None if never)."""
     return next((t for t, loss in smoothed(curve) if loss <= target), None)
-
-
-def per_step_bytes(s):
-    return s["bytes_communicated"] / max(1, s.get("steps_done_by_rank0", s["steps"]))
 
 
 def table_dense(args, runs):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import rounds
-from .dp_worker import init_gloo
+from .gloo_group import init_gloo
 
 
 def build_gpt(cfg):

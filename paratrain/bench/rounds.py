@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from .gloo_group import release_ddp
+
 
 def interleaved(engines, cfg, group, x, y, before=None, after=None):
     """{engine name: [seconds per step, one per round]}; ``before(e)`` and ``after(e)``
@@ -52,7 +54,6 @@ def serve_gpt(cfg_path, make_engines, report, split_batch=False, after=None):
 
     import paratrain as pt
 
-    from .dp_worker import release_ddp
     cfg = json.loads(open(cfg_path).read())
     torch.set_num_threads(1)
     group = pt.init(backend="shm")
@@ -70,4 +71,4 @@ def serve_gpt(cfg_path, make_engines, report, split_batch=False, after=None):
             json.dump(result, f)
     group.barrier()
     pt.destroy()
-    release_ddp(engines)   # in the order that neither hangs nor aborts (dp_worker.py)
+    release_ddp(engines)   # in the order that neither hangs nor aborts (gloo_group.py)

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..parallel.zero.memory import optimizer_tensors
 from . import rounds
-from .dp_worker import init_gloo
+from .gloo_group import init_gloo
 from .pipeline_worker import build_gpt, lm_loss
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ..parallel.zero.memory import held_bytes, optimizer_tensors
 from . import rounds
-from .dp_worker import init_gloo
+from .gloo_group import init_gloo
 from .pipeline_worker import build_gpt, lm_loss
 
 

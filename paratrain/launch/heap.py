@@ -1,16 +1,16 @@
-"""Keep freed memory in the worker's heap, so a training step reuses it instead
-of asking the kernel for fresh pages every step.
+"""Keep freed memory in the process's heap, so a training step (or a parameter
+server's update) reuses it instead of asking the kernel for fresh pages every time.
 
 Why: glibc's malloc serves every block above ``M_MMAP_THRESHOLD`` with its own
 ``mmap`` and gives it back with ``munmap`` when freed. Its dynamic threshold
 stops growing at 32 MiB on 64-bit machines, and a layer's gradient or weight
-is often bigger (a 3072x3072 float32 Linear weight is 37.7 MB). So every
+is often bigger (a 3072 x 3072 float32 Linear weight is 36 MiB). So every
 backward pass maps fresh memory for each such gradient, and the kernel faults
-in and zeroes every 4 KiB page of it, on the training thread: on the 21M
-parameter MLP of ``paratrain bench data-parallel``, one process, backward
-took 77 ms with glibc's defaults and 46 ms with freed memory kept (medians of
-15 steps, 2026-11-25). Smaller blocks have the same fate when the free space
-at the top of the heap grows past ``M_TRIM_THRESHOLD`` and is given back.
+in and zeroes every 4 KiB page of it, on the training thread, at every step,
+for memory the step needs again at once. Smaller blocks have the same fate
+when the free space at the top of the heap grows past ``M_TRIM_THRESHOLD``
+and is given back. A parameter server's update allocates a few shard-sized
+temporaries (the BSP average, lr x direction), and pays the same way.
 
 What we set (``mallopt``, the documented knobs; the same as the environment
 variables ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``):
@@ -20,8 +20,9 @@ instead of breathing with it, what a training loop reaches again at every
 step anyway (PyTorch's CUDA caching allocator makes the same trade on GPUs).
 
 Applied by the bootstrap (bootstrap.py) to every worker paratrain launches,
-before the script runs, unless ``PARATRAIN_KEEP_FREED_MEMORY=0`` or the user
-set either glibc variable (theirs win). Not on a C library other than glibc.
+before the script runs, and by every parameter server as it starts
+(ps/server.py), unless ``PARATRAIN_KEEP_FREED_MEMORY=0`` or the user set
+either glibc variable (theirs win). Not on a C library other than glibc.
 """
 import ctypes
 import os

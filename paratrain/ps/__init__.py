@@ -9,7 +9,7 @@ wire.py (frames), sharding.py (placement), optimizers.py (server-side state),
 consistency.py (the clock rule), server.py (one server process), client.py
 (a worker's connection), shard.py (a dense shard and its BSP round), rows.py +
 embedding.py (sparse embedding tables), shared.py (the same-host shared-memory
-path), server_state.py (server checkpoints), memory.py (the server's malloc tuning).
+path), server_state.py (server checkpoints).
 """
 from .client import Client, PSError, connect
 from .embedding import Embedding

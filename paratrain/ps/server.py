@@ -34,9 +34,9 @@ import threading
 
 from .. import config
 from ..comm.errors import FrameError
+from ..launch.heap import keep_freed_memory
 from . import doorbell, server_state, shared, wire
 from .handlers import Handlers
-from .memory import keep_freed_memory
 from .waiting import Waiting
 from .wire import Op
 

@@ -11,8 +11,7 @@ import os
 import sys
 import time
 
-from . import strategies
-from .options import build_parser, resolve_layout
+from . import layout, options, strategies
 
 
 def new_run_dir(root, model):
@@ -27,7 +26,7 @@ def new_run_dir(root, model):
 
 def check(args):
     """A message for what is wrong with the options, or None."""
-    problem = strategies.check(args)
+    problem = options.check(args)
     if problem:
         return problem
     if args.straggler and args.straggler[0] >= args.workers:
@@ -46,12 +45,12 @@ def check(args):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = options.build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a bad flag: argparse said why
         return e.code if isinstance(e.code, int) else 2
-    problem = resolve_layout(args, argv) or check(args)
+    problem = layout.resolve(args, argv) or check(args)
     if problem:
         print(f"paratrain train: error: {problem}", file=sys.stderr)
         return 2

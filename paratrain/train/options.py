@@ -1,44 +1,24 @@
 """The options of ``paratrain train``, shared by the front-end (which checks them
 before starting anything) and the workers (which receive the same words).
 
-The options every strategy shares are here; each strategy adds its own
-(strategies/, one argument group each), and --strategy offers the names in
-strategies.STRATEGIES."""
+The general options are here; those every strategy shares have a module each
+(layout.py: --dp/--pp/--tp/--sequence-parallel; compression.py; optimizer.py),
+and each strategy adds its own (strategies/, one argument group each);
+--strategy offers the names in strategies.STRATEGIES."""
 import argparse
 
 from ..launch import binding
+from . import compression, layout, optimizer, strategies
+from .argtypes import positive_float, positive_int
 from .slowdown import jitter_spec, straggler_spec
-
-OPTIMIZERS = ("sgd", "adam")
-
-
-def positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def positive_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
+from .tasks import TASKS
 
 
 def build_parser():
-    from .strategies import DEFAULT, STRATEGIES, modules
-    from .tasks import TASKS
     p = argparse.ArgumentParser(
         prog="paratrain train", allow_abbrev=False,
-        description="Train a built-in model on several local worker processes with data parallelism. "
-                    "With no arguments: the digits classifier on 2 workers.")
+        description=f"Train a built-in model on several local worker processes, with any of the strategies "
+                    f"({', '.join(strategies.STRATEGIES)}). With no arguments: the digits classifier on 2 workers.")
     p.add_argument("--model", default="digits", choices=TASKS,
                    help="built-in task: digits (CNN on scikit-learn's digits), gpt (character-level GPT on "
                         "the Python standard library's source), mlp / mlp-large (benchmark MLPs on synthetic data), "
@@ -48,13 +28,10 @@ def build_parser():
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the task's)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step")
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default: the task's)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the task's")
-    p.add_argument("--strategy", choices=list(STRATEGIES), default=DEFAULT,
-                   help="; ".join(module.HELP for module in modules()))
-    p.add_argument("--dp", type=positive_int, default=None,
-                   help="data-parallel replicas: sets --workers to dp x pp x tp")
-    p.add_argument("--pp", type=positive_int, default=None,
-                   help="pipeline stages: --strategy pipeline --stages PP")
+    optimizer.add_options(p)
+    p.add_argument("--strategy", choices=list(strategies.STRATEGIES), default=strategies.DEFAULT,
+                   help="; ".join(module.HELP for module in strategies.modules()))
+    compression.add_options(p)
     p.add_argument("--straggler", type=straggler_spec, default=None, metavar="RANK:FACTOR",
                    help="make worker RANK compute FACTOR times slower on every step (a persistently slow "
                         "machine): it sleeps (FACTOR - 1) x its measured forward+backward time")
@@ -77,33 +54,14 @@ def build_parser():
                    help="continue from a checkpoint, e.g. runs/<id>/checkpoint.pt")
     p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
-    for module in modules():   # each strategy's own flags, in a group of its own after these
+    layout.add_options(p)
+    for module in strategies.modules():   # each strategy's own flags, in a group of its own after these
         module.add_options(p)
     return p
 
 
-def _given(argv, *flags):
-    return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in argv)
+def check(args):
+    """A message for what is wrong in the options, or None: the chosen strategy
+    first, then the options every strategy shares, then the other strategies."""
+    return strategies.check(args, shared=(compression.check, layout.check))
 
-
-def resolve_layout(args, argv):
-    """The mesh's names, ``--dp``, ``--pp`` and ``--tp`` (as pt.mesh), into what the
-    strategies read: ``--pp N`` (N > 1) is the pipeline strategy with N stages, and
-    ``--dp D`` makes ``--workers`` D x pp x tp (D = 1 when only --pp or --tp is
-    given and --workers is not). Run on the front-end and on every
-    worker (which get the same words). Returns what is wrong, or None."""
-    if args.pp is not None and args.pp > 1:
-        if _given(argv, "--strategy") and args.strategy != "pipeline":
-            return f"--pp cuts the model into a pipeline; it is not for --strategy {args.strategy}"
-        if args.stages is not None and args.stages != args.pp:
-            return f"--pp {args.pp} and --stages {args.stages} disagree; give one of them"
-        args.strategy, args.stages = "pipeline", args.pp
-    if args.dp is not None or _given(argv, "--pp", "--tp"):
-        stages = (args.stages or 2) if args.strategy == "pipeline" else 1
-        n = (args.dp or 1) * stages * args.tp
-        if not _given(argv, "--workers", "-n"):
-            args.workers = n
-        elif args.dp is not None and args.workers != n:
-            return (f"--workers {args.workers}, but --dp x --pp x --tp = {args.dp} x {stages} x {args.tp} = {n}; "
-                    "give one or the other")
-    return None

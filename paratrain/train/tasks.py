@@ -95,9 +95,10 @@ def text_eval(dataset, windows=128):
     """evaluate(model) -> mean next-byte cross-entropy over `windows` validation windows
     spread evenly over the validation text.
 
-    The whole validation set (~6k windows) would take several seconds to score
-    each time (128 windows take ~0.25 s on one thread); the same fixed windows every time keep successive evaluations
-    comparable, and spreading them out samples many files rather than one.
+    The whole validation set (thousands of windows) is too slow to score at
+    every evaluation; the same fixed windows every time keep successive
+    evaluations comparable, and spreading them out samples many files rather
+    than one.
     """
     n = min(windows, len(dataset))
     index = torch.linspace(0, len(dataset) - 1, n).round().long().tolist()

@@ -72,126 +72,166 @@ def batches_from(task, sampler, batch_size, start_step, steps_per_epoch):
 
 
 def run(args):
-    """Train as one worker of the job; returns the summary dict (rank 0) or None.
+    """Train as one worker of the job; returns the summary dict (rank 0) or None."""
+    job = TrainingRun(args)
+    job.train()
+    gathered = job.finish()
+    return job.write_summary(*gathered) if job.lead else None
+
+
+class TrainingRun:
+    """One worker's run, in the order it happens: set up (the task, the strategy's
+    step, a resume), the loop, the end (the strategy's finish, the last checkpoint,
+    every worker's report), and on rank 0 the summary.
 
     Each step is timed in parts: the strategy's communication (its stats), the
     compute (forward and backward, less any communication waited for inside
     backward), and the slowdown the options ask for (slowdown.py), which sleeps
     after backward and before the gradients leave, as a slower machine would."""
-    chosen = strategies.STRATEGIES[args.strategy]
-    task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
-    s = Settings(task, args)
-    strategy = chosen.make_step(task, args, s)
-    me, P = strategy.rank, strategy.world_size
-    s.shard_data(task, strategy.data_replicas)
-    lead = me == 0
-    start = 0
-    if args.resume:
-        state = ckpt.load_checkpoint(strategy.checkpoint_path(args.resume, writing=False), expect_config=task.config)
-        strategy.load_model_state(task, state["model"])
+
+    def __init__(self, args):
+        self.args = args
+        chosen = strategies.STRATEGIES[args.strategy]
+        self.task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
+        self.settings = Settings(self.task, args)
+        self.strategy = chosen.make_step(self.task, args, self.settings)
+        self.settings.shard_data(self.task, self.strategy.data_replicas)
+        self.lead = self.strategy.rank == 0
+        self.start = self._resume() if args.resume else 0
+        self.board, self.pool = self.strategy.coordination(self.settings, self.start)
+        self.slow = Slowdown.from_args(args, self.strategy.rank)
+        self.run_dir = args.run_dir
+        self.log = MetricsLog(self.run_dir) if self.lead else None
+        self.progress = ProgressReporter(self.settings.steps, enabled=self.lead)
+        self.loss = float("nan")   # the last step's logged loss
+        self.last_eval = {}
+        self.train_seconds = self.loop_seconds = 0.0
+        self.t_start = None
+
+    def _resume(self):
+        """Load the checkpoint into the model and the strategy; returns the step it was at."""
+        args, strategy = self.args, self.strategy
+        path = strategy.checkpoint_path(args.resume, writing=False)
+        state = ckpt.load_checkpoint(path, expect_config=self.task.config)
+        strategy.load_model_state(self.task, state["model"])
         strategy.load_state_dict(state)
         start = int(state["step"])
-        if start >= s.steps:
+        if start >= self.settings.steps:
             raise ValueError(f"the checkpoint {args.resume} is already at step {start}; ask for more --steps "
-                             f"than that (got {s.steps})")
-    board, pool = strategy.coordination(s, start)
-    slow = Slowdown.from_args(args, me)
-    sampler = pt.DistributedSampler(task.train_set, num_replicas=strategy.data_replicas, rank=strategy.data_rank,
-                                    seed=args.seed, drop_last=True)
-    run_dir = args.run_dir
-    log = MetricsLog(run_dir) if lead else None
-    progress = ProgressReporter(s.steps, enabled=lead)
-    loss_value = float("nan")
-    train_seconds = wait_before = 0.0
-    bytes_before = strategy.stats.bytes
-    last_eval = {}
+                             f"than that (got {self.settings.steps})")
+        return start
 
-    def save(step):
-        model_state = strategy.model_state(task)   # on every worker: gathering a cut model is collective,
-        extra = strategy.state_dict()              # and so is its optimizer's state
-        path = strategy.checkpoint_path(os.path.join(run_dir, "checkpoint.pt"), writing=True)
+    def save(self, step):
+        """The checkpoint at ``step``: called on every worker, since gathering a cut model
+        (and its optimizer's state) is collective; written by those the strategy names."""
+        model_state = self.strategy.model_state(self.task)
+        extra = self.strategy.state_dict()
+        path = self.strategy.checkpoint_path(os.path.join(self.run_dir, "checkpoint.pt"), writing=True)
         if path:
             ckpt.save_checkpoint(path, {
-                "config": task.config, "model_name": task.name, "step": step,
+                "config": self.task.config, "model_name": self.task.name, "step": step,
                 "model": model_state, **extra})
 
-    board.start()
-    t_start = time.perf_counter()
-    for step, batch in batches_from(task, sampler, s.batch_size, start, s.steps_per_epoch):
-        if not pool.take():
-            break
+    def train(self):
+        """The loop: while the pool gives this worker a batch, a step, rank 0's line in
+        the log and the progress bar, an evaluation and a checkpoint when they are due."""
+        s, strategy, stats = self.settings, self.strategy, self.strategy.stats
+        sampler = pt.DistributedSampler(self.task.train_set, num_replicas=strategy.data_replicas,
+                                        rank=strategy.data_rank, seed=self.args.seed, drop_last=True)
+        wait_before, bytes_before = 0.0, stats.bytes
+        self.board.start()
+        self.t_start = time.perf_counter()
+        for step, batch in batches_from(self.task, sampler, s.batch_size, self.start, s.steps_per_epoch):
+            if not self.pool.take():
+                break
+            dt, compute, slept = self._step(batch)
+            self.train_seconds += dt
+            wait, wait_before = stats.wait_seconds - wait_before, stats.wait_seconds
+            sent, bytes_before = stats.bytes - bytes_before, stats.bytes   # this step's (compressed: what went)
+            done = step + 1
+            self.board.beat(done - self.start, time.perf_counter() - self.t_start)
+            evaluation = strategy.evaluate(self.task) if done % s.eval_every == 0 or done == s.steps else None
+            if self.lead:
+                self._record(done, dt, compute, slept, wait, sent, evaluation)
+            if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
+                self.save(done)
+        self.loop_seconds = time.perf_counter() - self.t_start
+
+    def _step(self, batch):
+        """One training step; returns its seconds, the compute's, and the slowdown's."""
+        strategy = self.strategy
         t0 = time.perf_counter()
         strategy.before_step()
         tc, waited = time.perf_counter(), strategy.stats.wait_seconds
-        loss = strategy.forward_backward(task, batch)
+        loss = strategy.forward_backward(self.task, batch)
         compute = time.perf_counter() - tc - (strategy.stats.wait_seconds - waited)
-        slept = slow.after_compute(compute)
+        slept = self.slow.after_compute(compute)
         strategy.after_backward()
-        loss_value = strategy.logged_loss(loss)
-        dt = time.perf_counter() - t0
-        train_seconds += dt
-        wait = strategy.stats.wait_seconds - wait_before
-        wait_before = strategy.stats.wait_seconds
-        sent = strategy.stats.bytes - bytes_before   # rank 0's bytes of this step (compressed: what went)
-        bytes_before = strategy.stats.bytes
-        done = step + 1
-        board.beat(done - start, time.perf_counter() - t_start)
-        evaluation = strategy.evaluate(task) if done % s.eval_every == 0 or done == s.steps else None
-        if lead:
-            row = {"step": done, "time": round(time.perf_counter() - t_start, 4), "loss": loss_value,
-                   "step_seconds": round(dt, 5), "compute_seconds": round(compute, 5),
-                   "comm_wait_seconds": round(wait, 5)}
-            if slept:
-                row["slowdown_seconds"] = round(slept, 5)
-            if sent:
-                row["bytes"] = sent
-            if pool.shared:  # the job's batches so far (taken, not all finished yet)
-                row["job_batches"] = min(pool.last_ticket + 1, pool.total)
-            if evaluation is not None:
-                last_eval = evaluation
-                row.update(last_eval)
-            log.log(**row)
-            R = strategy.data_replicas
-            job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - start) * R
-            progress.update(min(s.steps, start + job_batches // R), loss=loss_value,
-                            samples_per_s=job_batches * s.batch_size / (time.perf_counter() - t_start))
-        if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
-            save(done)
-    loop_seconds = time.perf_counter() - t_start
-    strategy.finish()
-    board.beat(pool.taken, loop_seconds, force=True)
-    if lead and strategy.finish_changes_weights:
-        last_eval = task.evaluate(task.model)  # e.g. the servers' final weights
-    save(s.steps)
-    report = {"rank": me, "batches": pool.taken, "compute_s": slow.compute_s, "slowdown_s": slow.slept_s,
-              "slowed_steps": slow.slowed_steps, "comm_wait_s": strategy.stats.wait_seconds,
-              "loop_s": loop_seconds, "last_loss": loss_value}
-    gathered = board.gather(report)
-    if not lead:
-        return None
-    reports, lost = gathered
-    log.close()
-    if pool.shared:
-        progress.update(s.steps, loss=loss_value)  # the bar ends full, whoever took the last batches
-    plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"),
-                     f"{task.name}: {args.strategy}, {P} workers")
-    st = strategy.stats
-    total_s = time.perf_counter() - t_start   # (before the strategy's fields, which may ask the network)
-    summary = {
-        "model": task.name, "strategy": args.strategy, **strategies.summary_fields(args, strategy),
-        "workers": P, "steps": s.steps, "resumed_from": start or None,
-        "batch_per_worker": s.batch_size, "final_loss": loss_value, **last_eval,
-        **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss,
-                      ranks_per_batch=P // strategy.data_replicas),
-        "time_total_s": total_s, "time_training_s": train_seconds,
-        "time_compute_s": slow.compute_s, "time_slowdown_s": slow.slept_s if slow.active else None,
-        "time_comm_wait_s": st.wait_seconds,
-        "time_comm_s": st.comm_seconds, "bytes_communicated": st.bytes,
-        "straggler": f"{args.straggler[0]}:{args.straggler[1]:g}" if args.straggler else None,
-        "jitter": f"{args.jitter[0]:g}:{args.jitter[1]:g}" if args.jitter else None,
-        **(time_to_target(read_metrics(log.path), args.target_loss) if args.target_loss else {}),
-        "run_dir": run_dir, "plot": plot, "checkpoint": os.path.join(run_dir, "checkpoint.pt"),
-    }
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(jsonable(summary), f, indent=1)
-    return summary
+        self.loss = strategy.logged_loss(loss)
+        return time.perf_counter() - t0, compute, slept
+
+    def _record(self, done, dt, compute, slept, wait, sent, evaluation):
+        """Rank 0: the step's line in metrics.jsonl, and the progress the front-end draws."""
+        pool, s = self.pool, self.settings
+        row = {"step": done, "time": round(time.perf_counter() - self.t_start, 4), "loss": self.loss,
+               "step_seconds": round(dt, 5), "compute_seconds": round(compute, 5),
+               "comm_wait_seconds": round(wait, 5)}
+        if slept:
+            row["slowdown_seconds"] = round(slept, 5)
+        if sent:
+            row["bytes"] = sent
+        if pool.shared:  # the job's batches so far (taken, not all finished yet)
+            row["job_batches"] = min(pool.last_ticket + 1, pool.total)
+        if evaluation is not None:
+            self.last_eval = evaluation
+            row.update(self.last_eval)
+        self.log.log(**row)
+        R = self.strategy.data_replicas
+        job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - self.start) * R
+        self.progress.update(min(s.steps, self.start + job_batches // R), loss=self.loss,
+                             samples_per_s=job_batches * s.batch_size / (time.perf_counter() - self.t_start))
+
+    def finish(self):
+        """Every worker: the strategy's end, the final checkpoint, and this worker's report
+        handed in. Returns (reports by rank, lost workers) on rank 0, None elsewhere."""
+        strategy, slow = self.strategy, self.slow
+        strategy.finish()
+        self.board.beat(self.pool.taken, self.loop_seconds, force=True)
+        if self.lead and strategy.finish_changes_weights:
+            self.last_eval = self.task.evaluate(self.task.model)  # e.g. the servers' final weights
+        self.save(self.settings.steps)
+        report = {"rank": strategy.rank, "batches": self.pool.taken, "compute_s": slow.compute_s,
+                  "slowdown_s": slow.slept_s, "slowed_steps": slow.slowed_steps,
+                  "comm_wait_s": strategy.stats.wait_seconds, "loop_s": self.loop_seconds,
+                  "last_loss": self.loss}
+        return self.board.gather(report)
+
+    def write_summary(self, reports, lost):
+        """Rank 0: summary.json and the loss plot, from every worker's report; returns the summary."""
+        args, s, task, strategy, slow = self.args, self.settings, self.task, self.strategy, self.slow
+        run_dir, P = self.run_dir, strategy.world_size
+        self.log.close()
+        if self.pool.shared:
+            self.progress.update(s.steps, loss=self.loss)  # the bar ends full, whoever took the last batches
+        plot = plot_loss(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"),
+                         f"{task.name}: {args.strategy}, {P} workers")
+        st = strategy.stats
+        total_s = time.perf_counter() - self.t_start   # (before the strategy's fields, which may ask the network)
+        summary = {
+            "model": task.name, "strategy": args.strategy, **strategies.summary_fields(args, strategy),
+            "workers": P, "steps": s.steps, "resumed_from": self.start or None,
+            "batch_per_worker": s.batch_size, "final_loss": self.loss, **self.last_eval,
+            **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss,
+                          ranks_per_batch=P // strategy.data_replicas),
+            "time_total_s": total_s, "time_training_s": self.train_seconds,
+            "time_compute_s": slow.compute_s, "time_slowdown_s": slow.slept_s if slow.active else None,
+            "time_comm_wait_s": st.wait_seconds,
+            "time_comm_s": st.comm_seconds, "bytes_communicated": st.bytes,
+            "straggler": f"{args.straggler[0]}:{args.straggler[1]:g}" if args.straggler else None,
+            "jitter": f"{args.jitter[0]:g}:{args.jitter[1]:g}" if args.jitter else None,
+            **(time_to_target(read_metrics(self.log.path), args.target_loss) if args.target_loss else {}),
+            "run_dir": run_dir, "plot": plot, "checkpoint": os.path.join(run_dir, "checkpoint.pt"),
+        }
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(jsonable(summary), f, indent=1)
+        return summary

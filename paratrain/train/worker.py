@@ -7,13 +7,14 @@ instead of a traceback; the launcher then stops the others and shows it.
 """
 import sys
 
-from .options import build_parser, resolve_layout
+from . import layout
+from .options import build_parser
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    resolve_layout(args, argv)   # the front-end checked it
+    layout.resolve(args, argv)   # the front-end checked it
     from .trainer import run
     try:
         run(args)

@@ -71,9 +71,6 @@ class Semaphore:
         _sem_getvalue(self.addr, ctypes.byref(v))
         return v.value
 
-    def try_acquire(self):
-        return _sem_trywait(self.addr) == 0
-
     def spin_acquire(self, spin_s):
         """Take one unit if it is there or arrives within spin_s; False if not (nothing taken)."""
         addr = self.addr

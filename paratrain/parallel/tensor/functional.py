@@ -55,10 +55,6 @@ class Traffic:
         self.calls[kind] += 1
         self.bytes[kind] += tensor.numel() * tensor.element_size()
 
-    @property
-    def total_bytes(self):
-        return sum(self.bytes.values())
-
 
 traffic = Traffic()
 

@@ -19,8 +19,20 @@ What a strategy module provides:
     SUMMARY                  {summary.json key: fn(step, args)}: its own summary fields
     make_step(task, args, settings)   this worker's step object, below
 
+What it may declare about the options every strategy shares (layout.py,
+compression.py, which ask this table rather than name a strategy); a module
+that declares nothing cuts no layer and takes no --compression:
+
+    CUTS                     {name: dims}: which of the layout's dims each of its names cuts
+                             besides dp: "tp" (layers across --tp workers), "pp" (the model
+                             between layers: --pp N > 1 is that strategy, and its module has
+                             ``take_pp(args, n)``, which sets its stages to n or says why not,
+                             and ``stages(args)``)
+    COMPRESSES               {name: what --compression compresses there}
+
 The step object, made once per worker (base.ReplicaStep gives the defaults of a
-strategy whose workers each hold the whole model):
+strategy whose workers each hold the whole model, base.GroupStep those of one
+whose workers form a process group and move in lockstep):
 
     model                    what the loss calls (a DataParallel wrapper, or the bare model)
     stats                    CommStats: wait_seconds, comm_seconds, bytes (parallel/data.py)
@@ -49,16 +61,30 @@ def modules():
     return list(dict.fromkeys(STRATEGIES.values()))
 
 
-def check(args):
+def cutting(dim):
+    """The names whose module declares that they cut along ``dim`` ("pp" or "tp"), in the table's order."""
+    return [name for name, module in STRATEGIES.items() if dim in getattr(module, "CUTS", {}).get(name, ())]
+
+
+def compressing():
+    """{name: what it compresses} for the strategies that take --compression, in the table's order."""
+    return {name: module.COMPRESSES[name] for name, module in STRATEGIES.items()
+            if name in getattr(module, "COMPRESSES", {})}
+
+
+def check(args, shared=()):
     """A message for what is wrong in the strategies' options, or None. The chosen
     strategy answers first (what it cannot do at all, such as ps with --resume, is
-    the clearest message), then every other one about its own flags."""
+    the clearest message), then ``shared``, the checks of the options every strategy
+    shares (options.check passes them), then every other strategy about its own flags."""
     chosen = STRATEGIES[args.strategy]
-    for module in [chosen] + [m for m in modules() if m is not chosen]:
-        problem = module.check(args, chosen=module is chosen)
-        if problem:
-            return problem
-    return None
+    problem = chosen.check(args, chosen=True)
+    for shared_check in shared:
+        problem = problem or shared_check(args)
+    for module in modules():
+        if module is not chosen:
+            problem = problem or module.check(args, chosen=False)
+    return problem
 
 
 def summary_fields(args, step):

@@ -6,45 +6,21 @@ gradient on its own), then every worker steps its own optimizer alike, so the
 replicas stay equal. The workers move in lockstep, and their end-of-run
 reports travel through the same process group (coordination.GroupBoard).
 """
-import time
-
-import torch
-
 import paratrain as pt
 
-from ...parallel.compression import Compressor
+from ...parallel.compression import Compressor, with_sgd_momentum
 from ...parallel.compression import checkpoint as compression_checkpoint
 from ...parallel.zero.memory import optimizer_tensors
-from ..coordination import GroupBoard, Lockstep
-from .base import LastStepTraffic, ReplicaStep
-from ..options import positive_float, positive_int
+from ..argtypes import positive_float
+from ..optimizer import SGD_MOMENTUM, make_optimizer
+from .base import GroupStep, LastStepTraffic
 
 HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduce-naive: every gradient "
         "all-reduced after backward (DataParallelNaive)")
 SPARSE = False
+CUTS = {"allreduce": ("tp",)}   # DataParallel's replicas may each be cut across --tp; the naive one's not
+COMPRESSES = {"allreduce": "gradient buckets"}
 ALGORITHMS = ("direct", "ring", "tree", "naive")
-COMPRESSIONS = ("none", "fp16", "bf16", "topk:<ratio>", "powersgd:<rank>", "onebit")
-
-
-def compression_spec(text):
-    import argparse
-    kind, _, arg = text.partition(":")
-    if text in ("none", "fp16", "bf16", "onebit"):
-        return text
-    if kind == "topk":
-        try:
-            ratio = float(arg or 0.01)
-        except ValueError:
-            ratio = -1
-        if 0 < ratio <= 1:
-            return f"topk:{ratio}"
-        raise argparse.ArgumentTypeError(f"{text!r}: topk takes the fraction of entries sent, in (0, 1], "
-                                         "e.g. topk:0.01")
-    if kind == "powersgd":
-        if (arg or "4").isdigit() and int(arg or 4) >= 1:
-            return f"powersgd:{int(arg or 4)}"
-        raise argparse.ArgumentTypeError(f"{text!r}: powersgd takes the rank, a positive integer, e.g. powersgd:4")
-    raise argparse.ArgumentTypeError(f"unknown compression {text!r}; choose {', '.join(COMPRESSIONS)}")
 
 
 def add_options(parser):
@@ -53,41 +29,13 @@ def add_options(parser):
                    help="all-reduce algorithm: direct (shm default), ring, tree, naive (gather to rank 0 "
                         "and back)")
     g.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MB (allreduce; default 25)")
-    g.add_argument("--compression", type=compression_spec, default="none",
-                   help="how gradient buckets (allreduce) or pushes (ps: not powersgd) travel: none, fp16 / bf16 (cast), topk:<ratio> (the "
-                        "largest entries, error feedback; e.g. topk:0.01), powersgd:<rank> (low-rank, e.g. powersgd:4), "
-                        "onebit (scaled signs, error feedback)")
-    g.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel size: each model cut across this many workers (gpt; default 1); "
-                        "--workers / --tp replicas average their gradients; with --strategy pipeline, each stage "
-                        "cut so (3D)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp: LayerNorms and residuals on 1/tp of the tokens each (Korthikanti et al.)")
 
 
 def check(args, chosen):
     """Only DataParallel's names are checked here: DataParallelNaive, and any other
-    strategy given --algorithm, pass it on as it is (as they always have)."""
-    if args.compression != "none" and args.strategy not in ("allreduce", "ps", "zero"):
-        return (f"--compression is for --strategy allreduce (gradient buckets) and ps (pushes), not "
-                f"{args.strategy}")
+    strategy given --algorithm, pass it on as it is."""
     if chosen and args.strategy == "allreduce" and args.algorithm and args.algorithm not in ALGORITHMS:
         return f"unknown --algorithm {args.algorithm!r}; choose direct, ring, tree or naive"
-    if args.tp > 1:   # --tp is also the pipeline's (3D: strategies/pipeline.py checks its own multiple)
-        if args.strategy not in ("allreduce", "pipeline"):
-            return "--tp is for --strategy allreduce or pipeline"
-        if args.workers % args.tp:
-            return f"--workers {args.workers} is not a multiple of --tp {args.tp}"
-        from ..tasks import build_task
-        task = build_task(args.model, seed=args.seed)
-        if task.tensor_plan is None:
-            return f"--tp cuts a transformer (gpt, hf-gpt2, hf-bert, hf-llama: each has a tensor-parallel plan), not {args.model}"
-        try:   # widths, vocabulary and heads --tp must divide, before any worker starts
-            pt.tensor.check_plan(task.model, task.tensor_plan(task.model), args.tp)
-        except ValueError as e:
-            return f"--tp {args.tp}: {e}"
-    elif args.sequence_parallel:
-        return "--sequence-parallel cuts the tokens among tensor-parallel workers; give --tp 2 or more"
     return None
 
 
@@ -111,25 +59,11 @@ SUMMARY = {
 }
 
 
-SGD_MOMENTUM = 0.9
-
-
-def make_optimizer(name, params, lr, momentum=SGD_MOMENTUM):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
-
-
-class AllReduceStep(ReplicaStep):
+class AllReduceStep(GroupStep):
     """DataParallel (or the naive version) with an optimizer in every worker: the
     gradients are averaged during backward, then each worker steps alike."""
 
-    local_loss = False             # logged_loss is already the mean over the workers
-    finish_changes_weights = False
-
-    def __init__(self, task, args, group, optimizer, lr):
+    def __init__(self, task, args, group, optimizer, lr, steps=None):
         module = task.model
         self.tp, self.mesh, replicas, self.traffic = args.tp, None, group, LastStepTraffic(args.tp)
         self.blocks = len(module.get_submodule(task.blocks)) if task.blocks else 0
@@ -143,9 +77,8 @@ class AllReduceStep(ReplicaStep):
         if optimizer == "sgd":
             # top-k: DGC's momentum correction (compression/topk.py), SGD's momentum moved into the
             # compressor, before the sparsification: with momentum applied after top-k, the rarely
-            # sent entries get theirs late and mlp-large ends points behind uncompressed (README)
-            from ...parallel.compression import with_sgd_momentum
-            compression, momentum = with_sgd_momentum(compression, SGD_MOMENTUM)
+            # sent entries get theirs late, and the run falls behind an uncompressed one
+            compression, momentum = with_sgd_momentum(compression, SGD_MOMENTUM, run_steps=steps)
             if momentum != SGD_MOMENTUM:
                 self.compression += (" (DGC momentum correction: SGD's momentum in the compressor; "
                                      f"density warm-up over {compression.warmup_steps} steps)")
@@ -158,10 +91,6 @@ class AllReduceStep(ReplicaStep):
         self.rank, self.world_size = group.rank, group.world_size
         self.opt = make_optimizer(optimizer, self.model.parameters(), lr, momentum)
         self.stats = self.model.stats
-        self._loss = torch.zeros(1, dtype=torch.float64)
-
-    def coordination(self, settings, start):
-        return GroupBoard(self.group), Lockstep(settings.steps, start)
 
     def before_step(self):
         self.traffic.start()
@@ -170,20 +99,6 @@ class AllReduceStep(ReplicaStep):
         self.traffic.stop()
         self.opt.step()
         self.opt.zero_grad()   # gradients to None: the cheaper way into the buckets (DataParallel.zero_grad)
-
-    def logged_loss(self, loss):
-        self._loss[0] = loss.item()
-        t0 = time.perf_counter()
-        self.group.all_reduce(self._loss, op="avg")  # the loss over every worker's batch, not rank 0's alone
-        # Counted as waiting: when a worker is slower after backward (a --straggler sleeps
-        # there, slowdown.py), this is where the others wait for it.
-        dt = time.perf_counter() - t0
-        self.stats.wait_seconds += dt
-        self.stats.comm_seconds += dt
-        return float(self._loss[0])
-
-    def finish(self):
-        pass
 
     # ---- with --tp: data shards per replica, evaluation and checkpoints through every cut model ----
 
@@ -229,7 +144,7 @@ class AllReduceStep(ReplicaStep):
         return hook if isinstance(hook, Compressor) else None
 
     def load_state_dict(self, state):
-        if state.get("optimizer") is None:   # written by a --tp run before optimizer states were gathered
+        if state.get("optimizer") is None:   # a checkpoint that holds the model alone
             if self.rank == 0:
                 print("[train] this checkpoint holds no optimizer state: the optimizer starts afresh", flush=True)
             return
@@ -254,4 +169,4 @@ class AllReduceStep(ReplicaStep):
 
 def make_step(task, args, settings):
     group = pt.init(backend=args.backend)
-    return AllReduceStep(task, args, group, settings.optimizer, settings.lr)
+    return AllReduceStep(task, args, group, settings.optimizer, settings.lr, settings.steps)

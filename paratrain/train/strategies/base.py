@@ -4,8 +4,14 @@ A strategy whose workers each hold the whole model and read their own shard
 of the data (allreduce, ps) inherits all of this; one that cuts the model
 across workers (pipeline) overrides what differs: which workers read the same
 data, how a batch becomes a loss and gradients, what each worker checkpoints,
-and who evaluates.
+and who evaluates. GroupStep adds what the strategies whose workers form one
+process group share (allreduce, pipeline, zero): how they meet, and the loss.
 """
+import time
+
+import torch
+
+from ..coordination import GroupBoard, Lockstep
 
 
 class ReplicaStep:
@@ -41,6 +47,35 @@ class ReplicaStep:
 
     def load_model_state(self, task, state):
         task.model.load_state_dict(state)
+
+
+class GroupStep(ReplicaStep):
+    """Workers in one process group (``self.group``), in lockstep: they meet and report
+    through the group (coordination.GroupBoard), each takes exactly its steps, and the
+    logged loss is the mean over every worker's batch."""
+
+    local_loss = False             # logged_loss is already the mean over the workers
+    finish_changes_weights = False
+
+    def coordination(self, settings, start):
+        return GroupBoard(self.group), Lockstep(settings.steps, start)
+
+    def before_step(self):
+        pass
+
+    def logged_loss(self, loss):
+        mean = torch.tensor([loss.item()], dtype=torch.float64)
+        t0 = time.perf_counter()
+        self.group.all_reduce(mean, op="avg")   # the loss over every worker's batch, not rank 0's alone
+        # Counted as waiting: when a worker is slower after backward (a --straggler sleeps
+        # there, slowdown.py), this is where the others wait for it.
+        dt = time.perf_counter() - t0
+        self.stats.wait_seconds += dt
+        self.stats.comm_seconds += dt
+        return float(mean[0])
+
+    def finish(self):
+        pass
 
 
 class LastStepTraffic:

@@ -25,14 +25,15 @@ import paratrain as pt
 
 from ...parallel.data import CommStats
 from ...parallel.pipeline import schedules, timeline
-from ..coordination import GroupBoard, Lockstep
-from ..options import positive_int
-from .allreduce import make_optimizer
-from .base import LastStepTraffic, ReplicaStep
+from ..argtypes import positive_int
+from ..optimizer import make_optimizer
+from .base import GroupStep, LastStepTraffic
 
 HELP = "pipeline: the model cut between layers into --stages stages, micro-batches through a --schedule"
 SPARSE = False
+CUTS = {"pipeline": ("pp", "tp")}   # --pp N (N > 1) is this strategy with N stages; --tp cuts each stage (3D)
 CUTTABLE = ("digits", "gpt", "mlp", "mlp-large", "hf-gpt2", "hf-bert", "hf-llama")
+DEFAULT_STAGES = 2
 
 
 def add_options(parser):
@@ -45,17 +46,30 @@ def add_options(parser):
                    help="stages per worker for --schedule interleaved (default 2)")
 
 
+def stages(args):
+    """How many stages the options ask for (--stages, which --pp sets)."""
+    return args.stages or DEFAULT_STAGES
+
+
+def take_pp(args, pp):
+    """``--pp N``, the layout's name for --stages N (layout.py): what is wrong, or None."""
+    if args.stages is not None and args.stages != pp:
+        return f"--pp {pp} and --stages {args.stages} disagree; give one of them"
+    args.stages = pp
+    return None
+
+
 def check(args, chosen):
     given = [f for f in ("stages", "microbatches", "schedule", "virtual") if getattr(args, f) is not None]
     if not chosen:
         return f"--{given[0]} is for --strategy pipeline" if given else None
     if args.model not in CUTTABLE:
         return f"--strategy pipeline cuts the {', '.join(CUTTABLE)} models, not {args.model}"
-    stages = args.stages or 2
-    if args.workers % (stages * args.tp):
-        of = f"--stages {stages}" if args.tp == 1 else f"--stages x --tp = {stages * args.tp}"
-        return f"--workers {args.workers} is not a multiple of {of} (each pipeline needs {stages * args.tp} workers)"
-    if args.sequence_parallel:
+    n = stages(args)
+    if args.workers % (n * args.tp):
+        of = f"--stages {n}" if args.tp == 1 else f"--stages x --tp = {n * args.tp}"
+        return f"--workers {args.workers} is not a multiple of {of} (each pipeline needs {n * args.tp} workers)"
+    if args.sequence_parallel:   # (--tp cuts each stage's layers, but not its tokens)
         return "--sequence-parallel is for --strategy allreduce (not with a pipeline yet)"
     if args.virtual and args.virtual > 1 and (args.schedule or "1f1b") != "interleaved":
         return "--virtual is for --schedule interleaved"
@@ -83,15 +97,12 @@ SUMMARY = {
 }
 
 
-class PipelineStep(ReplicaStep):
-    local_loss = False             # the loss is the whole batch's, the same on every worker
-    finish_changes_weights = False
-
+class PipelineStep(GroupStep):
     def __init__(self, task, args, settings):
         world = pt.init(backend=args.backend)
         self.group = world
         self.rank, self.world_size = world.rank, world.world_size
-        self.stages, self.tp, self.traffic = args.stages or 2, args.tp, LastStepTraffic(args.tp)
+        self.stages, self.tp, self.traffic = stages(args), args.tp, LastStepTraffic(args.tp)
         replicas = self.world_size // (self.stages * self.tp)
         self.mesh = pt.mesh(dp=replicas, pp=self.stages, tp=self.tp)
         self.pipe_group = self.mesh["pp"]
@@ -156,9 +167,6 @@ class PipelineStep(ReplicaStep):
         return len({name[len(prefix):].split(".")[0] for name in self._held_names()
                     if self.blocks_path and name.startswith(prefix)})
 
-    def coordination(self, settings, start):
-        return GroupBoard(self.group), Lockstep(settings.steps, start)
-
     def forward_backward(self, task, batch):
         x, y = batch
         return self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
@@ -172,7 +180,7 @@ class PipelineStep(ReplicaStep):
         self.opt.zero_grad()
 
     def logged_loss(self, loss):
-        return float(loss)
+        return float(loss)   # the whole batch's, the same on every worker: nothing to average
 
     def evaluate(self, task):
         result = task.evaluate(_ThroughPipeline(self.pipe))

@@ -15,10 +15,9 @@ Workers run under SCHED_BATCH (Linux; any user may choose it, and
 PARATRAIN_PS_SCHED_BATCH=0 keeps the default policy). A server answers the
 workers of a BSP round one after another, and without it the first worker
 it wakes takes the server's core on the spot (the scheduler favours a task
-that slept), so the next answer waits: measured on the 2-core VM with 2
-workers, 115-145 us per answer on the server, 17-23 us with SCHED_BATCH,
-whose tasks do not preempt on wake-up. Compute-bound workers are what that
-policy is for.
+that slept), so the next answer waits behind that worker's compute; tasks
+under SCHED_BATCH do not preempt on wake-up. Compute-bound workers are what
+that policy is for.
 """
 import argparse
 import math
@@ -29,13 +28,14 @@ import paratrain as pt
 from ... import config
 from ...comm.group import timeout_from_env
 from ...parallel.data import CommStats
+from ..argtypes import positive_int
 from ..coordination import Lockstep, SharedPool, StoreBoard
-from ..options import positive_int
-from .allreduce import SGD_MOMENTUM
+from ..optimizer import optimizer_class
 from .base import ReplicaStep
 
 HELP = "ps: parameter server (optimizer on the servers)"
 SPARSE = True   # recsys keeps its embedding rows on the servers (pt.ps.Embedding)
+COMPRESSES = {"ps": "pushes"}
 NO_RESUME = "--resume with --strategy ps is not available yet (the optimizer state lives on the servers)"
 
 
@@ -86,9 +86,9 @@ def launcher_args(args):
     """The launcher starts the servers beside the workers. Under ASP and SSP no worker
     waits for another, so when one dies the others go on and take its share of the
     batches (coordination.py); under BSP they would block on it, so the launcher stops
-    the job. Continuing is asked for only when this launcher knows the option (it came
-    with the launcher's parameter-server support). Rank 0 is the exception: it hosts
-    the job's store and writes the summary, so when it dies the job cannot continue."""
+    the job. Continuing is asked for only when this launcher knows the option. Rank 0
+    is the exception: it hosts the job's store and writes the summary, so when it dies
+    the job cannot continue."""
     words = ["--servers", str(args.servers)]
     if args.consistency == "bsp":
         return words
@@ -107,7 +107,7 @@ def backend(args):
 
 SUMMARY = {
     "backend": lambda step, args: backend(args),
-    "algorithm": lambda step, args: args.algorithm or "default",   # (no all-reduce here; shown as it always was)
+    "algorithm": lambda step, args: args.algorithm or "default",   # (no all-reduce here: --algorithm as given)
     "staleness_histogram": lambda step, args: step.staleness_histogram(),
     # rank 0's gradient bytes to the servers (compressed with --compression; the pulls are not)
     "bytes_pushed": lambda step, args: step.ps.bytes_sent,
@@ -130,7 +130,7 @@ class ParameterServerStep(ReplicaStep):
         self.model = model
         self.stats = CommStats()
         self.ps = pt.ps.connect()
-        hyper = {"lr": lr, **({"momentum": SGD_MOMENTUM} if optimizer == "sgd" else {})}
+        _, hyper = optimizer_class(optimizer, lr)   # the servers run the optimizer the workers would
         self.ps.register(model, optimizer=optimizer, consistency=consistency, staleness=staleness,
                          predict=predict, compression=compression, **hyper)
         self.rank, self.world_size = self.ps.worker, self.ps.workers

@@ -28,8 +28,8 @@ import torch
 import paratrain as pt
 
 from ...parallel.data import CommStats
-from .allreduce import SGD_MOMENTUM, AllReduceStep
-from .base import LastStepTraffic
+from ..optimizer import optimizer_class
+from .base import GroupStep
 
 HELP = ("zero: data parallelism with the optimizer state (--stage 1), the gradients (2) and the parameters "
         "(3) cut among the workers (pt.ZeRO)")
@@ -76,27 +76,17 @@ SUMMARY = {
 }
 
 
-def optimizer_class(name, lr):
-    if name == "sgd":
-        return torch.optim.SGD, dict(lr=lr, momentum=SGD_MOMENTUM)
-    if name == "adam":
-        return torch.optim.Adam, dict(lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
-
-
-class ZeroStep(AllReduceStep):
-    """allreduce's step with pt.ZeRO in place of DataParallel and the optimizer."""
+class ZeroStep(GroupStep):
+    """Data parallelism's step with pt.ZeRO in place of DataParallel and the optimizer."""
 
     def __init__(self, task, args, settings):
         group = pt.init(backend=args.backend)
         self.group, self.rank, self.world_size = group, group.rank, group.world_size
-        self.tp, self.mesh, self.traffic = 1, None, LastStepTraffic(1)
         cls, kwargs = optimizer_class(settings.optimizer, settings.lr)
         self.engine = pt.ZeRO(task.model, cls, stage=args.stage or DEFAULT_STAGE, group=group, **kwargs)
         self.model, self.adam = self.engine, cls is torch.optim.Adam
         self.numel = sum(q.numel() for q in task.model.parameters())
         self.stats, self.held = CommStats(), None
-        self._loss = torch.zeros(1, dtype=torch.float64)
         self.sharded = args.checkpoint_format == "sharded"
 
     def after_backward(self):

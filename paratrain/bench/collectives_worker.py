@@ -1,6 +1,6 @@
-"""One benchmark worker: every engine in this process, measured round by round.
+"""One worker of the collectives benchmark: every engine in this process, measured round by round.
 
-Method (nccl-tests' conventions, adapted to engines that differ in speed by 10x):
+Method (nccl-tests' conventions, adapted to engines of very different speeds):
 
 - For each collective and size, the engines share one set of buffers. Each
   engine first gets ``warmup`` untimed calls, the first of which is checked
@@ -16,14 +16,12 @@ Method (nccl-tests' conventions, adapted to engines that differ in speed by 10x)
   finished, and the reported figure is the median over rounds (computed in
   report.py).
 - Small sizes make several calls per turn (collectives.default_calls), as
-  nccl-tests and the OSU benchmarks time a loop of calls: on these VMs a CPU
-  that has just slept runs slower for a while (a numpy loop measured 1.8x
-  slower right after a 2 ms sleep, 4.3x after 20 ms), and with one call per
-  turn every engine's small-message time measured the wake-up of the engine
-  before it (Gloo blocks in the kernel) more than its own latency: paratrain's
-  4 KiB all-reduce took 19 us with Gloo out of the process and 70-87 us with
-  it, Open MPI's 6 us and 40 us. A loop shows each engine's own latency,
-  whether it keeps the CPU awake or not; the turns stay interleaved.
+  nccl-tests and the OSU benchmarks time a loop of calls: a CPU that has just
+  slept runs slower for a while, so with one call per turn an engine's
+  small-message time would measure the wake-up left by the engine before it
+  (Gloo blocks in the kernel) more than its own latency. A loop shows each
+  engine's own latency, whether it keeps the CPU awake or not; the turns stay
+  interleaved.
 
 Rank 0 writes every round's max-over-ranks time to the result JSON; the
 parent turns them into medians, bandwidths, ratios, a table and a plot.
