@@ -89,3 +89,16 @@ def passed_on_every_rank(res, what, n):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert out.count(f"{what} passed on rank") == n, out[-4000:]
+
+
+# In-process tests of the logic (no worker processes): `pytest -m quick` for the inner loop.
+# A test elsewhere joins with @pytest.mark.quick.
+QUICK_MODULES = {"test_algorithms", "test_config", "test_ps_logic", "test_ps_sparse", "test_ps_wire",
+                 "test_readme", "test_ssp_simulation", "test_strategies", "test_tasks", "test_units",
+                 "test_wire"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
