@@ -58,7 +58,7 @@ def test_predicted_pulls_extrapolate_the_last_update_and_exact_pulls_do_not(shm,
 
 def test_prediction_is_refused_where_it_has_no_meaning(tmp_path):
     """--predict-weights with BSP (or SSP s=0, which is BSP) is a usage error, said before anything starts."""
-    from test_train import train
-    res = train(tmp_path, "--strategy", "ps", "--consistency", "bsp", "--predict-weights")
+    from test_train import front_end
+    res = front_end(tmp_path, "--strategy", "ps", "--consistency", "bsp", "--predict-weights")
     assert res.returncode != 0 and "--predict-weights is for --strategy ps with --consistency asp or ssp" in \
         res.stderr + res.stdout

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from test_train import ok, run_dirs, train
+from test_train import front_end, ok, run_dirs, train
 
 
 def _stages(run, stages=2):
@@ -86,5 +86,5 @@ def test_gpt_pipeline_writes_its_timeline_and_summary(tmp_path):
     (["--strategy", "pipeline", "--virtual", "2"], "--virtual is for --schedule interleaved"),
 ])
 def test_bad_pipeline_options_are_refused_before_anything_starts(tmp_path, args, message):
-    res = train(tmp_path, *args)
+    res = front_end(tmp_path, *args)
     assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]

@@ -3,7 +3,7 @@ data-parallel replica, end to end through the CLI."""
 import pytest
 import torch
 
-from test_train import ok, run_dirs, train
+from test_train import front_end, ok, run_dirs, side_by_side
 
 
 def _model(folder):
@@ -23,21 +23,22 @@ def test_tp2_with_sequence_parallelism_reaches_one_process_and_resumes_anywhere(
     # SGD with momentum: Adam would turn float32 rounding in near-zero gradients into whole-step
     # differences; the momentum is what a resume without the optimizer's state would lose
     common = ["--model", "gpt", "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "4", "--eval-every", "2"]
-    ok(train(tmp_path / "one", *common, "--steps", "4", "--workers", "1"))
-    res = train(tmp_path / "cut", *common, "--steps", "4", "--workers", "2", "--tp", "2", "--sequence-parallel")
-    ok(res)
+    for res in side_by_side((tmp_path / "one", *common, "--steps", "4", "--workers", "1"),
+                            (tmp_path / "cut", *common, "--steps", "4", "--workers", "2", "--tp", "2",
+                             "--sequence-parallel")):
+        ok(res)
     _same(_model(tmp_path / "one"), _model(tmp_path / "cut"))
     # the TP = 2 checkpoint, optimizer state included, resumes in one process exactly as one
     # process's own checkpoint does, and at TP = 2 with 2 replicas
     one, cut = (run_dirs(tmp_path / name)[0] / "checkpoint.pt" for name in ("one", "cut"))
-    ok(train(tmp_path / "one-on", *common, "--steps", "6", "--workers", "1", "--resume", str(one)))
-    res = train(tmp_path / "cut-on", *common, "--steps", "6", "--workers", "1", "--resume", str(cut))
-    ok(res)
-    assert "starts afresh" not in res.stdout
+    results = side_by_side((tmp_path / "one-on", *common, "--steps", "6", "--workers", "1", "--resume", str(one)),
+                           (tmp_path / "cut-on", *common, "--steps", "6", "--workers", "1", "--resume", str(cut)),
+                           (tmp_path / "wide", *common, "--steps", "6", "--dp", "2", "--tp", "2", "--resume", str(one)))
+    for res in results:
+        ok(res)
+    assert "starts afresh" not in results[1].stdout
     _same(_model(tmp_path / "one-on"), _model(tmp_path / "cut-on"))
-    res = train(tmp_path / "wide", *common, "--steps", "6", "--dp", "2", "--tp", "2", "--resume", str(one))
-    ok(res)
-    assert "on 4 workers" in res.stdout
+    assert "on 4 workers" in results[2].stdout
 
 
 def _stages(folder):
@@ -55,15 +56,17 @@ def test_pipeline_of_tensor_parallel_stages_reaches_one_process_and_resumes(tmp_
     parameters, and a resume continues as one process's own resume does."""
     common = ["--model", "gpt", "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "4", "--eval-every", "2"]
     cut = ["--pp", "2", "--tp", "2", "--microbatches", "2"]   # 4 workers: 1 replica x 2 stages x 2
-    ok(train(tmp_path / "one", *common, "--steps", "4", "--workers", "1"))
-    res = train(tmp_path / "cut", *common, "--steps", "4", *cut)
+    alone, res = side_by_side((tmp_path / "one", *common, "--steps", "4", "--workers", "1"),
+                              (tmp_path / "cut", *common, "--steps", "4", *cut))
+    ok(alone)
     ok(res)
     assert "tensor-parallel size" in res.stdout
     whole, first = _stages(tmp_path / "cut")
     _same(_model(tmp_path / "one"), whole)
     one = run_dirs(tmp_path / "one")[0] / "checkpoint.pt"
-    ok(train(tmp_path / "one-on", *common, "--steps", "6", "--workers", "1", "--resume", str(one)))
-    ok(train(tmp_path / "cut-on", *common, "--steps", "6", *cut, "--resume", str(first)))
+    for res in side_by_side((tmp_path / "one-on", *common, "--steps", "6", "--workers", "1", "--resume", str(one)),
+                            (tmp_path / "cut-on", *common, "--steps", "6", *cut, "--resume", str(first))):
+        ok(res)
     _same(_model(tmp_path / "one-on"), _stages(tmp_path / "cut-on")[0])
 
 
@@ -83,5 +86,5 @@ def test_pipeline_of_tensor_parallel_stages_reaches_one_process_and_resumes(tmp_
      "--sequence-parallel is for --strategy allreduce"),
 ])
 def test_bad_tp_options_are_refused_before_anything_starts(tmp_path, args, message):
-    res = train(tmp_path, *args)
+    res = front_end(tmp_path, *args)
     assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from test_train import ok, run_dirs, train
+from test_train import front_end, ok, run_dirs, train
 
 
 def _run(folder):
@@ -48,7 +48,7 @@ def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(
     (["--strategy", "zero", "--tp", "2", "--model", "gpt"], "--tp is for --strategy allreduce or pipeline"),
 ])
 def test_bad_zero_options_are_refused_before_anything_starts(tmp_path, args, message):
-    res = train(tmp_path, *args)
+    res = front_end(tmp_path, *args)
     assert res.returncode != 0 and message in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
 
 

@@ -76,13 +76,14 @@ def equiv(args):
     pipes = [pt.new_group(list(range(r * pp, (r + 1) * pp))) for r in range(dp)]
     dps = [pt.new_group(list(range(i, world.world_size, pp))) for i in range(pp)] if dp > 1 else [None] * pp
     groups = (pipes[world.rank // pp], dps[world.rank % pp], world.rank // pp, pp, dp)
-    for model in args.model.split(","):
-        for m in args.microbatches.split(","):
-            one(world, args, groups, model, int(m))
+    for schedule in args.schedule.split(","):   # several schedules in one launch: one start-up
+        for model in args.model.split(","):
+            for m in args.microbatches.split(","):
+                one(world, args, groups, model, int(m), schedule)
     pt.destroy()
 
 
-def one(world, args, groups, kind, microbatches):
+def one(world, args, groups, kind, microbatches, schedule):
     group, dp_group, replica, pp, dp = groups
     ref = build(kind)
     model = build(kind)
@@ -98,7 +99,7 @@ def one(world, args, groups, kind, microbatches):
     loss = loss_fn(kind)
     if args.slow_last:
         loss = _slowed(loss, args.slow_last)
-    pipe = pt.Pipeline(stage, group=group, microbatches=microbatches, schedule=args.schedule,
+    pipe = pt.Pipeline(stage, group=group, microbatches=microbatches, schedule=schedule,
                        loss_fn=loss, dp_group=dp_group)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -124,13 +125,13 @@ def one(world, args, groups, kind, microbatches):
             r = ref_params[name].grad
             assert q.grad is not None, f"step {step}: {name} got no gradient"
             assert rel(q.grad, r) <= 1e-5, f"step {step}: gradient of {name} off by {rel(q.grad, r):.2e}"
-        check_activation_memory(pipe, group, args.schedule, microbatches)
+        check_activation_memory(pipe, group, schedule, microbatches)
         if args.slow_last and stage.is_first:
             check_weights_filled_the_wait(pipe, microbatches)
         opt.step()
         opt.zero_grad()
         ref_opt.step()
-    print(f"pipeline {kind} {args.schedule} m={microbatches} passed on rank {world.rank}", flush=True)
+    print(f"pipeline {kind} {schedule} m={microbatches} passed on rank {world.rank}", flush=True)
 
 
 class _first_gradient_sends:

@@ -192,8 +192,9 @@ def checkpoint(g, mode, path, stage):
 
 def main():
     g = pt.init()
-    if len(sys.argv) > 1:   # save PATH STAGE | load PATH STAGE
-        checkpoint(g, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) > 1:   # save PATHS STAGES | load PATHS STAGES: comma lists, taken in pairs
+        for path, stage in zip(sys.argv[2].split(","), sys.argv[3].split(","), strict=True):
+            checkpoint(g, sys.argv[1], path, int(stage))
         print(f"zero checkpoint {sys.argv[1]} passed on rank {g.rank}", flush=True)
         pt.destroy()
         return
