@@ -75,7 +75,8 @@ SETTINGS = {s.name: s for s in (
     Setting("PARATRAIN_MPI_SPIN_US", None, count, "the same for the mpi backend"),
     Setting("PARATRAIN_THREADS", None, positive_count, "torch compute threads per worker (1 under `paratrain run`)"),
     Setting("PARATRAIN_KEEP_FREED_MEMORY", True, flag, "0: leave glibc's malloc as it is in launched workers "
-            "(launch/heap.py: by default freed blocks up to 2 GiB stay in the heap for the next step)"),
+            "and parameter servers (launch/heap.py: by default freed blocks up to 2 GiB stay in the heap for "
+            "the next step)"),
     Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
     Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
     Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "
