@@ -51,8 +51,8 @@ def add_options(parser):
     g.add_argument("--pp", type=positive_int, default=None,
                    help=f"pipeline stages: --strategy {pp} --stages PP" if pp else "pipeline stages")
     g.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel size: each model cut across this many workers (gpt and the hf-* tasks; default 1); "
-                        "--workers / --tp replicas average their gradients"
+                   help="tensor-parallel size: each model cut across this many workers (gpt and the hf-* "
+                        "tasks; default 1); --workers / --tp replicas average their gradients"
                         + (f"; with --strategy {pp}, each stage cut so (3D)" if pp in strategies.cutting("tp")
                            else ""))
     g.add_argument("--sequence-parallel", action="store_true",
