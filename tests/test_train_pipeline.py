@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from test_train import front_end, ok, run_dirs, train
+from test_train import front_end, ok, run_dirs, side_by_side, train
 
 
 def _stages(run, stages=2):
@@ -28,10 +28,11 @@ def _stages(run, stages=2):
 @pytest.mark.timeout(300)
 def test_two_stages_reach_the_parameters_of_one_process(tmp_path):
     common = ["--model", "digits", "--batch-size", "32", "--steps", "8", "--eval-every", "100"]
-    ok(train(tmp_path, *common, "--workers", "1"))
-    ok(train(tmp_path, *common, "--workers", "2", "--strategy", "pipeline", "--stages", "2",
-             "--microbatches", "4", "--schedule", "zb-h1"))
-    single, piped = run_dirs(tmp_path)
+    for res in side_by_side((tmp_path / "one", *common, "--workers", "1"),
+                            (tmp_path / "piped", *common, "--workers", "2", "--strategy", "pipeline", "--stages", "2",
+                             "--microbatches", "4", "--schedule", "zb-h1")):
+        ok(res)
+    (single,), (piped,) = run_dirs(tmp_path / "one"), run_dirs(tmp_path / "piped")
     a = torch.load(single / "checkpoint.pt", weights_only=True)["model"]
     b, step = _stages(piped)
     assert step == 8 and set(a) == set(b)
@@ -43,11 +44,11 @@ def test_two_stages_reach_the_parameters_of_one_process(tmp_path):
 def test_resume_from_stage_checkpoints_is_exact(tmp_path):
     common = ["--model", "gpt", "--strategy", "pipeline", "--stages", "2", "--microbatches", "2",
               "--batch-size", "4", "--eval-every", "100"]
-    ok(train(tmp_path, *common, "--steps", "6"))
-    ok(train(tmp_path, *common, "--steps", "3"))
-    whole, first = run_dirs(tmp_path)
+    for res in side_by_side((tmp_path / "6", *common, "--steps", "6"), (tmp_path / "3", *common, "--steps", "3")):
+        ok(res)
+    (whole,), (first,) = run_dirs(tmp_path / "6"), run_dirs(tmp_path / "3")
     ok(train(tmp_path, *common, "--steps", "6", "--resume", str(first / "checkpoint.pt")))
-    resumed = [d for d in run_dirs(tmp_path) if d not in (whole, first)][0]
+    (resumed,) = run_dirs(tmp_path)
     a, _ = _stages(whole)
     b, step = _stages(resumed)
     assert step == 6

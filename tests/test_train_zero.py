@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from test_train import front_end, ok, run_dirs, train
+from test_train import front_end, ok, run_dirs, side_by_side
 
 
 def _run(folder):
@@ -22,8 +22,9 @@ def _same(a, b):
 @pytest.mark.timeout(300)
 def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(tmp_path):
     common = ["--model", "digits", "--optimizer", "adam", "--lr", "0.01", "--eval-every", "2"]
-    ok(train(tmp_path / "dp", *common, "--steps", "4"))
-    ok(train(tmp_path / "z3", *common, "--steps", "4", "--strategy", "zero", "--stage", "3"))
+    for res in side_by_side((tmp_path / "dp", *common, "--steps", "4"),
+                            (tmp_path / "z3", *common, "--steps", "4", "--strategy", "zero", "--stage", "3")):
+        ok(res)
     dp_run, dp = _run(tmp_path / "dp")
     z3_run, z3 = _run(tmp_path / "z3")
     _same(dp, z3)
@@ -32,9 +33,11 @@ def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(
     assert abs(held - formula) <= 0.10 * formula, (summary["zero_bytes_per_worker"], formula)
     # the ZeRO checkpoint (whole model, whole Adam state) resumes at stage 1 on 3 workers
     # exactly as allreduce's own checkpoint resumes allreduce on 3 workers
-    ok(train(tmp_path / "dp-on", *common, "--steps", "6", "--workers", "3", "--resume", str(dp_run / "checkpoint.pt")))
-    res = train(tmp_path / "z-on", *common, "--steps", "6", "--workers", "3", "--strategy", "zero", "--stage", "1",
-                "--resume", str(z3_run / "checkpoint.pt"))
+    dp_on, res = side_by_side(
+        (tmp_path / "dp-on", *common, "--steps", "6", "--workers", "3", "--resume", str(dp_run / "checkpoint.pt")),
+        (tmp_path / "z-on", *common, "--steps", "6", "--workers", "3", "--strategy", "zero", "--stage", "1",
+         "--resume", str(z3_run / "checkpoint.pt")))
+    ok(dp_on)
     ok(res)
     assert "starts afresh" not in res.stdout
     _same(_run(tmp_path / "dp-on")[1], _run(tmp_path / "z-on")[1])
@@ -59,18 +62,21 @@ def test_a_sharded_checkpoint_resumes_exactly_and_only_where_it_was_written(tmp_
     another --workers or --stage is refused saying what to do."""
     common = ["--model", "digits", "--optimizer", "adam", "--lr", "0.01", "--eval-every", "2",
               "--strategy", "zero", "--stage", "2"]
-    ok(train(tmp_path / "straight", *common, "--steps", "6"))
-    ok(train(tmp_path / "first", *common, "--steps", "4", "--checkpoint-format", "sharded"))
+    for res in side_by_side((tmp_path / "straight", *common, "--steps", "6"),
+                            (tmp_path / "first", *common, "--steps", "4", "--checkpoint-format", "sharded")):
+        ok(res)
     (first,) = run_dirs(tmp_path / "first")
     assert sorted(p.name for p in first.glob("checkpoint*.pt")) == ["checkpoint.pt", "checkpoint.rank1.pt"]
     shard = torch.load(first / "checkpoint.rank1.pt", weights_only=True)["model"]
     assert shard["zero_sharded"]["rank"] == 1 and shard["optimizer"]["state"], shard["zero_sharded"]
-    res = train(tmp_path / "then", *common, "--steps", "6", "--resume", str(first))
+    res, wider, stage1 = side_by_side(
+        (tmp_path / "then", *common, "--steps", "6", "--resume", str(first)),
+        (tmp_path / "wider", *common, "--steps", "6", "--workers", "3", "--resume", str(first)),
+        (tmp_path / "stage1", *common[:-1], "1", "--steps", "6", "--resume", str(first)))
     ok(res)
     assert "starts afresh" not in res.stdout
     _same(_run(tmp_path / "straight")[1], _run(tmp_path / "then")[1])
-    res = train(tmp_path / "wider", *common, "--steps", "6", "--workers", "3", "--resume", str(first))
-    out = res.stdout + res.stderr
-    assert res.returncode != 0 and "--checkpoint-format full" in out and "workers" in out, out[-2000:]
-    res = train(tmp_path / "stage1", *common[:-1], "1", "--steps", "6", "--resume", str(first))
-    assert res.returncode != 0 and "saved with stage 2, this run has 1" in res.stdout + res.stderr, res.stderr[-2000:]
+    out = wider.stdout + wider.stderr
+    assert wider.returncode != 0 and "--checkpoint-format full" in out and "workers" in out, out[-2000:]
+    assert stage1.returncode != 0 and "saved with stage 2, this run has 1" in stage1.stdout + stage1.stderr, \
+        stage1.stderr[-2000:]
