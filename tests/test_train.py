@@ -85,11 +85,11 @@ def _digits_params():
 def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tmp_path):
     # batch 64 x 2 workers: the digits training split is about 11 steps an epoch, so 8 + 8 crosses one
     common = ["--batch-size", "64", "--eval-every", "100"]
-    ok(train(tmp_path, *common, "--steps", "16"))
-    ok(train(tmp_path, *common, "--steps", "8"))
-    whole, first = run_dirs(tmp_path)
+    for res in side_by_side((tmp_path / "16", *common, "--steps", "16"), (tmp_path / "8", *common, "--steps", "8")):
+        ok(res)
+    (whole,), (first,) = run_dirs(tmp_path / "16"), run_dirs(tmp_path / "8")
     ok(train(tmp_path, *common, "--steps", "16", "--resume", str(first / "checkpoint.pt")))
-    resumed = [d for d in run_dirs(tmp_path) if d not in (whole, first)][0]
+    (resumed,) = run_dirs(tmp_path)
     a = torch.load(whole / "checkpoint.pt", weights_only=True)
     b = torch.load(resumed / "checkpoint.pt", weights_only=True)
     assert a["step"] == b["step"] == 16
@@ -139,10 +139,10 @@ def test_parameter_server_bsp_reaches_the_weights_of_allreduce(tmp_path):
     parameter servers under BSP, and with DataParallel: the same weights, up to the
     roundings of the servers' numpy optimizer."""
     common = ["--steps", "12", "--optimizer", "sgd", "--eval-every", "100"]
-    ok(train(tmp_path, *common))
-    res = train(tmp_path, *common, "--strategy", "ps", "--servers", "2", "--consistency", "bsp")
-    ok(res)
-    allreduce, ps = run_dirs(tmp_path)
+    for res in side_by_side((tmp_path / "allreduce", *common),
+                            (tmp_path / "ps", *common, "--strategy", "ps", "--servers", "2", "--consistency", "bsp")):
+        ok(res)
+    (allreduce,), (ps,) = run_dirs(tmp_path / "allreduce"), run_dirs(tmp_path / "ps")
     summary = json.loads((ps / "summary.json").read_text())
     assert summary["strategy"] == "ps" and summary["backend"] == "zeromq, 2 servers, bsp"
     a = torch.load(allreduce / "checkpoint.pt", weights_only=True)["model"]
