@@ -172,8 +172,7 @@ class TopK(Compressor):
         """The small tensors' values are all-reduced densely (every rank sends the same
         positions, so no indices go with them); the top k go as (index, value) pairs."""
         chosen, values = self.encode(index, flat)
-        whole = chosen.numel() - self.sent_k[id(flat)][1]
-        k = chosen.numel() - whole
+        whole, k = self.sent_k[id(flat)]     # encode's count of each part
         dense = values[:whole].clone()     # values stay what this rank sent (self.sent)
         if whole:
             group.all_reduce(dense)
