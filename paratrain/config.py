@@ -77,6 +77,8 @@ SETTINGS = {s.name: s for s in (
     Setting("PARATRAIN_KEEP_FREED_MEMORY", True, flag, "0: leave glibc's malloc as it is in launched workers "
             "and parameter servers (launch/heap.py: by default freed blocks up to 2 GiB stay in the heap for "
             "the next step)"),
+    Setting("PARATRAIN_FORKSERVER", None, str, "the socket of a fork server (`python -m "
+            "paratrain.launch.forkserver SOCKET`): workers start as forks of it, torch already imported"),
     Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
     Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
     Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "

@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,63 @@ def launch(n, script, *args, env=None, timeout=150, launcher_args=()):
     e.update(env or {})
     cmd = [sys.executable, "-m", "paratrain.run", "-n", str(n), *launcher_args, str(WORKERS / script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def python_m(args, env, cwd=ROOT, timeout=150):
+    """``python -m ARGS`` (a CompletedProcess, text), forked from the suite's fork server
+    when there is one: a front-end such as ``paratrain train`` then starts with torch
+    already imported, as its workers do. Output goes through files, so nothing blocks."""
+    import signal
+    import tempfile
+
+    from paratrain.launch import forkserver
+    address = os.environ.get("PARATRAIN_FORKSERVER")
+    if address:
+        e = dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")   # the server's
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
+            proc = forkserver.start(address, [sys.executable, "-m", forkserver.BOOTSTRAP, "-m", *args], e, cwd=cwd,
+                                    stdin=null.fileno(), stdout=out.fileno(), stderr=err.fileno())
+            if not isinstance(proc, str):
+                try:
+                    rc = proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)   # its workers die as their launcher's connections close
+                    proc.wait(10)
+                    raise
+                out.seek(0)
+                err.seek(0)
+                return subprocess.CompletedProcess(args, rc, out.read().decode(errors="replace"),
+                                                   err.read().decode(errors="replace"))
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_fork_server(address, preload="torch,torch._dynamo", env=None):
+    """A fork server listening at address (paratrain/launch/forkserver.py) that serves
+    launches from this process's environment; it dies with this process."""
+    from paratrain.launch import forkserver
+    return forkserver.start_server(address, preload, None if env is None else dict(os.environ, **env))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(request):
+    """Every worker the suite's launches start is a fork of one process that imported
+    torch once (the launcher falls back to a fresh interpreter where that would not be the
+    same). Not for a run of in-process tests only (`pytest -m quick`), which launches nothing."""
+    if os.environ.get("PARATRAIN_FORKSERVER") is not None or not request.session.launches:
+        yield None
+        return
+    from paratrain.launch.forkserver import private_address
+    address = private_address()
+    proc = start_fork_server(address)
+    os.environ["PARATRAIN_FORKSERVER"] = address
+    try:
+        yield address
+    finally:
+        del os.environ["PARATRAIN_FORKSERVER"]
+        proc.kill()   # the interpreter's exit with torch loaded takes a second; the directory goes below
+        proc.wait(timeout=30)
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
 def spawn(n, script, *args, env=None, port=None):
@@ -102,3 +160,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+
+
+def pytest_collection_finish(session):
+    session.launches = any(item.get_closest_marker("quick") is None for item in session.items)

@@ -9,19 +9,19 @@ gets a clear error before any worker starts.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import python_m
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def train(tmp_path, *args, timeout=150):
     env = dict(os.environ, PARATRAIN_TIMEOUT="60")
-    cmd = [sys.executable, "-m", "paratrain", "train", "--runs", str(tmp_path / "runs"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return python_m(["paratrain", "train", "--runs", str(tmp_path / "runs"), *map(str, args)], env, timeout=timeout)
 
 
 def side_by_side(*jobs):

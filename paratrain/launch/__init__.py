@@ -5,7 +5,9 @@
 local.py turns the command line into one environment per worker, worker.py
 starts a worker and carries its output, watch.py stops the whole job when one
 worker fails or the launcher is interrupted, bootstrap.py runs the worker's
-script and ends the process without the interpreter's teardown.
+script and ends the process without the interpreter's teardown. parent.py
+ties a worker to its launcher's life; forkserver.py starts workers as forks
+of a process that has already imported torch.
 
 ``main`` and ``free_port`` are imported on first use, so a worker starting
 through ``python -m paratrain.launch.bootstrap`` does not import the launcher.

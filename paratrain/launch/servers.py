@@ -103,7 +103,7 @@ class Restarts:
             f"checkpoint (restart {new.restarts} of {self.limit}){why}")
         try:
             # Forking while output threads run (unlike at the job's start) is safe here: the
-            # child only calls prctl and getppid before exec (worker._tie_to_parent).
+            # child only calls prctl and getppid before exec (parent.tie_to_parent).
             new.start()
         except OSError as e:
             server.note = f"and could not be started again: {e}"

@@ -14,56 +14,30 @@ An optional ``on_line`` hook sees every line first and may consume it (how the
 front-end of ``paratrain train`` turns rank 0's progress lines into a bar).
 """
 import collections
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 
-from . import binding
+from .. import config
+from .parent import tie_to_parent
 
 TAIL_LINES = 20
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # One lock for everything the launcher writes, so lines from different ranks
 # never interleave mid-line.
 OUTPUT_LOCK = threading.Lock()
 
 
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+_NOTED = []
 
 
-# Looked up once in the launcher: the child should do as little as possible
-# between fork and exec.
-_PRCTL = _load_prctl()
-
-
-def _tie_to_parent(parent_pid, cpus=None):
-    """The preexec_fn: runs in the child between fork and exec.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so
-    workers must be started from a thread that lives as long as the launcher
-    (main() starts them from its own thread and waits there). The getppid check
-    closes the race where the launcher died before prctl ran.
-
-    cpus (binding.py) pins the child here, before exec, so every thread the
-    worker later starts (torch's, OpenMP's) inherits the mask."""
-    def preexec():
-        if _PRCTL is not None:
-            _PRCTL(PR_SET_PDEATHSIG, ctypes.c_ulong(int(signal.SIGKILL)), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0), ctypes.c_ulong(0))
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        binding.pin(cpus)
-    return preexec
+def _note_fresh_start(why):
+    """Say once per launcher why workers start as fresh interpreters despite PARATRAIN_FORKSERVER."""
+    if not _NOTED:
+        _NOTED.append(why)
+        emit("stderr", f"paratrain run: note: PARATRAIN_FORKSERVER is set, but workers start fresh: {why}\n".encode())
 
 
 def emit(stream_name, data):
@@ -111,11 +85,36 @@ class Worker:
         return self.proc.pid
 
     def start(self):
-        """Spawn the process. Output readers are started separately (start_output),
-        after every worker is spawned, so no thread is running while we fork."""
-        self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_tie_to_parent(os.getpid(), self.cpus))
+        """Spawn the process: a fork of the fork server when one is set and can
+        start it as a fresh interpreter would (forkserver.py), else a fresh one.
+        Output readers are started separately (start_output), after every worker
+        is spawned, so no thread is running while we fork."""
+        address = config.get("PARATRAIN_FORKSERVER")
+        self.proc = self._start_forked(address) if address else None
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=tie_to_parent(os.getpid(), self.cpus))
+
+    def _start_forked(self, address):
+        """A ForkedProcess with its output pipes, or None (and a note) if the server cannot start it."""
+        from . import forkserver
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            proc = forkserver.start(address, self.cmd, self.env, cpus=self.cpus, stdin=devnull, stdout=out_w,
+                                    stderr=err_w)
+        finally:
+            for fd in (devnull, out_w, err_w):
+                os.close(fd)
+        if isinstance(proc, str):
+            os.close(out_r)
+            os.close(err_r)
+            _note_fresh_start(proc)
+            return None
+        proc.stdout, proc.stderr = os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+        return proc
 
     def start_output(self):
         for pipe, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):

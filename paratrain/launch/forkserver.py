@@ -1,0 +1,345 @@
+"""Start workers as forks of a process that has already imported torch.
+
+    python -m paratrain.launch.forkserver /tmp/pt.sock &      # imports torch once, then waits
+    PARATRAIN_FORKSERVER=/tmp/pt.sock paratrain run -n 4 train.py
+
+Why: a worker spends seconds of CPU importing torch (and torch._dynamo, which
+the first optimizer pulls in) before its script's first line, and N workers
+started together on fewer than N cores pay it one after another. A server that
+has imported them once forks each worker in milliseconds, copy-on-write, as
+Android's zygote and ``multiprocessing``'s forkserver do. The worker then runs
+its script through the bootstrap (bootstrap.py) exactly as a fresh
+``python -m paratrain.launch.bootstrap`` would: its own environment, working
+directory, standard streams, session and CPU set.
+
+A fork is only the same as a fresh interpreter when everything read as an
+interpreter or a library starts is the same, so the server serves a request
+only when those variables (``STARTUP_PREFIXES``: PYTHON*, LD_*, OMP_*, torch's,
+...), the interpreter and the kernel namespaces (a ``--link`` job's private
+network) match its own, and refuses it otherwise; the launcher then starts that
+worker fresh, as it does when no server is set or the server is gone. One thing
+differs and cannot be made the same: forks share the server's string-hash seed,
+where fresh interpreters each draw one.
+
+The wire: one Unix ``SOCK_SEQPACKET`` connection per worker. The launcher sends
+one JSON message (the bootstrap's arguments, environment, directory, CPUs)
+with the worker's stdin, stdout and stderr attached (SCM_RIGHTS); the server
+answers ``{"pid": N}`` (or ``{"refused": why}``), and ``{"returncode": rc}``
+when the worker ends (negative: killed by that signal, as ``subprocess``).
+If the launcher's end closes first, the launcher is gone: the server kills the
+worker's process group, as PR_SET_PDEATHSIG does for a worker the launcher
+forked itself. The socket lives in a directory only its owner can enter, and
+nothing is unpickled.
+"""
+import argparse
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+
+from . import binding
+from .parent import set_parent_death_signal, tie_to_parent
+
+BOOTSTRAP = "paratrain.launch.bootstrap"
+MODULE = "paratrain.launch.forkserver"
+DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_", "GOMP_", "MALLOC_", "TORCH",
+                    "PYTORCH_", "CUDA_", "HF_", "TRANSFORMERS_")
+NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user")
+MAX_MESSAGE = 1 << 20   # a request: an environment is a few KiB
+REAP_EVERY = 0.02       # seconds between looks for ended workers
+
+
+def startup_env(env):
+    """The variables an interpreter or a preloaded library reads as it starts."""
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
+
+
+def namespaces():
+    ids = {}
+    for ns in NAMESPACES:
+        try:
+            ids[ns] = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            ids[ns] = None
+    return ids
+
+
+def mismatch(request, server_env, server_namespaces):
+    """Why this server cannot start the request's worker as a fresh interpreter
+    would, or None."""
+    if request.get("executable") != sys.executable:
+        return f"the launcher runs {request.get('executable')}, the server {sys.executable}"
+    if request.get("namespaces") != server_namespaces:
+        return "the launcher is in other kernel namespaces (a private network, e.g. --link)"
+    want, have = startup_env(request["env"]), startup_env(server_env)
+    differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    if differ:
+        return f"start-up variables differ from the server's: {', '.join(differ[:5])}"
+    return None
+
+
+# --- the launcher's side -------------------------------------------------------------------------
+
+class ForkedProcess:
+    """A worker the fork server started: what the launcher uses of ``subprocess.Popen``
+    (pid, poll, wait, returncode, stdout, stderr). Its exit status comes over the
+    connection, since the server, not the launcher, is its parent."""
+
+    def __init__(self, conn, pid, stdout, stderr):
+        self._conn = conn
+        self.pid = pid
+        self.returncode = None
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def _read_status(self, timeout):
+        if self.returncode is not None:
+            return
+        if not select.select([self._conn], [], [], timeout)[0]:
+            return
+        data = self._conn.recv(MAX_MESSAGE)
+        # Nothing (the server died) means the worker died with it: PDEATHSIG is SIGKILL.
+        self.returncode = json.loads(data)["returncode"] if data else -signal.SIGKILL
+        self._conn.close()
+
+    def poll(self):
+        self._read_status(0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self._read_status(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return self.returncode
+
+
+def start(address, cmd, env, cwd=None, cpus=None, stdin=None, stdout=None, stderr=None):
+    """Ask the server at address to start ``cmd`` (``python -m paratrain.launch.bootstrap
+    ARGS``) with these file descriptors as its standard streams. Returns a
+    ForkedProcess, or a string saying why not (the caller starts it fresh)."""
+    if list(cmd[:3]) != [sys.executable, "-m", BOOTSTRAP]:
+        return "only the bootstrap runs in a fork"
+    request = {"argv": list(cmd[3:]), "env": dict(env), "cwd": os.fspath(cwd or os.getcwd()), "executable": sys.executable,
+               "cpus": sorted(cpus) if cpus is not None else None, "namespaces": namespaces()}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(address)
+        socket.send_fds(conn, [json.dumps(request).encode()], [stdin, stdout, stderr])
+        reply = json.loads(conn.recv(MAX_MESSAGE) or b'{"refused": "the server closed the connection"}')
+    except (OSError, ValueError) as e:
+        conn.close()
+        return f"no fork server at {address} ({e})"
+    if "pid" not in reply:
+        conn.close()
+        return reply.get("refused", "the server refused")
+    return ForkedProcess(conn, reply["pid"], None, None)
+
+
+# --- the server's side ---------------------------------------------------------------------------
+
+class Server:
+    """Accepts requests, forks workers, reports how each ended. One thread: a
+    select over the listening socket and the connections, and a reap of ended
+    children between looks."""
+
+    def __init__(self, address, env_before_preload):
+        self.pid = os.getpid()
+        self.env = env_before_preload
+        # What the preloaded libraries put in the environment as they were imported
+        # (torch's inductor cache directory): a fresh worker's own imports would set it too.
+        self.set_by_preload = {k: v for k, v in os.environ.items() if k not in env_before_preload}
+        self.namespaces = namespaces()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(address)
+        self.listener.listen(64)
+        self.waiting = set()      # connections whose request has not come yet
+        self.workers = {}         # pid -> its launcher's connection
+        self.started = self.refused = 0
+
+    def serve_forever(self):
+        while True:
+            self.serve_once(REAP_EVERY)
+
+    def serve_once(self, timeout):
+        launchers = [c for c in self.workers.values() if c is not None]
+        ready = select.select([self.listener, *self.waiting, *launchers], [], [], timeout)[0]
+        for s in ready:
+            if s is self.listener:
+                conn, _ = self.listener.accept()
+                self.waiting.add(conn)
+            elif s in self.waiting:
+                self.waiting.discard(s)
+                if _same_user(s):
+                    self._answer(s)
+                else:
+                    s.close()
+            else:
+                self._launcher_gone(s)
+        self._reap()
+
+    def _answer(self, conn):
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        except OSError:
+            conn.close()
+            return
+        try:
+            request = json.loads(data) if data else None
+            why = "an empty or malformed request" if not isinstance(request, dict) or len(fds) != 3 else \
+                mismatch(request, self.env, self.namespaces)
+        except (ValueError, KeyError, TypeError) as e:
+            why = f"a malformed request ({e})"
+        if why is None:
+            try:
+                pid = os.fork()
+            except OSError as e:
+                why = f"fork failed: {e}"
+            else:
+                if pid == 0:
+                    self._become_worker(request, fds)   # never returns
+                self.workers[pid] = conn
+                self.started += 1
+        for fd in fds:
+            os.close(fd)
+        self._reply(conn, {"pid": pid} if why is None else {"refused": why})
+        if why is not None:
+            self.refused += 1
+            conn.close()
+
+    def _reply(self, conn, message):
+        try:
+            conn.send(json.dumps(message).encode())
+        except OSError:
+            pass   # the launcher is gone; _launcher_gone or _reap deals with its worker
+
+    def _launcher_gone(self, conn):
+        """A connection with a live worker became readable: its launcher closed it
+        (or sent what it must not); the worker must not outlive its launcher."""
+        for pid, c in list(self.workers.items()):
+            if c is conn:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                self.workers[pid] = None   # reaped by _reap, reported to nobody
+        conn.close()
+
+    def _reap(self):
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.workers.pop(pid, None)
+            if conn is not None:
+                self._reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+                conn.close()
+
+    def _become_worker(self, request, fds):
+        """In the child: drop the server's sockets, take the worker's streams,
+        session, directory, environment and CPUs, and run the bootstrap."""
+        status = 1
+        try:
+            self.listener.close()
+            for c in [*self.waiting, *self.workers.values()]:
+                if c is not None:
+                    c.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a fresh interpreter's, not the server's
+            os.setsid()
+            set_parent_death_signal(self.pid)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(self.set_by_preload)
+            os.environ.update(request["env"])
+            binding.pin(None if request["cpus"] is None else set(request["cpus"]))
+            if not sys.flags.safe_path:
+                sys.path[0] = os.getcwd()   # as `python -m` puts it there; the bootstrap moves a script's
+            _fresh_random_state()
+            from . import bootstrap
+            status = bootstrap.main(request["argv"])
+            bootstrap.finish(status)
+        except BaseException:  # noqa: BLE001 - a worker that could not start says why and ends
+            import traceback
+            traceback.print_exc()
+        os._exit(status or 1)
+
+
+def _same_user(conn):
+    """Only the server's own user (or root) may have workers started."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid in (os.getuid(), 0)
+
+
+def _fresh_random_state():
+    """What a fresh interpreter draws anew: numpy's global generator (Python's
+    ``random`` reseeds itself after a fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m paratrain.launch.forkserver",
+                                description="Import torch once and start paratrain's workers as forks of this "
+                                            "process (set PARATRAIN_FORKSERVER to the socket for `paratrain run`).")
+    p.add_argument("socket", help="the Unix socket to listen on (its directory should be private)")
+    p.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
+                   help=f"modules to import before serving (default {','.join(DEFAULT_PRELOAD)})")
+    p.add_argument("--threads", type=int, default=1,
+                   help="compute threads per worker, as `paratrain run --threads` (default 1)")
+    args = p.parse_args(argv)
+    launched = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
+    if any(os.environ.get(k) != v for k, v in launched.items()):
+        # What `paratrain run` gives its workers, read as the interpreter and torch start: start again with it.
+        os.execve(sys.executable, [sys.executable, "-m", MODULE, *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, **launched})
+    env = dict(os.environ)
+    for name in filter(None, args.preload.split(",")):
+        importlib.import_module(name)
+    server = Server(args.socket, env)
+    try:
+        print(f"paratrain fork server: listening on {args.socket} (preloaded {args.preload})", flush=True)
+        server.serve_forever()
+    finally:
+        try:
+            os.unlink(args.socket)
+        except OSError:
+            pass
+
+
+def start_server(address, preload=",".join(DEFAULT_PRELOAD), env=None, timeout=60.0):
+    """Start a fork server at address as a child of this process (it dies with it) and
+    wait until it listens; returns its Popen. env: its environment (default ours,
+    without PARATRAIN_FORKSERVER)."""
+    e = {k: v for k, v in (os.environ if env is None else env).items() if k != "PARATRAIN_FORKSERVER"}
+    proc = subprocess.Popen([sys.executable, "-m", MODULE, address, "--preload", preload], env=e,
+                            stdout=subprocess.PIPE, text=True, preexec_fn=tie_to_parent(os.getpid()))
+    if not select.select([proc.stdout], [], [], timeout)[0] or "listening" not in proc.stdout.readline():
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the fork server at {address} did not start within {timeout:g}s")
+    return proc
+
+
+def private_address():
+    """A socket path in a new directory only this user can enter."""
+    return os.path.join(tempfile.mkdtemp(prefix="paratrain-fork-"), "server.sock")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # unlink the socket on a polite stop
+    main()
