@@ -49,7 +49,13 @@ def python_m(args, env, cwd=ROOT, timeout=150):
                           timeout=timeout)
 
 
-def start_fork_server(address, preload="torch,torch._dynamo", env=None):
+# What the suite's workers and front-ends import: torch, the optimizer's torch._dynamo,
+# the run's plot, and the Hugging Face models of the hf-* tests.
+SUITE_PRELOAD = ",".join(["torch", "torch._dynamo", "matplotlib.figure", "matplotlib.backends.backend_agg",
+                          "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "bert", "llama"))])
+
+
+def start_fork_server(address, preload=SUITE_PRELOAD, env=None):
     """A fork server listening at address (paratrain/launch/forkserver.py) that serves
     launches from this process's environment; it dies with this process."""
     from paratrain.launch import forkserver

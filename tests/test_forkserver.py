@@ -178,9 +178,14 @@ def test_the_server_leaves_no_socket_after_a_polite_stop(tmp_path):
     assert not os.path.exists(address)
 
 
-def test_a_request_for_anything_but_the_bootstrap_is_refused():
-    assert forkserver.start("/nonexistent", [sys.executable, "-c", "pass"], {}) == \
-        "only the bootstrap runs in a fork"
+def test_a_command_the_bootstrap_cannot_run_as_python_would_is_not_sent():
+    assert "is not `python SCRIPT` or `python -m MODULE`" in forkserver.start("/x", [sys.executable, "-c", "1"], {})
+    for cmd, argv in (([sys.executable, "-m", forkserver.BOOTSTRAP, "s.py", "-x"], ["s.py", "-x"]),
+                      ([sys.executable, "-m", "pkg.mod", "a"], ["-m", "pkg.mod", "a"]),
+                      ([sys.executable, "s.py"], ["s.py"]),
+                      ([sys.executable, "-u", "s.py"], None), (["/other/python", "s.py"], None),
+                      ([sys.executable, "-m"], None)):
+        assert forkserver.bootstrap_argv(cmd) == argv, cmd
     assert "no fork server at /nonexistent" in forkserver.start(
         "/nonexistent", [sys.executable, "-m", forkserver.BOOTSTRAP, "x.py"], {}, stdin=0, stdout=1, stderr=2)
 

@@ -28,6 +28,13 @@ from paratrain.launch.watch import Policy, supervise
 from paratrain.launch.worker import Worker
 from test_launcher import REPO, alive, script, wait_until
 
+@pytest.fixture(autouse=True)
+def fresh_interpreters(monkeypatch):
+    """These tests find the launcher's servers by their parent, command line and
+    environment in /proc, which a fork of the fork server does not show as its own."""
+    monkeypatch.delenv("PARATRAIN_FORKSERVER", raising=False)
+
+
 # Worker-side helpers: the launcher's server children, as /proc shows them.
 SIBLINGS = """
     import json, os, signal, sys, time

@@ -32,6 +32,7 @@ forked itself. The socket lives in a directory only its owner can enter, and
 nothing is unpickled.
 """
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -50,7 +51,7 @@ BOOTSTRAP = "paratrain.launch.bootstrap"
 MODULE = "paratrain.launch.forkserver"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_", "GOMP_", "MALLOC_", "TORCH",
-                    "PYTORCH_", "CUDA_", "HF_", "TRANSFORMERS_")
+                    "PYTORCH_", "CUDA_", "HF_", "TRANSFORMERS_", "MPL")
 NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user")
 MAX_MESSAGE = 1 << 20   # a request: an environment is a few KiB
 REAP_EVERY = 0.02       # seconds between looks for ended workers
@@ -71,11 +72,16 @@ def namespaces():
     return ids
 
 
+def interpreter():
+    """The Python installation (a venv's python and python3 are the same one)."""
+    return [os.path.realpath(sys.executable), sys.prefix, sys.version]
+
+
 def mismatch(request, server_env, server_namespaces):
     """Why this server cannot start the request's worker as a fresh interpreter
     would, or None."""
-    if request.get("executable") != sys.executable:
-        return f"the launcher runs {request.get('executable')}, the server {sys.executable}"
+    if request.get("interpreter") != interpreter():
+        return f"the launcher runs another Python ({request.get('interpreter')}) than the server ({interpreter()})"
     if request.get("namespaces") != server_namespaces:
         return "the launcher is in other kernel namespaces (a private network, e.g. --link)"
     want, have = startup_env(request["env"]), startup_env(server_env)
@@ -120,13 +126,28 @@ class ForkedProcess:
         return self.returncode
 
 
+def bootstrap_argv(cmd):
+    """The bootstrap's arguments for a ``python ...`` command line, or None when it
+    is not one the bootstrap runs as python would (interpreter options, -c)."""
+    cmd = list(cmd)
+    if len(cmd) < 2 or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+        return None
+    if cmd[1:3] == ["-m", BOOTSTRAP]:
+        return cmd[3:]
+    if cmd[1] == "-m" and len(cmd) > 2 or not cmd[1].startswith("-"):
+        return cmd[1:]
+    return None
+
+
 def start(address, cmd, env, cwd=None, cpus=None, stdin=None, stdout=None, stderr=None):
-    """Ask the server at address to start ``cmd`` (``python -m paratrain.launch.bootstrap
-    ARGS``) with these file descriptors as its standard streams. Returns a
-    ForkedProcess, or a string saying why not (the caller starts it fresh)."""
-    if list(cmd[:3]) != [sys.executable, "-m", BOOTSTRAP]:
-        return "only the bootstrap runs in a fork"
-    request = {"argv": list(cmd[3:]), "env": dict(env), "cwd": os.fspath(cwd or os.getcwd()), "executable": sys.executable,
+    """Ask the server at address to start ``cmd`` (``python SCRIPT ARGS`` or ``python -m
+    MODULE ARGS``, run through the bootstrap) with these file descriptors as its
+    standard streams. Returns a ForkedProcess, or a string saying why not (the
+    caller starts it fresh)."""
+    argv = bootstrap_argv(cmd)
+    if argv is None:
+        return f"{' '.join(cmd[:2])} is not `python SCRIPT` or `python -m MODULE`"
+    request = {"argv": argv, "env": dict(env), "cwd": os.fspath(cwd or os.getcwd()), "interpreter": interpreter(),
                "cpus": sorted(cpus) if cpus is not None else None, "namespaces": namespaces()}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -268,6 +289,7 @@ class Server:
             binding.pin(None if request["cpus"] is None else set(request["cpus"]))
             if not sys.flags.safe_path:
                 sys.path[0] = os.getcwd()   # as `python -m` puts it there; the bootstrap moves a script's
+            gc.enable()
             _fresh_random_state()
             from . import bootstrap
             status = bootstrap.main(request["argv"])
@@ -308,8 +330,10 @@ def main(argv=None):
         os.execve(sys.executable, [sys.executable, "-m", MODULE, *(sys.argv[1:] if argv is None else argv)],
                   {**os.environ, **launched})
     env = dict(os.environ)
+    gc.disable()   # no collection leaves holes in the pages the workers will share
     for name in filter(None, args.preload.split(",")):
         importlib.import_module(name)
+    gc.freeze()    # the workers' collections skip what was preloaded, so they neither scan nor copy its pages
     server = Server(args.socket, env)
     try:
         print(f"paratrain fork server: listening on {args.socket} (preloaded {args.preload})", flush=True)
