@@ -193,3 +193,23 @@ def test_a_command_the_bootstrap_cannot_run_as_python_would_is_not_sent():
 def test_start_up_variables_are_the_ones_named():
     env = {"PYTHONPATH": "a", "OMP_NUM_THREADS": "1", "RANK": "0", "PARATRAIN_TIMEOUT": "3", "LD_PRELOAD": "x"}
     assert forkserver.startup_env(env) == {"PYTHONPATH": "a", "OMP_NUM_THREADS": "1", "LD_PRELOAD": "x"}
+
+
+def test_a_launcher_forked_from_the_server_has_its_workers_forked_too(tmp_path):
+    """A front-end forked from the server inherits what the preload put in the
+    environment (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR); its workers still fork."""
+    address = str(tmp_path / "nested.sock")
+    proc = start_fork_server(address, preload="torch._dynamo")
+    try:
+        path = write(tmp_path, SHOW)
+        env = dict(os.environ, PARATRAIN_FORKSERVER=address, PARATRAIN_TIMEOUT="30", OMP_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(tmp_path / "out", "w+b") as out, open(tmp_path / "err", "w+b") as err:
+            front = forkserver.start(address, [sys.executable, "-m", "paratrain.run", "-n", "2", path], env,
+                                     cwd=tmp_path, stdin=0, stdout=out.fileno(), stderr=err.fileno())
+            assert front.wait(60) == 0, (tmp_path / "err").read_text()
+        assert "note" not in (tmp_path / "err").read_text()
+        assert [r["ppid"] for r in reports((tmp_path / "out").read_text())] == [proc.pid, proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -10,7 +10,7 @@ checkpoint.
 import pytest
 import torch
 
-from test_train import ok, run_dirs, train
+from test_train import ok, run_dirs, side_by_side
 
 COMMON = ["--model", "hf-gpt2", "--optimizer", "sgd", "--lr", "0.1", "--steps", "3", "--eval-every", "3"]
 
@@ -33,16 +33,16 @@ def _same(a, b, what):
 
 @pytest.mark.timeout(400)
 def test_tied_gpt2_under_zero3_tensor_and_pipeline_equals_one_process(tmp_path):
-    # one worker with batch 4 reads the same 4 windows a step as 2 workers with batch 2 each
-    ok(train(tmp_path / "one", *COMMON, "--workers", "1", "--batch-size", "4"))
-    one = _whole(tmp_path / "one")
-    assert torch.equal(one["hf.lm_head.weight"], one["hf.transformer.wte.weight"])   # still tied
     runs = {
+        # one worker with batch 4 reads the same 4 windows a step as 2 workers with batch 2 each
+        "one": ["--workers", "1", "--batch-size", "4"],
         "zero3": ["--strategy", "zero", "--stage", "3", "--workers", "2", "--batch-size", "2"],
         "tp2": ["--tp", "2", "--workers", "2", "--batch-size", "4"],                   # one replica, cut in 2
         "pp2": ["--pp", "2", "--microbatches", "2", "--batch-size", "4"],              # one replica, 2 stages
     }
-    for name, args in runs.items():
-        res = train(tmp_path / name, *COMMON, *args)
+    for res in side_by_side(*((tmp_path / name, *COMMON, *args) for name, args in runs.items())):
         ok(res)
+    one = _whole(tmp_path / "one")
+    assert torch.equal(one["hf.lm_head.weight"], one["hf.transformer.wte.weight"])   # still tied
+    for name in ("zero3", "tp2", "pp2"):
         _same(_whole(tmp_path / name), one, name)

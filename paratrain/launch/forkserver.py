@@ -77,15 +77,18 @@ def interpreter():
     return [os.path.realpath(sys.executable), sys.prefix, sys.version]
 
 
-def mismatch(request, server_env, server_namespaces):
+def mismatch(request, server_env, server_namespaces, set_by_preload=None):
     """Why this server cannot start the request's worker as a fresh interpreter
-    would, or None."""
+    would, or None. A variable the preload itself set (set_by_preload) may be
+    missing from the request, or equal: a launcher forked from this server has it."""
     if request.get("interpreter") != interpreter():
         return f"the launcher runs another Python ({request.get('interpreter')}) than the server ({interpreter()})"
     if request.get("namespaces") != server_namespaces:
         return "the launcher is in other kernel namespaces (a private network, e.g. --link)"
     want, have = startup_env(request["env"]), startup_env(server_env)
-    differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    preloaded = set_by_preload or {}
+    differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k)
+                    and not (k in preloaded and want.get(k) == preloaded[k]))
     if differ:
         return f"start-up variables differ from the server's: {', '.join(differ[:5])}"
     return None
@@ -214,7 +217,7 @@ class Server:
         try:
             request = json.loads(data) if data else None
             why = "an empty or malformed request" if not isinstance(request, dict) or len(fds) != 3 else \
-                mismatch(request, self.env, self.namespaces)
+                mismatch(request, self.env, self.namespaces, self.set_by_preload)
         except (ValueError, KeyError, TypeError) as e:
             why = f"a malformed request ({e})"
         if why is None:
