@@ -55,11 +55,11 @@ SUITE_PRELOAD = ",".join(["torch", "torch._dynamo", "matplotlib.figure", "matplo
                           "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "bert", "llama"))])
 
 
-def start_fork_server(address, preload=SUITE_PRELOAD, env=None):
+def start_fork_server(address, preload=SUITE_PRELOAD, env=None, stderr=None):
     """A fork server listening at address (paratrain/launch/forkserver.py) that serves
     launches from this process's environment; it dies with this process."""
     from paratrain.launch import forkserver
-    return forkserver.start_server(address, preload, None if env is None else dict(os.environ, **env))
+    return forkserver.start_server(address, preload, None if env is None else dict(os.environ, **env), stderr=stderr)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -72,7 +72,9 @@ def fork_server(request):
         return
     from paratrain.launch.forkserver import private_address
     address = private_address()
-    proc = start_fork_server(address)
+    log = os.path.join(os.path.dirname(address), "server.log")
+    with open(log, "w") as stderr:
+        proc = start_fork_server(address, stderr=stderr)
     os.environ["PARATRAIN_FORKSERVER"] = address
     try:
         yield address
@@ -80,7 +82,22 @@ def fork_server(request):
         del os.environ["PARATRAIN_FORKSERVER"]
         proc.kill()   # the interpreter's exit with torch loaded takes a second; the directory goes below
         proc.wait(timeout=30)
+        with open(log) as f:
+            FRESH_STARTS.extend(line.split(": ", 2)[-1].strip() for line in f if "started one fresh" in line)
         shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+
+
+FRESH_STARTS = []   # why the suite's server started a worker fresh, one entry a worker
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many workers started fresh instead of forked, and why: a launch that
+    should fork and does not makes the suite slower, not red."""
+    if FRESH_STARTS:
+        import collections
+        terminalreporter.write_line(f"fork server: {len(FRESH_STARTS)} workers started fresh:")
+        for why, n in collections.Counter(FRESH_STARTS).most_common(8):
+            terminalreporter.write_line(f"  {n} x {why[:160]}")
 
 
 def spawn(n, script, *args, env=None, port=None):

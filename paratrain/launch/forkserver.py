@@ -235,6 +235,7 @@ class Server:
         self._reply(conn, {"pid": pid} if why is None else {"refused": why})
         if why is not None:
             self.refused += 1
+            print(f"paratrain fork server: started one fresh: {why}", file=sys.stderr, flush=True)
             conn.close()
 
     def _reply(self, conn, message):
@@ -348,13 +349,13 @@ def main(argv=None):
             pass
 
 
-def start_server(address, preload=",".join(DEFAULT_PRELOAD), env=None, timeout=60.0):
+def start_server(address, preload=",".join(DEFAULT_PRELOAD), env=None, timeout=60.0, stderr=None):
     """Start a fork server at address as a child of this process (it dies with it) and
     wait until it listens; returns its Popen. env: its environment (default ours,
-    without PARATRAIN_FORKSERVER)."""
+    without PARATRAIN_FORKSERVER); stderr: where it says what it refused."""
     e = {k: v for k, v in (os.environ if env is None else env).items() if k != "PARATRAIN_FORKSERVER"}
     proc = subprocess.Popen([sys.executable, "-m", MODULE, address, "--preload", preload], env=e,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=tie_to_parent(os.getpid()))
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=tie_to_parent(os.getpid()))
     if not select.select([proc.stdout], [], [], timeout)[0] or "listening" not in proc.stdout.readline():
         proc.kill()
         proc.wait()
