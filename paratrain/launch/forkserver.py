@@ -54,7 +54,6 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_"
                     "PYTORCH_", "CUDA_", "HF_", "TRANSFORMERS_", "MPL")
 NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user")
 MAX_MESSAGE = 1 << 20   # a request: an environment is a few KiB
-REAP_EVERY = 0.02       # seconds between looks for ended workers
 
 
 def startup_env(env):
@@ -170,8 +169,8 @@ def start(address, cmd, env, cwd=None, cpus=None, stdin=None, stdout=None, stder
 
 class Server:
     """Accepts requests, forks workers, reports how each ended. One thread: a
-    select over the listening socket and the connections, and a reap of ended
-    children between looks."""
+    select over the listening socket, the connections and the SIGCHLD pipe,
+    then a reap of ended children."""
 
     def __init__(self, address, env_before_preload):
         self.pid = os.getpid()
@@ -188,14 +187,27 @@ class Server:
         self.started = self.refused = 0
 
     def serve_forever(self):
+        """Sleep until a request, a launcher's end or a worker's end (SIGCHLD wakes
+        the select through a pipe), never on a timer: an idle server costs nothing."""
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         while True:
-            self.serve_once(REAP_EVERY)
+            self.serve_once(None)
 
     def serve_once(self, timeout):
         launchers = [c for c in self.workers.values() if c is not None]
-        ready = select.select([self.listener, *self.waiting, *launchers], [], [], timeout)[0]
+        ready = select.select([self.listener, self.wake_r, *self.waiting, *launchers], [], [], timeout)[0]
         for s in ready:
-            if s is self.listener:
+            if s == self.wake_r:
+                while True:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        break
+            elif s is self.listener:
                 conn, _ = self.listener.accept()
                 self.waiting.add(conn)
             elif s in self.waiting:
@@ -278,7 +290,11 @@ class Server:
             for c in [*self.waiting, *self.workers.values()]:
                 if c is not None:
                     c.close()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a fresh interpreter's, not the server's
+            signal.set_wakeup_fd(-1)   # a fresh interpreter's signal state, not the server's
+            for sig in (signal.SIGTERM, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            os.close(self.wake_r)
+            os.close(self.wake_w)
             os.setsid()
             set_parent_death_signal(self.pid)
             for target, fd in enumerate(fds):
