@@ -50,8 +50,10 @@ def python_m(args, env, cwd=ROOT, timeout=150):
 
 
 # What the suite's workers and front-ends import: torch, the optimizer's torch._dynamo,
-# the run's plot, and the Hugging Face models of the hf-* tests.
+# the run's plot, the digits (scikit-learn, which sets KMP_* variables as it is imported:
+# preloaded, a front-end's workers still fork), and the Hugging Face models of the hf-* tests.
 SUITE_PRELOAD = ",".join(["torch", "torch._dynamo", "matplotlib.figure", "matplotlib.backends.backend_agg",
+                          "sklearn.datasets",
                           "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "bert", "llama"))])
 
 
