@@ -331,15 +331,17 @@ def start_and_watch(workers, servers, policy):
     """Start the servers, then the workers, and watch them (watch.supervise);
     returns the exit code. Also used by ``paratrain server`` (no workers)."""
     started = []
-    try:
-        for w in servers + workers:
-            w.start()
-            started.append(w)
-    except OSError as e:
-        say(f"{policy.command}: error: could not start {w.label} ({' '.join(w.cmd)}): {e}")
-        with LauncherSignals() as signals:
+    # Handlers first: a forked worker can be running before supervise() is reached,
+    # and a signal in that window must stop the job, not kill the launcher outright.
+    with LauncherSignals() as signals:
+        try:
+            for w in servers + workers:
+                w.start()
+                started.append(w)
+        except OSError as e:
+            say(f"{policy.command}: error: could not start {w.label} ({' '.join(w.cmd)}): {e}")
             stop(started, signals)
-        return 1
-    for w in started:
-        w.start_output()
-    return supervise(workers, servers=servers, policy=policy)
+            return 1
+        for w in started:
+            w.start_output()
+        return supervise(workers, servers=servers, policy=policy, signals=signals)

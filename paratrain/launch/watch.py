@@ -18,6 +18,7 @@ Two exceptions, each asked for on the command line (the Policy below):
   SSP), where no worker waits for another; in a synchronous job the others
   would block in their next collective until their timeout.
 """
+import contextlib
 import dataclasses
 import signal
 import subprocess
@@ -178,7 +179,7 @@ def _outcome(command, workers, lost):
     return rc if rc > 0 else 1
 
 
-def supervise(workers, grace=GRACE, poll=POLL, servers=(), policy=None):
+def supervise(workers, grace=GRACE, poll=POLL, servers=(), policy=None, signals=None):
     """Watch started workers until the job ends; return the launcher's exit code:
     0 when all succeed, the failed worker's code (1 if it died by a signal),
     or 128 + the signal number when the launcher was interrupted.
@@ -188,11 +189,13 @@ def supervise(workers, grace=GRACE, poll=POLL, servers=(), policy=None):
     every worker has ended they are asked to stop (SIGTERM) and their own exit
     does not count. With servers and no workers (paratrain server) the job runs
     until the launcher is interrupted or a server cannot be restarted.
-    ``policy`` (default: stop at the first failure) is described in Policy."""
+    ``policy`` (default: stop at the first failure) is described in Policy.
+    ``signals``: LauncherSignals the caller entered before starting the workers,
+    so a signal that came while they started is acted on, not fatal."""
     policy = policy or Policy()
     workers, servers = list(workers), list(servers)  # servers: replaced in place by their restarts
     failed, lost = None, {}  # lost: worker left behind -> the thread telling the servers, or None
-    with LauncherSignals() as signals:
+    with contextlib.nullcontext(signals) if signals is not None else LauncherSignals() as signals:
         while signals.received is None:
             codes = [w.poll() for w in workers]
             failed = _worker_failures(workers, codes, lost, policy)
