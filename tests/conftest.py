@@ -27,10 +27,10 @@ def python_m(args, env, cwd=ROOT, timeout=150):
     import signal
     import tempfile
 
-    from paratrain.launch import forkserver
+    from paratrain.launch import binding, forkserver
     address = os.environ.get("PARATRAIN_FORKSERVER")
     if address:
-        e = dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")   # the server's
+        e = dict(env, **binding.interpreter_env(1))   # what the server started with
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
             proc = forkserver.start(address, [sys.executable, "-m", forkserver.BOOTSTRAP, "-m", *args], e, cwd=cwd,
                                     stdin=null.fileno(), stdout=out.fileno(), stderr=err.fileno())

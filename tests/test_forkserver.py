@@ -13,12 +13,12 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from conftest import start_fork_server
-from paratrain.launch import forkserver
+from paratrain.launch import binding, forkserver
+from test_launcher import alive, wait_until
 
 SHOW = """\
     import os, sys
@@ -117,23 +117,6 @@ def test_the_server_answers_a_bad_request_and_serves_the_next(tmp_path, server):
     assert p.returncode == 0 and "note" not in err, err
 
 
-def _gone(pids, within=10.0):
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(_alive(pid) for pid in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 SLEEP = """\
     import os, time
     print(json.dumps({"pid": os.getpid(), "rank": os.environ["RANK"]}), flush=True)
@@ -159,13 +142,13 @@ def test_workers_die_with_their_launcher_or_their_server(tmp_path, server):
     pids = _started(launcher, 2)
     launcher.kill()
     launcher.communicate()
-    assert _gone(pids), "workers outlived their launcher"
+    assert wait_until(lambda: not any(alive(p) for p in pids), 10), "workers outlived their launcher"
 
     launcher = run(tmp_path, address, "-n", "2", path)
     pids = _started(launcher, 2)
     proc.kill()
     out, err = launcher.communicate(timeout=30)
-    assert _gone(pids)
+    assert wait_until(lambda: not any(alive(p) for p in pids), 10), "workers outlived their server"
     assert launcher.returncode != 0 and "was killed by SIGKILL" in err, err
 
 
@@ -202,8 +185,7 @@ def test_a_launcher_forked_from_the_server_has_its_workers_forked_too(tmp_path):
     proc = start_fork_server(address, preload="torch._dynamo")
     try:
         path = write(tmp_path, SHOW)
-        env = dict(os.environ, PARATRAIN_FORKSERVER=address, PARATRAIN_TIMEOUT="30", OMP_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PARATRAIN_FORKSERVER=address, PARATRAIN_TIMEOUT="30", **binding.interpreter_env(1))
         with open(tmp_path / "out", "w+b") as out, open(tmp_path / "err", "w+b") as err:
             front = forkserver.start(address, [sys.executable, "-m", "paratrain.run", "-n", "2", path], env,
                                      cwd=tmp_path, stdin=0, stdout=out.fileno(), stderr=err.fileno())
@@ -213,3 +195,14 @@ def test_a_launcher_forked_from_the_server_has_its_workers_forked_too(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_every_launch_in_one_process_says_once_why_its_workers_start_fresh(tmp_path, capfd, monkeypatch):
+    from paratrain.launch import main
+    monkeypatch.setenv("PARATRAIN_FORKSERVER", str(tmp_path / "nobody.sock"))
+    path = write(tmp_path, SHOW)
+    for _ in range(2):
+        assert main(["-n", "2", path]) == 0
+        err = capfd.readouterr().err
+        assert err.count("paratrain run: note: PARATRAIN_FORKSERVER is set, but workers start fresh: no fork "
+                         "server at") == 1, err

@@ -18,6 +18,14 @@ import os
 MODES = ("none", "core")
 
 
+def interpreter_env(threads):
+    """What a launched process's interpreter and OpenMP/MKL read as they start: its
+    compute threads (N workers each with a full-width pool on fewer cores thrash),
+    and unbuffered output, so it reaches the launcher as it is printed. One place,
+    because a fork server must have started with exactly these to serve a worker."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+
+
 def available_cpus():
     """The CPUs this process may run on, in order (its affinity mask, which a
     container, taskset or a batch scheduler may have narrowed)."""

@@ -76,7 +76,7 @@ def interpreter():
     return [os.path.realpath(sys.executable), sys.prefix, sys.version]
 
 
-def mismatch(request, server_env, server_namespaces, set_by_preload=None):
+def mismatch(request, server_env, server_namespaces, set_by_preload):
     """Why this server cannot start the request's worker as a fresh interpreter
     would, or None. A variable the preload itself set (set_by_preload) may be
     missing from the request, or equal: a launcher forked from this server has it."""
@@ -85,9 +85,8 @@ def mismatch(request, server_env, server_namespaces, set_by_preload=None):
     if request.get("namespaces") != server_namespaces:
         return "the launcher is in other kernel namespaces (a private network, e.g. --link)"
     want, have = startup_env(request["env"]), startup_env(server_env)
-    preloaded = set_by_preload or {}
     differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k)
-                    and not (k in preloaded and want.get(k) == preloaded[k]))
+                    and not (k in set_by_preload and want.get(k) == set_by_preload[k]))
     if differ:
         return f"start-up variables differ from the server's: {', '.join(differ[:5])}"
     return None
@@ -184,7 +183,6 @@ class Server:
         self.listener.listen(64)
         self.waiting = set()      # connections whose request has not come yet
         self.workers = {}         # pid -> its launcher's connection
-        self.started = self.refused = 0
 
     def serve_forever(self):
         """Sleep until a request, a launcher's end or a worker's end (SIGCHLD wakes
@@ -241,12 +239,10 @@ class Server:
                 if pid == 0:
                     self._become_worker(request, fds)   # never returns
                 self.workers[pid] = conn
-                self.started += 1
         for fd in fds:
             os.close(fd)
         self._reply(conn, {"pid": pid} if why is None else {"refused": why})
         if why is not None:
-            self.refused += 1
             print(f"paratrain fork server: started one fresh: {why}", file=sys.stderr, flush=True)
             conn.close()
 
@@ -344,7 +340,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="compute threads per worker, as `paratrain run --threads` (default 1)")
     args = p.parse_args(argv)
-    launched = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
+    launched = binding.interpreter_env(args.threads)
     if any(os.environ.get(k) != v for k, v in launched.items()):
         # What `paratrain run` gives its workers, read as the interpreter and torch start: start again with it.
         os.execve(sys.executable, [sys.executable, "-m", MODULE, *(sys.argv[1:] if argv is None else argv)],

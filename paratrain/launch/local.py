@@ -146,7 +146,6 @@ def worker_env(base, args, local_rank, port, job_id):
     torchrun left that this job does not set (ROLE_*, TORCHELASTIC_*) is dropped,
     so a worker never sees another job's values beside this one's."""
     env = {k: v for k, v in base.items() if not k.startswith(("ROLE_", "TORCHELASTIC_"))}
-    threads = str(args.threads)
     env.update({
         "RANK": str(args.node_rank * args.nproc + local_rank),
         "LOCAL_RANK": str(local_rank),
@@ -157,10 +156,8 @@ def worker_env(base, args, local_rank, port, job_id):
         "MASTER_ADDR": args.master_addr,
         "MASTER_PORT": str(port),
         "PARATRAIN_JOB_ID": job_id,
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
-        "PARATRAIN_THREADS": threads,
-        "PYTHONUNBUFFERED": "1",  # output reaches the launcher as it is printed
+        "PARATRAIN_THREADS": str(args.threads),
+        **binding.interpreter_env(args.threads),
     })
     if args.timeout is not None:
         env["PARATRAIN_TIMEOUT"] = f"{args.timeout:g}"
@@ -342,6 +339,9 @@ def start_and_watch(workers, servers, policy):
             say(f"{policy.command}: error: could not start {w.label} ({' '.join(w.cmd)}): {e}")
             stop(started, signals)
             return 1
+        reasons = sorted({w.fresh_because for w in started if w.fresh_because})
+        if reasons:
+            say(f"{policy.command}: note: PARATRAIN_FORKSERVER is set, but workers start fresh: {'; '.join(reasons)}")
         for w in started:
             w.start_output()
         return supervise(workers, servers=servers, policy=policy, signals=signals)

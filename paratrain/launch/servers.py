@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 
+from . import binding
 from .watch import describe_exit, say
 from .worker import Worker
 
@@ -33,8 +34,7 @@ FAREWELL_TIMEOUT = 10.0  # seconds the servers get to acknowledge that a worker 
 def server_env(base, index, bind, job_id, checkpoints, timeout=None):
     """The environment paratrain.ps.server reads."""
     env = dict(base, PARATRAIN_PS_INDEX=str(index), PARATRAIN_PS_BIND=bind, PARATRAIN_JOB_ID=job_id,
-               PARATRAIN_PS_CHECKPOINT_DIR=checkpoints, PARATRAIN_PS_RESTART="0",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+               PARATRAIN_PS_CHECKPOINT_DIR=checkpoints, PARATRAIN_PS_RESTART="0", **binding.interpreter_env(1))
     if timeout is not None:
         env["PARATRAIN_TIMEOUT"] = f"{timeout:g}"
     return env

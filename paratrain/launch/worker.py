@@ -30,16 +30,6 @@ TAIL_LINES = 20
 OUTPUT_LOCK = threading.Lock()
 
 
-_NOTED = []
-
-
-def _note_fresh_start(why):
-    """Say once per launcher why workers start as fresh interpreters despite PARATRAIN_FORKSERVER."""
-    if not _NOTED:
-        _NOTED.append(why)
-        emit("stderr", f"paratrain run: note: PARATRAIN_FORKSERVER is set, but workers start fresh: {why}\n".encode())
-
-
 def emit(stream_name, data):
     """Write bytes to the launcher's current sys.stdout / sys.stderr and flush.
 
@@ -74,6 +64,7 @@ class Worker:
         self.tail = collections.deque(maxlen=TAIL_LINES)  # stdout and stderr, in arrival order
         self.cpus = cpus  # the CPUs it is pinned to (binding.py), None for anywhere
         self.proc = None
+        self.fresh_because = None  # why the fork server (PARATRAIN_FORKSERVER) did not start it, if it was asked
         self.signalled = False  # the launcher sent it a signal (its exit is then not a failure of its own)
         self.note = ""  # said after how it ended in the failure report ("after 3 restarts")
         self._readers = []
@@ -97,7 +88,8 @@ class Worker:
                 start_new_session=True, preexec_fn=tie_to_parent(os.getpid(), self.cpus))
 
     def _start_forked(self, address):
-        """A ForkedProcess with its output pipes, or None (and a note) if the server cannot start it."""
+        """A ForkedProcess with its output pipes, or None (and why, in fresh_because) if the
+        server cannot start it."""
         from . import forkserver
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -111,7 +103,7 @@ class Worker:
         if isinstance(proc, str):
             os.close(out_r)
             os.close(err_r)
-            _note_fresh_start(proc)
+            self.fresh_because = proc
             return None
         proc.stdout, proc.stderr = os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
         return proc
