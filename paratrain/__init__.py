@@ -22,7 +22,8 @@ _API["mesh"] = "paratrain.parallel.mesh"
 _API["ZeRO"] = "paratrain.parallel.zero"
 _NAMESPACES = {"ps": "paratrain.ps", "pipeline": "paratrain.parallel.pipeline",   # pt.ps.connect(), pt.pipeline.split()
                "tensor": "paratrain.parallel.tensor",                              # pt.tensor.ColumnParallelLinear
-               "functional": "paratrain.parallel.tensor.functional"}               # pt.functional.all_reduce
+               "functional": "paratrain.parallel.tensor.functional",               # pt.functional.all_reduce
+               "trace": "paratrain.trace"}                                         # pt.trace.span("name")
 __all__ = sorted(_API)
 
 

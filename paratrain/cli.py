@@ -6,6 +6,7 @@
                                              ZB-H1), tensor and 3D parallel (--tp, --dp, --pp), ZeRO 1-3
                                              (zero), gradient compression (--compression)
     paratrain run -n 4 script.py args...     start workers running your script (like torchrun)
+    paratrain trace runs/<id>                where each rank's step time went, stragglers, who was late
     paratrain server --servers 2             parameter servers on this host for a multi-node job
     paratrain bench collectives -n 2         collectives beside Gloo and Open MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
@@ -27,6 +28,8 @@ commands:
            ZeRO stages 1-3 (--strategy zero), gradient compression (--compression)
   run      start N worker processes running your script (like torchrun), with parameter
            servers if asked (`paratrain run -n 2 --servers 1 script.py`)
+  trace    where each rank's time went in a traced run (`paratrain train --trace`,
+           `paratrain run --trace DIR`): compute, waiting, communication, idle, stragglers
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
   bench    benchmarks beside PyTorch, Gloo and Open MPI: `paratrain bench collectives -n 2`,
@@ -49,6 +52,9 @@ def main(argv=None):
     if cmd == "run":
         from .launch.local import main as run_main
         return run_main(rest)
+    if cmd == "trace":
+        from .trace.command import main as trace_main
+        return trace_main(rest)
     if cmd == "server":
         from .launch.serve import main as server_main
         return server_main(rest)

@@ -79,6 +79,8 @@ SETTINGS = {s.name: s for s in (
             "the next step)"),
     Setting("PARATRAIN_FORKSERVER", None, str, "the socket of a fork server (`python -m "
             "paratrain.launch.forkserver SOCKET`): workers start as forks of it, torch already imported"),
+    Setting("PARATRAIN_TRACE", None, str, "a folder: every rank records a trace there, merged into "
+            "`trace.json` at the end (set by `paratrain run --trace DIR` and `paratrain train --trace`)"),
     Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
     Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
     Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "

@@ -18,6 +18,7 @@ soon as it can send and receive. The algorithms see the backend only through
 import numpy as np
 
 from .. import config
+from ..trace import calls as trace_calls, recorder as trace
 from . import envelopes, ops
 from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
@@ -107,6 +108,7 @@ class ProcessGroup:
         self._closed_channels = {}   # envelopes.py: (src, tag) left with an undrained message, and why
         self._env_algo = config.get("PARATRAIN_ALGO")
         self._destroyed = False
+        self._trace_bytes, self._trace_algorithm = 0, None   # the call being made, for its trace (trace/calls.py)
 
     def __repr__(self):
         return f"<{type(self).__name__} rank {self.rank}/{self.world_size} backend={self.backend}>"
@@ -121,6 +123,8 @@ class ProcessGroup:
 
     def _run(self, lane, fn, async_op, what):
         self._check_alive(what)
+        if trace.ON and lane == "coll":
+            fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn)
         if async_op:
             return self._lanes.submit(lane, fn, what)
         self._lanes.drain(lane)
@@ -145,6 +149,8 @@ class ProcessGroup:
         It counts the call (seq), so every check that may refuse a call runs before it:
         a call refused on one rank only must leave the ranks' counts equal."""
         self._seq += 1
+        if trace.ON:
+            self._trace_bytes = int(numel) * ops.itemsize(code) if code else 0
         fields = (COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code, int(numel), int(root), extra)
         return (self._seq, *fields, hash(fields) & 0x7FFFFFFFFFFFFFFF)
 
@@ -158,6 +164,7 @@ class ProcessGroup:
 
     def _algorithm(self, algorithm, nbytes):
         name = algorithm or self._env_algo or self.default_algorithm(nbytes)
+        self._trace_algorithm = name
         if name in ALGORITHMS:
             return ALGORITHMS[name]
         native = getattr(self, "native_algorithms", ())
@@ -180,6 +187,36 @@ class ProcessGroup:
     # is called, so its Work is done once its message is in (work.posted_work).
 
     def send(self, tensor, dst, tag=0):
+        if trace.ON:
+            return trace_calls.point_to_point(self, "send", "send", *self._traced_peer(tensor, dst, tag, "send"),
+                                              lambda: self._send_call(tensor, dst, tag))
+        return self._send_call(tensor, dst, tag)
+
+    def recv(self, tensor, src, tag=0):
+        if trace.ON:
+            return trace_calls.point_to_point(self, "recv", "recv", *self._traced_peer(tensor, src, tag, "recv"),
+                                              lambda: self._recv_call(tensor, src, tag))
+        return self._recv_call(tensor, src, tag)
+
+    def isend(self, tensor, dst, tag=0):
+        if trace.ON:
+            return trace_calls.posted(self, "isend", "send", *self._traced_peer(tensor, dst, tag, "isend"),
+                                      lambda: self._isend_call(tensor, dst, tag))
+        return self._isend_call(tensor, dst, tag)
+
+    def irecv(self, tensor, src, tag=0):
+        if trace.ON:
+            return trace_calls.posted(self, "irecv", "recv", *self._traced_peer(tensor, src, tag, "irecv"),
+                                      lambda: self._irecv_call(tensor, src, tag))
+        return self._irecv_call(tensor, src, tag)
+
+    def _traced_peer(self, tensor, peer, tag, what):
+        """(peer, tag, bytes) of a point-to-point call, for its trace; checked as the call checks them."""
+        return (*self._p2p_peer(peer, tag, what), int(getattr(tensor, "nbytes", 0)))
+
+    # The calls themselves; a backend with its own engine overrides them (torch_backend.py).
+
+    def _send_call(self, tensor, dst, tag=0):
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "send", writable=False)
         if self._envelopes:
             self._check_alive(f"send to {dst}")
@@ -187,7 +224,7 @@ class ProcessGroup:
             return
         self._run(f"send-{dst}", lambda: self._send(buf, code, dst, tag), False, f"send to {dst}")
 
-    def recv(self, tensor, src, tag=0):
+    def _recv_call(self, tensor, src, tag=0):
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "recv")
         self._check_alive(f"recv from {src}")
         if self._envelopes:
@@ -196,7 +233,7 @@ class ProcessGroup:
             self._blocking_recv(buf, code, src, tag)
         return src
 
-    def isend(self, tensor, dst, tag=0):
+    def _isend_call(self, tensor, dst, tag=0):
         buf, code, dst, tag = self._p2p_args(tensor, dst, tag, "isend", writable=False)
         self._check_alive(f"isend to {dst}")
         if self._envelopes:
@@ -204,7 +241,7 @@ class ProcessGroup:
                                        self._p2p_what("isend", buf, "to", dst, tag))
         return self._post_send(buf, code, dst, tag)
 
-    def irecv(self, tensor, src, tag=0):
+    def _irecv_call(self, tensor, src, tag=0):
         buf, code, src, tag = self._p2p_args(tensor, src, tag, "irecv")
         self._check_alive(f"irecv from {src}")
         if self._envelopes:

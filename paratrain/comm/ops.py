@@ -31,6 +31,14 @@ NUMPY_CODE = {np.dtype(n): c for c, t, n in _DTYPES if t is not torch.bfloat16}
 _HALF_CODES = {1, 2}
 _INT_CODES = {5, 6, 7}
 BFLOAT16, INT64, UINT8 = 2, 6, 7
+CODE_ITEMSIZE = {c: np.dtype(n).itemsize for c, _, n in _DTYPES}
+
+
+def itemsize(code):
+    """Bytes per element of a dtype code."""
+    return CODE_ITEMSIZE[code]
+
+
 REDUCE_CODE = {name: i + 1 for i, name in enumerate(REDUCE_OPS)}
 
 

@@ -103,16 +103,16 @@ class TorchGroup(ProcessGroup):
 
     # ---- point to point: torch uses global ranks ---------------------------------
 
-    def send(self, tensor, dst, tag=0):
+    def _send_call(self, tensor, dst, tag=0):
         if not self._passes(tensor):
-            return super().send(tensor, dst, tag)
+            return super()._send_call(tensor, dst, tag)
         t, _ = tensor_arg(tensor, "send buffer")
         dst, tag = self._p2p_peer(dst, tag, "send")
         self._run(f"send-{dst}", lambda: self._send_t(t, dst, tag), False, f"send to {dst}")
 
-    def recv(self, tensor, src, tag=0):
+    def _recv_call(self, tensor, src, tag=0):
         if not self._passes(tensor):
-            return super().recv(tensor, src, tag)
+            return super()._recv_call(tensor, src, tag)
         t, _ = tensor_arg(tensor, "recv buffer")
         src, tag = self._p2p_peer(src, tag, "recv")
         self._check_alive(f"recv from {src}")
@@ -120,17 +120,17 @@ class TorchGroup(ProcessGroup):
         self._recv_t(t, src, tag)
         return src
 
-    def isend(self, tensor, dst, tag=0):
+    def _isend_call(self, tensor, dst, tag=0):
         if not self._passes(tensor):
-            return super().isend(tensor, dst, tag)
+            return super()._isend_call(tensor, dst, tag)
         t, _ = tensor_arg(tensor, "isend buffer")
         dst, tag = self._p2p_peer(dst, tag, "isend")
         self._check_alive(f"isend to {dst}")
         return self._post(dist.isend, self._p2p_what("isend", t, "to", dst, tag), t, dst, tag)
 
-    def irecv(self, tensor, src, tag=0):
+    def _irecv_call(self, tensor, src, tag=0):
         if not self._passes(tensor):
-            return super().irecv(tensor, src, tag)
+            return super()._irecv_call(tensor, src, tag)
         t, _ = tensor_arg(tensor, "irecv buffer")
         src, tag = self._p2p_peer(src, tag, "irecv")
         self._check_alive(f"irecv from {src}")

@@ -76,6 +76,8 @@ def init(backend=None, timeout=None, threads=None):
     if backend == "mpi":
         from .mpi_backend import mpi_world
         _S.world, _S.backend = mpi_world(timeout), "mpi"
+        _S.world.trace_name = "world"
+        _start_trace(_S.world, _S.world.rank)
         return _S.world
 
     e = envmod.read_env()
@@ -97,7 +99,20 @@ def init(backend=None, timeout=None, threads=None):
                      "pass every rank the same pt.init(backend=...) or PARATRAIN_BACKEND", _S.procs)
     _S.backend = backend
     _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
+    _start_trace(_S.world, e.rank)
     return _S.world
+
+
+def _start_trace(world, rank):
+    """With PARATRAIN_TRACE set: this rank's clock offset to rank 0's (one exchange
+    with rank 0 over the world group), then record from here on (trace/)."""
+    directory = config.get("PARATRAIN_TRACE")
+    if directory:
+        from ..trace import clock, optimizer, recorder
+        offset, uncertainty = clock.estimate(world)
+        optimizer.install()
+        recorder.start(directory, "rank", rank, offset, uncertainty, world_size=world.world_size,
+                       backend=_S.backend)
 
 
 _STORES = {}   # (addr, port, rank, world size) -> [the rendezvous store, inits over it so far]
@@ -222,6 +237,13 @@ def _make_group(ranks, global_rank, backend, timeout, world=False):
     _S.group_count += 1
     key = f"g{_S.group_count}"
     member = global_rank in ranks
+    group = _build_group(ranks, global_rank, backend, timeout, world, key, member)
+    if group is not None:   # its name in a trace: the same on every member
+        group.trace_name = "world" if world else f"{key}[{','.join(map(str, ranks))}]"
+    return group
+
+
+def _build_group(ranks, global_rank, backend, timeout, world, key, member):
     if backend in ("torch", "gloo", "nccl"):
         import torch.distributed as dist
         from .torch_backend import TorchGroup

@@ -101,6 +101,10 @@ def build_parser():
                         "parameter servers it left (asynchronous training: ASP, SSP)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any wait in paratrain.comm may take (exported as PARATRAIN_TIMEOUT)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="every worker records a trace into DIR (PARATRAIN_TRACE); at the end they are merged into "
+                        "DIR/trace.json, which Perfetto opens and `paratrain trace DIR` reads")
+    p.add_argument("--trace-out", default=None, help=argparse.SUPPRESS)   # paratrain train: where trace.json goes
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
                    help="do not prefix workers' output lines with [rank R]")
     p.add_argument("-m", "--module", action="store_true",
@@ -279,6 +283,10 @@ def main(argv=None, on_line=None):
     target = ["-m", args.script] if args.module else [script]
     cmd = [sys.executable, "-m", BOOTSTRAP, *target, *args.args]
     base = dict(os.environ)
+    trace_dir = args.trace or base.get("PARATRAIN_TRACE") or None
+    if trace_dir:
+        trace_dir = base["PARATRAIN_TRACE"] = os.path.abspath(trace_dir)
+        remove_old_trace(trace_dir)
     addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)
     if addrs:
         base["PARATRAIN_PS_ADDRS"] = ",".join(addrs)
@@ -296,11 +304,32 @@ def main(argv=None, on_line=None):
     rc = 1
     try:
         rc = start_and_watch(workers, servers, _policy(args, addrs))
+        if trace_dir:
+            merge_trace(trace_dir, args.trace_out)
         return rc
     finally:
         remove_leftover_segments(job_id)
         if checkpoints is not None:
             checkpoints.finish(rc == 0)
+
+
+def remove_old_trace(directory):
+    """A trace folder used before holds the last job's files: remove them, so the merge
+    reads this job's alone."""
+    for path in glob.glob(os.path.join(directory, "rank-*.jsonl")) + glob.glob(os.path.join(directory, "server-*.jsonl")):
+        os.remove(path)
+
+
+def merge_trace(directory, out=None):
+    """The workers' trace files into DIR/trace.json (or ``out``); says where, or why not."""
+    from ..trace import chrome
+    try:
+        path = chrome.merge(directory, out)
+    except (OSError, ValueError) as e:
+        say(f"paratrain run: the trace was not merged: {e}")
+        return None
+    say(f"paratrain run: trace: {path} (open it in https://ui.perfetto.dev; `paratrain trace {directory}`)")
+    return path
 
 
 def worker_cpus(args):

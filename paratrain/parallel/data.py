@@ -38,8 +38,10 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree
 from torch import nn
 
+from ..trace import recorder as trace
 from . import buckets as bucketing
 from . import join as joining
 from .comm_hooks import make_hook
@@ -97,12 +99,34 @@ class _DataParallelBase(nn.Module):
         self._check_same_model()
         self.sync_module_states()
 
+    traces_its_passes = True   # records forward and backward itself, when the run is traced
+
     def forward(self, *args, **kwargs):
         if self._joining is not None:
             self._joining.on_forward(self)
         elif self.broadcast_buffers and self.training:
             self._broadcast_buffers()
-        return self.module(*args, **kwargs)
+        if not trace.ON:
+            return self.module(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        trace.add("forward", "compute", "compute", t0, time.perf_counter())
+        self._backward_began = None
+        first = next((t for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:   # backward reaches the output's gradient first: its start
+            first.register_hook(self._note_backward_start)
+        return out
+
+    def _note_backward_start(self, grad):
+        if self._backward_began is None:
+            self._backward_began = time.perf_counter()
+
+    def _note_backward_end(self):
+        """Called first thing at the end of backward: its span, when traced."""
+        began, self._backward_began = getattr(self, "_backward_began", None), None
+        if trace.ON and began is not None:
+            trace.add("backward", "compute", "compute", began, time.perf_counter())
 
     # ---- replicas start (and stay) the same ---------------------------------------
 
@@ -187,6 +211,7 @@ class DataParallelNaive(_DataParallelBase):
             _engine_callback(self._after_backward)
 
     def _after_backward(self):
+        self._note_backward_end()
         self._queued = False
         self._average_all()
 
@@ -317,6 +342,7 @@ class DataParallel(_DataParallelBase):
     def _after_backward(self):
         """End of backward: parameters that got no gradient count as ready (with what
         their bucket slot holds), the rest of the buckets go, and we wait for all."""
+        self._note_backward_end()
         try:
             for b in self.buckets:
                 for i, p in enumerate(b.params):

@@ -58,7 +58,9 @@ def main(argv=None):
     from ..launch.local import main as launch
     from .metrics import render_summary
     from .progress import ProgressDisplay
-    launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to,
+    tracing = ["--trace", os.path.join(run_dir, "trace"), "--trace-out", os.path.join(run_dir, "trace.json")] \
+        if args.trace else []
+    launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to, *tracing,
                 *strategies.STRATEGIES[args.strategy].launcher_args(args),
                 "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
@@ -79,4 +81,20 @@ def main(argv=None):
               "rank 0 also hosts the job's store, so a job cannot finish without it", file=sys.stderr)
         return 1
     render_summary(summary, console)
+    if args.trace:
+        show_trace(run_dir, console)
     return 0
+
+
+def show_trace(run_dir, console):
+    """After a traced run: trace.png, and where each rank's step time went."""
+    from ..trace import analysis, command, gantt
+    try:
+        result = analysis.analyse(run_dir)
+        trace_file = result["trace"]
+        result["plot"] = gantt.plot(analysis.load(trace_file), os.path.join(run_dir, "trace.png"),
+                                    f"{os.path.basename(run_dir)}: the last 3 steps")
+    except (OSError, ValueError) as e:
+        console.print(f"paratrain train: the trace could not be read: {e}")
+        return
+    console.print("\n".join(command.report(result)), highlight=False, markup=False)

@@ -52,6 +52,9 @@ def build_parser():
     p.add_argument("--eval-every", type=positive_int, default=None, help="evaluate every N steps (default: the task's)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="continue from a checkpoint, e.g. runs/<id>/checkpoint.pt")
+    p.add_argument("--trace", action="store_true",
+                   help="record a timeline of every rank: runs/<id>/trace.json (Perfetto, chrome://tracing), "
+                        "trace.png, and where each rank's step time went (`paratrain trace runs/<id>`)")
     p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
     layout.add_options(p)

@@ -27,6 +27,7 @@ import torch
 
 import paratrain as pt
 
+from ..trace import recorder as trace
 from . import checkpoint as ckpt
 from . import strategies
 from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
@@ -128,9 +129,10 @@ class TrainingRun:
         extra = self.strategy.state_dict()
         path = self.strategy.checkpoint_path(os.path.join(self.run_dir, "checkpoint.pt"), writing=True)
         if path:
-            ckpt.save_checkpoint(path, {
-                "config": self.task.config, "model_name": self.task.name, "step": step,
-                "model": model_state, **extra})
+            with trace.span("checkpoint", "checkpoint", step=step):
+                ckpt.save_checkpoint(path, {
+                    "config": self.task.config, "model_name": self.task.name, "step": step,
+                    "model": model_state, **extra})
 
     def train(self):
         """The loop: while the pool gives this worker a batch, a step, rank 0's line in
@@ -140,21 +142,27 @@ class TrainingRun:
                                         rank=strategy.data_rank, seed=self.args.seed, drop_last=True)
         wait_before, bytes_before = 0.0, stats.bytes
         self.board.start()
-        self.t_start = time.perf_counter()
+        self.t_start = fetched = time.perf_counter()
         for step, batch in batches_from(self.task, sampler, s.batch_size, self.start, s.steps_per_epoch):
             if not self.pool.take():
                 break
+            if trace.ON:
+                trace.add("data", "data", "data", fetched, time.perf_counter())
             dt, compute, slept = self._step(batch)
+            if trace.ON:
+                trace.add("step", "step", "compute", fetched, time.perf_counter(), {"step": step + 1})
             self.train_seconds += dt
             wait, wait_before = stats.wait_seconds - wait_before, stats.wait_seconds
             sent, bytes_before = stats.bytes - bytes_before, stats.bytes   # this step's (compressed: what went)
             done = step + 1
             self.board.beat(done - self.start, time.perf_counter() - self.t_start)
-            evaluation = strategy.evaluate(self.task) if done % s.eval_every == 0 or done == s.steps else None
+            with trace.span("evaluate", "compute", track="compute"):
+                evaluation = strategy.evaluate(self.task) if done % s.eval_every == 0 or done == s.steps else None
             if self.lead:
                 self._record(done, dt, compute, slept, wait, sent, evaluation)
             if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
                 self.save(done)
+            fetched = time.perf_counter()
         self.loop_seconds = time.perf_counter() - self.t_start
 
     def _step(self, batch):

@@ -55,6 +55,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
+from ...trace import recorder as trace
 from .. import linear_grads
 from . import schedules, tied, transport
 from .trace import TensorRead
@@ -175,7 +176,10 @@ class Pipeline:
         began = {"F": self._forward, "B": self._backward, "W": self._weights}[kind](mb, c)
         if kind == "W":
             self._weights_done.add((mb, c))
-        self.timeline.append((kind, mb, c, began - self._t_start, time.perf_counter() - self._t_start))
+        ended = time.perf_counter()
+        self.timeline.append((kind, mb, c, began - self._t_start, ended - self._t_start))
+        if trace.ON:
+            trace.add(kind, "compute", "compute", began, ended, {"microbatch": mb, "chunk": c})
 
     def _weights_while_waiting(self, mb, c):
         """The first stage's tail (past its last F): run pending W's while B's gradient is on its way.

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ...trace import recorder as trace
 from ..coordination import GroupBoard, Lockstep
 
 
@@ -30,8 +31,14 @@ class ReplicaStep:
 
     def forward_backward(self, task, batch):
         """The batch's loss, with its gradients accumulated into the model."""
-        loss = task.loss(self.model, batch)
-        loss.backward()
+        if getattr(self.model, "traces_its_passes", False):   # pt.DataParallel
+            loss = task.loss(self.model, batch)
+            loss.backward()
+            return loss
+        with trace.span("forward", "compute"):
+            loss = task.loss(self.model, batch)
+        with trace.span("backward", "compute"):
+            loss.backward()
         return loss
 
     def evaluate(self, task):

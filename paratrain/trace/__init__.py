@@ -1,0 +1,25 @@
+"""pt.trace: see a distributed run, one timeline across ranks.
+
+    paratrain train --trace                    # runs/<id>/trace.json and trace.png
+    paratrain run --trace DIR script.py        # DIR/trace.json (also PARATRAIN_TRACE=DIR)
+    with pt.trace.span("my part"): ...         # the user's own spans, on this rank's row
+    paratrain trace runs/<id>                  # where each rank's time went, and who was late
+
+Each process records its spans to its own file (recorder.py) on a clock
+whose offset to rank 0's it measured at start-up (clock.py); every
+collective and message of comm/ is recorded with its group and sequence id
+(calls.py). At the end the files are merged into one Chrome trace that
+Perfetto and chrome://tracing open (chrome.py), and read back by the
+analysis (analysis.py, gantt.py). This package imports nothing of paratrain
+above config, so the communication layer can call it.
+"""
+from .recorder import span, start, stop
+
+
+def enabled():
+    """Whether this process is recording."""
+    from . import recorder
+    return recorder.ON
+
+
+__all__ = ["span", "start", "stop", "enabled"]

@@ -1,0 +1,182 @@
+"""Where each rank's step time went, who was late, and what it cost: ``paratrain trace``.
+
+The breakdown is Holistic Trace Analysis's temporal breakdown (compute /
+non-overlapped communication / idle) made for CPU runs, where HTA gives
+none (it reads GPU kernels only), with the wait split out: within each
+step, a moment counts once, in the first of
+
+    compute   a forward, backward, optimizer step, pipeline F/B/W, evaluation
+    data      reading the batch
+    wait      inside a collective or a receive, before the last peer arrived
+    exposed   inside communication, moving bytes, with no compute beside it
+    idle      none of these (a slower machine's pause, Python between calls)
+
+so the five sum to the step time. ``overlap`` is the share of
+communication time that had compute running beside it (DataParallel's
+bucket all-reduces under backward). A rank's *own work* is its step time
+less its wait: what it would take if nobody were late. A straggler is a
+rank whose own work per step is at least 10% above the median of the ranks.
+"""
+import gzip
+import json
+import os
+import statistics
+
+STRAGGLER_FACTOR = 1.10
+COMPUTE = ("compute",)
+SERVER_PID = 1000
+
+
+def find_trace(path):
+    """The trace file for a run folder, a trace folder or a file."""
+    if os.path.isdir(path):
+        for name in ("trace.json", "trace.json.gz", os.path.join("trace", "trace.json"),
+                     os.path.join("trace", "trace.json.gz")):
+            if os.path.exists(os.path.join(path, name)):
+                return os.path.join(path, name)
+        raise FileNotFoundError(f"no trace.json in {path}: train with --trace, or run with --trace DIR")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    return path
+
+
+def load(path):
+    """The trace's events (a list of dicts), from trace.json or trace.json.gz."""
+    path = find_trace(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+# ---- intervals: sorted lists of disjoint (start, end) -----------------------------
+
+def union(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def intersect(xs, ys):
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(xs, ys):
+    out = []
+    for a, b in xs:
+        for c, d in ys:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def length(xs):
+    return sum(b - a for a, b in xs)
+
+
+# ---- the analysis -----------------------------------------------------------------
+
+def by_rank(events):
+    """{rank: [complete events]} for the ranks (not the servers)."""
+    ranks = {}
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] < SERVER_PID:
+            ranks.setdefault(e["pid"], []).append(e)
+    return ranks
+
+
+def spans(events, cats, names=None):
+    return union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e["cat"] in cats and (names is None or e["name"] in names)])
+
+
+def breakdown(events):
+    """Per rank: steps, step_s, compute_s, data_s, wait_s, exposed_comm_s, idle_s,
+    overlap, own_work_s (per step), and the pipeline's bubble where it ran F/B/W."""
+    rows = []
+    for rank, evs in sorted(by_rank(events).items()):
+        steps = spans(evs, ("step",))
+        if not steps:   # a script without the trainer's steps: the whole recording is one
+            steps = [(min(e["ts"] for e in evs), max(e["ts"] + e["dur"] for e in evs))]
+        compute = intersect(spans(evs, COMPUTE), steps)
+        data = subtract(intersect(spans(evs, ("data",)), steps), compute)
+        busy = union(compute + data)
+        wait = subtract(intersect(spans(evs, ("wait",)), steps), busy)
+        comm = intersect(spans(evs, ("comm",)), steps)
+        exposed = subtract(subtract(comm, busy), wait)
+        step_us = length(steps)
+        parts = {"compute": length(compute), "data": length(data), "wait": length(wait), "exposed": length(exposed)}
+        comm_us = length(comm)
+        row = {"rank": rank, "steps": len(steps), "step_s": step_us / 1e6,
+               "compute_s": parts["compute"] / 1e6, "data_s": parts["data"] / 1e6,
+               "exposed_comm_s": parts["exposed"] / 1e6, "wait_s": parts["wait"] / 1e6,
+               "idle_s": max(0.0, step_us - sum(parts.values())) / 1e6,
+               "overlap": length(intersect(comm, compute)) / comm_us if comm_us else 0.0,
+               "own_work_s": (step_us - parts["wait"]) / 1e6 / len(steps)}
+        stage_work = intersect(spans(evs, COMPUTE, ("F", "B", "W")), steps)
+        if stage_work:
+            row["bubble"] = 1.0 - length(stage_work) / step_us
+        rows.append(row)
+    return rows
+
+
+def stragglers(rows, factor=STRAGGLER_FACTOR):
+    """Ranks whose own work per step is at least ``factor`` x the median rank's."""
+    if len(rows) < 2:
+        return []
+    median = statistics.median(r["own_work_s"] for r in rows)
+    return [{"rank": r["rank"], "factor": r["own_work_s"] / median} for r in rows
+            if median > 0 and r["own_work_s"] >= factor * median]
+
+
+def last_arrivals(events, steps):
+    """For each kind of collective: which rank arrived last how often, and what the
+    others waited for it per step."""
+    calls = {}
+    for e in events:
+        a = e.get("args") or {}
+        if e.get("ph") == "X" and e["cat"] == "comm" and "seq" in a and "waited_for_rank" in a:
+            calls.setdefault((a["group"], a["seq"]), []).append(e)
+    tally = {}
+    for same in calls.values():
+        op, late = same[0]["name"], same[0]["args"]["waited_for_rank"]
+        t = tally.setdefault(op, {"calls": 0, "last": {}, "wait_us": {}})
+        t["calls"] += 1
+        t["last"][late] = t["last"].get(late, 0) + 1
+        t["wait_us"][late] = t["wait_us"].get(late, 0.0) + sum(e["args"]["wait_us"] for e in same)
+    out = []
+    for op, t in sorted(tally.items()):
+        rank, count = max(t["last"].items(), key=lambda kv: kv[1])
+        out.append({"op": op, "rank": rank, "share": count / t["calls"], "calls": t["calls"],
+                    "others_wait_s_per_step": t["wait_us"][rank] / 1e6 / max(1, steps)})
+    return out
+
+
+def analyse(path):
+    """Everything ``paratrain trace`` prints, as one dict (its --json)."""
+    events = load(path)
+    rows = breakdown(events)
+    steps = max((r["steps"] for r in rows), default=0)
+    return {"trace": find_trace(path), "ranks": rows, "stragglers": stragglers(rows),
+            "last_arrivals": last_arrivals(events, steps)}

@@ -1,0 +1,66 @@
+"""``paratrain trace PATH``: where each rank's time went, the stragglers, who was late.
+
+    paratrain trace runs/<id>            (a run folder, a trace folder, or trace.json[.gz])
+    paratrain trace runs/<id> --json     the same figures as JSON
+"""
+import argparse
+import json
+import os
+import sys
+
+from . import analysis, gantt
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="paratrain trace", description=__doc__.splitlines()[0].strip("`"))
+    p.add_argument("path", help="a run folder (runs/<id>), a trace folder, or a trace.json[.gz]")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--steps", type=int, default=3, help="steps drawn in trace.png (default 3)")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="do not write trace.png")
+    return p
+
+
+def report(result):
+    """The analysis as lines of text."""
+    lines = [f"trace: {result['trace']}",
+             f"{'rank':>4}  {'steps':>5}  {'step ms':>8}  {'compute':>8}  {'data':>6}  {'exposed':>8}  "
+             f"{'wait':>8}  {'idle':>8}  {'overlap':>7}  bubble"]
+    for r in result["ranks"]:
+        n = max(1, r["steps"])
+
+        def ms(key):
+            return f"{r[key] / n * 1e3:8.2f}"
+        bubble = f"{r['bubble']:6.1%}" if "bubble" in r else "     -"
+        lines.append(f"{r['rank']:>4}  {r['steps']:>5}  {ms('step_s')}  {ms('compute_s')}  {r['data_s'] / n * 1e3:6.2f}  "
+                     f"{ms('exposed_comm_s')}  {ms('wait_s')}  {ms('idle_s')}  {r['overlap']:7.1%}  {bubble}")
+    lines.append("(milliseconds per step; overlap: the share of communication with compute beside it)")
+    if result["stragglers"]:
+        for s in result["stragglers"]:
+            lines.append(f"straggler: rank {s['rank']}, its own work {s['factor']:.2f}x the median rank's")
+    else:
+        lines.append("no straggler: every rank's own work is within 10% of the median")
+    for a in result["last_arrivals"]:
+        lines.append(f"rank {a['rank']} arrived last in {a['share']:.0%} of {a['calls']} {a['op']}s; "
+                     f"the others waited {a['others_wait_s_per_step'] * 1e3:.1f} ms a step for it")
+    if result.get("plot"):
+        lines.append(f"plot: {result['plot']}")
+    return lines
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        result = analysis.analyse(args.path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"paratrain trace: error: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        trace_file = result["trace"]
+        png = os.path.join(os.path.dirname(trace_file), "trace.png")
+        run = os.path.basename(os.path.dirname(os.path.abspath(trace_file)))
+        result["plot"] = gantt.plot(analysis.load(trace_file), png, f"{run}: the last {args.steps} steps")
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print("\n".join(report(result)))
+    return 0

@@ -1,0 +1,126 @@
+"""This process's recording: spans on one clock, streamed to its own file.
+
+One recorder per process, made by ``start`` and stopped by ``stop`` (or at
+exit). The hot paths ask ``recorder.ON`` first, so a run that is not traced
+pays one attribute read and one branch per call. A span is a tuple appended
+to a list; every ``FLUSH_EVERY`` spans the list is written out as JSON lines
+to ``DIR/rank-<R>.jsonl`` (or ``server-<i>.jsonl``), so a long run's memory
+stays bounded, as Horovod's timeline writer streams its records.
+
+The file's first line is its header: who wrote it (role, rank, pid, host)
+and its clock's offset to rank 0's, with the uncertainty of that estimate
+(clock.py). Every later line is one span:
+``[name, category, track, start_s, end_s, args]`` on this process's
+``time.perf_counter`` clock, in seconds. Categories say what a span is for
+the analysis (``step``, ``compute``, ``data``, ``comm``, ``checkpoint``,
+``user``); tracks say which row it is drawn on (``compute``, ``data``,
+``comm <group>``).
+"""
+import atexit
+import json
+import os
+import threading
+import time
+
+FLUSH_EVERY = 4096
+
+ON = False        # read by the hot paths before they call anything here
+_REC = None       # the Recorder while ON
+
+
+class Recorder:
+    def __init__(self, path, header):
+        self.path = path
+        self._file = open(path, "w")
+        self._file.write(json.dumps(header) + "\n")
+        self._spans = []
+        self._lock = threading.Lock()   # flush swaps the list; appends need no lock (the GIL)
+        self.counts = {}                # point-to-point messages per (group, direction, peer, tag)
+
+    def add(self, name, category, track, start, end, args=None):
+        self._spans.append((name, category, track, start, end, args))
+        if len(self._spans) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self):
+        with self._lock:
+            spans, self._spans = self._spans, []
+            if self._file is None:
+                return
+            self._file.write("".join(json.dumps(s) + "\n" for s in spans))
+            self._file.flush()
+
+    def close(self):
+        self.flush()
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def start(directory, role, index, offset_s=0.0, uncertainty_s=None, **extra):
+    """Record this process's spans into ``directory/<role>-<index>.jsonl`` from now on.
+    ``offset_s``: what to add to this process's clock to read rank 0's."""
+    global ON, _REC
+    stop()
+    os.makedirs(directory, exist_ok=True)
+    header = {"role": role, "index": int(index), "pid": os.getpid(), "host": os.uname().nodename,
+              "offset_s": offset_s, "uncertainty_s": uncertainty_s, "clock": "time.perf_counter", **extra}
+    _REC = Recorder(os.path.join(directory, f"{role}-{int(index)}.jsonl"), header)
+    ON = True
+    atexit.register(stop)
+
+
+def stop():
+    """Write out what is left and close the file. Safe to call twice."""
+    global ON, _REC
+    rec, _REC, ON = _REC, None, False
+    if rec is not None:
+        rec.close()
+
+
+def add(name, category, track, start_s, end_s, args=None):
+    rec = _REC
+    if rec is not None:
+        rec.add(name, category, track, start_s, end_s, args)
+
+
+def next_message(key):
+    """The number of this point-to-point message among those with the same key
+    (group, direction, peer, tag): the sender's n-th message is the receiver's n-th."""
+    rec = _REC
+    if rec is None:
+        return 0
+    n = rec.counts.get(key, 0)
+    rec.counts[key] = n + 1
+    return n
+
+
+class span:
+    """``with pt.trace.span("name"):`` records the block as one span on this rank's
+    compute row (or ``track=``), under ``category`` (``user`` unless said). Costs one
+    branch when the run is not traced. Usable as a decorator too."""
+
+    __slots__ = ("name", "category", "track", "args", "t0")
+
+    def __init__(self, name, category="user", track="compute", **args):
+        self.name, self.category, self.track, self.args = str(name), category, track, args or None
+
+    def __enter__(self):
+        if ON:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if ON and hasattr(self, "t0"):
+            add(self.name, self.category, self.track, self.t0, time.perf_counter(), self.args)
+        return False
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
+            with span(self.name, self.category, self.track, **(self.args or {})):
+                return fn(*a, **kw)
+        return wrapped
