@@ -111,8 +111,8 @@ def _start_trace(world, rank):
         from ..trace import clock, optimizer, recorder
         offset, uncertainty = clock.estimate(world)
         optimizer.install()
-        recorder.start(directory, "rank", rank, offset, uncertainty, world_size=world.world_size,
-                       backend=_S.backend)
+        recorder.start(directory, "rank", rank, offset, uncertainty, count_cpu=torch.get_num_threads() == 1,
+                       world_size=world.world_size, backend=_S.backend)
 
 
 _STORES = {}   # (addr, port, rank, world size) -> [the rendezvous store, inits over it so far]

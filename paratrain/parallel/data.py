@@ -108,9 +108,9 @@ class _DataParallelBase(nn.Module):
             self._broadcast_buffers()
         if not trace.ON:
             return self.module(*args, **kwargs)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), trace.cpu_now()
         out = self.module(*args, **kwargs)
-        trace.add("forward", "compute", "compute", t0, time.perf_counter())
+        trace.add_compute("forward", t0, c0)
         self._backward_began = None
         first = next((t for t in torch.utils._pytree.tree_leaves(out)
                       if isinstance(t, torch.Tensor) and t.requires_grad), None)
@@ -120,13 +120,13 @@ class _DataParallelBase(nn.Module):
 
     def _note_backward_start(self, grad):
         if self._backward_began is None:
-            self._backward_began = time.perf_counter()
+            self._backward_began = (time.perf_counter(), trace.cpu_now())
 
     def _note_backward_end(self):
         """Called first thing at the end of backward: its span, when traced."""
         began, self._backward_began = getattr(self, "_backward_began", None), None
         if trace.ON and began is not None:
-            trace.add("backward", "compute", "compute", began, time.perf_counter())
+            trace.add_compute("backward", *began)
 
     # ---- replicas start (and stay) the same ---------------------------------------
 

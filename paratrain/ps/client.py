@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from .. import config
+from .. import config, trace
 from ..comm.errors import CommTimeout
 from . import push_codecs, shared, sharding, wire
 from .consistency import effective_mode, valid_staleness
@@ -155,16 +155,17 @@ class Client(Requests):
         """Copy the servers' current weights into the model (waits as the consistency model says).
         Embedding rows are not pulled here but by each forward, for its batch's rows.
         exact: the weights as they are, even when registered with predict=True."""
-        self._check_registered()
-        expected = set()
-        for s, mine in enumerate(self.placement):
-            if self.regions[s] is not None and mine:
-                expected.add(self._send_shared(s, Op.PULL, exact=exact, ring=True))
-                continue
-            for pc in mine:
-                self._send(s, Op.PULL, pc.key, pc.lo, pc.hi, {"exact": True} if exact else None)
-                expected.add((s, int(Op.PULL), pc.key, pc.lo))
-        self._copy_in(self._collect(expected, "pull"))
+        with trace.span("ps.pull", "comm", track="comm ps", clock=self.clock_value):
+            self._check_registered()
+            expected = set()
+            for s, mine in enumerate(self.placement):
+                if self.regions[s] is not None and mine:
+                    expected.add(self._send_shared(s, Op.PULL, exact=exact, ring=True))
+                    continue
+                for pc in mine:
+                    self._send(s, Op.PULL, pc.key, pc.lo, pc.hi, {"exact": True} if exact else None)
+                    expected.add((s, int(Op.PULL), pc.key, pc.lo))
+            self._copy_in(self._collect(expected, "pull"))
 
     def _copy_in(self, got):
         """The weights of pull replies into the parameters: from the payload, or for a
@@ -188,37 +189,40 @@ class Client(Requests):
         """``push(); clock(); pull()`` as one request per server where every server shares
         this host (shared.py): the reply is the next clock's weights, sent when the
         consistency model allows. Elsewhere it is exactly those three calls."""
-        self._check_registered()
-        if self.codec is not None or not all(r is not None and mine for r, mine in zip(self.regions, self.placement)):
-            self.push()
-            self.clock()
-            return self.pull()
-        expected = self._push_table_rows()   # rows first: one connection delivers in order, so before the clock
-        ring = not expected   # (rung steps could overtake rows still on their way through ZeroMQ)
-        for s in range(len(self.socks)):
-            expected.add(self._send_shared(s, Op.PUSH, step=True, ring=ring))
-        got = self._collect(expected, "step")
-        self.clock_value += 1
-        self._copy_in(got)
+        with trace.span("ps.step", "comm", track="comm ps", clock=self.clock_value):
+            self._check_registered()
+            everywhere_shared = all(r is not None and mine for r, mine in zip(self.regions, self.placement))
+            if self.codec is not None or not everywhere_shared:
+                self.push()
+                self.clock()
+                return self.pull()
+            expected = self._push_table_rows()   # rows first: one connection delivers in order, so before the clock
+            ring = not expected   # (rung steps could overtake rows still on their way through ZeroMQ)
+            for s in range(len(self.socks)):
+                expected.add(self._send_shared(s, Op.PUSH, step=True, ring=ring))
+            got = self._collect(expected, "step")
+            self.clock_value += 1
+            self._copy_in(got)
 
     def push(self, model=None):
         """Send this worker's gradients (parameters without a gradient send zeros), and the
         gradients of the embedding rows its forwards used since the last push."""
-        self._check_registered()
-        expected = set()
-        for s, mine in enumerate(self.placement):
-            if self.regions[s] is not None and mine and self.codec is None:
-                expected.add(self._send_shared(s, Op.PUSH, ring=True))
-                continue
-            for pc in mine:
-                grad = np.ascontiguousarray(self._grad(pc))
-                op, code, meta = Op.PUSH, 3, None
-                if self.codec is not None:
-                    packed, code, meta, grad = self.codec.encode((pc.key, pc.lo), grad)
-                    op = Op.PUSH_PACKED if packed else Op.PUSH
-                self._send(s, op, pc.key, pc.lo, pc.hi, meta, grad, dtype_code=code)
-                expected.add((s, int(op), pc.key, pc.lo))
-        self._collect(expected | self._push_table_rows(), "push")
+        with trace.span("ps.push", "comm", track="comm ps", clock=self.clock_value):
+            self._check_registered()
+            expected = set()
+            for s, mine in enumerate(self.placement):
+                if self.regions[s] is not None and mine and self.codec is None:
+                    expected.add(self._send_shared(s, Op.PUSH, ring=True))
+                    continue
+                for pc in mine:
+                    grad = np.ascontiguousarray(self._grad(pc))
+                    op, code, meta = Op.PUSH, 3, None
+                    if self.codec is not None:
+                        packed, code, meta, grad = self.codec.encode((pc.key, pc.lo), grad)
+                        op = Op.PUSH_PACKED if packed else Op.PUSH
+                    self._send(s, op, pc.key, pc.lo, pc.hi, meta, grad, dtype_code=code)
+                    expected.add((s, int(op), pc.key, pc.lo))
+            self._collect(expected | self._push_table_rows(), "push")
 
     def _push_table_rows(self):
         """Send every embedding table's row gradients since the last push (to every server,
@@ -272,11 +276,12 @@ class Client(Requests):
     def clock(self):
         """This worker finished a step: tell every server (no reply is awaited). Rung on
         the doorbell where the requests that follow will be, so none overtakes it."""
-        for s in range(len(self.socks)):
-            if not self._ring_clock(s):
-                self._send(s, Op.CLOCK, reply=False)
-        self.clock_value += 1
-        return self.clock_value
+        with trace.span("ps.clock", "comm", track="comm ps", clock=self.clock_value):
+            for s in range(len(self.socks)):
+                if not self._ring_clock(s):
+                    self._send(s, Op.CLOCK, reply=False)
+            self.clock_value += 1
+            return self.clock_value
 
     def _ring_clock(self, server):
         if self.bells[server] is None or self.via_zmq[server]:
@@ -339,6 +344,7 @@ def connect(timeout=None):
     worker = int(os.environ.get("RANK", 0))
     workers = int(os.environ.get("WORLD_SIZE", 1))
     timeout = config.get("PARATRAIN_TIMEOUT") if timeout is None else timeout
+    trace.start_from_env("rank", worker)
     return Client(addrs.split(","), worker, workers, wire.token_from_env(), timeout)
 
 

@@ -32,7 +32,8 @@ import signal
 import sys
 import threading
 
-from .. import config
+from .. import config, trace
+from ..trace import recorder as trace_recorder
 from ..comm.errors import FrameError
 from ..launch.heap import keep_freed_memory
 from . import doorbell, server_state, shared, wire
@@ -127,6 +128,12 @@ class Server(Handlers):
             self._dispatch(doorbell.Rung(worker, seq), h, meta, b"")
 
     def _dispatch(self, ident, h, meta, payload):
+        if trace_recorder.ON:
+            with trace.span(getattr(h.op, "name", str(h.op)).lower(), "compute", worker=h.worker, clock=h.clock):
+                return self._handle(ident, h, meta, payload)
+        return self._handle(ident, h, meta, payload)
+
+    def _handle(self, ident, h, meta, payload):
         try:
             handler = {Op.REGISTER: self._register, Op.PUSH: self._push, Op.PUSH_PACKED: self._push, Op.PULL: self._pull,
                        Op.PUSH_ROWS: self._push_rows, Op.PULL_ROWS: self._pull_rows,
@@ -206,6 +213,7 @@ def main():
     keep_freed_memory()
     index = config.require("PARATRAIN_PS_INDEX")
     bind = config.require("PARATRAIN_PS_BIND")
+    trace.start_from_env("server", index)
     server = Server(index, bind, wire.token_from_env(), config.get("PARATRAIN_TIMEOUT"),
                     checkpoint_dir=config.get("PARATRAIN_PS_CHECKPOINT_DIR"),
                     checkpoint_seconds=config.get("PARATRAIN_PS_CHECKPOINT_SECONDS"),

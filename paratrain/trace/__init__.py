@@ -16,10 +16,25 @@ above config, so the communication layer can call it.
 from .recorder import span, start, stop
 
 
+def start_from_env(role, index):
+    """Start recording where PARATRAIN_TRACE says, for a process that joins no group
+    (a parameter-server worker or a server): its clock is taken as rank 0's, which holds
+    on one host (the header says so)."""
+    from .. import config
+    from . import recorder
+    directory = config.get("PARATRAIN_TRACE")
+    if directory and not recorder.ON:
+        import torch
+        recorder.start(directory, role, index, 0.0, None, count_cpu=torch.get_num_threads() == 1,
+                       clock_note="taken as rank 0's (no group to measure it against)")
+        from . import optimizer
+        optimizer.install()
+
+
 def enabled():
     """Whether this process is recording."""
     from . import recorder
     return recorder.ON
 
 
-__all__ = ["span", "start", "stop", "enabled"]
+__all__ = ["span", "start", "stop", "start_from_env", "enabled"]

@@ -13,9 +13,15 @@ step, a moment counts once, in the first of
 
 so the five sum to the step time. ``overlap`` is the share of
 communication time that had compute running beside it (DataParallel's
-bucket all-reduces under backward). A rank's *own work* is its step time
-less its wait: what it would take if nobody were late. A straggler is a
-rank whose own work per step is at least 10% above the median of the ranks.
+bucket all-reduces under backward). ``starved`` is the part of compute in
+which the rank was ready but got no CPU (its wall time less its thread's
+CPU time, counted where a worker computes on one thread): more ranks than
+cores, or another job, not the rank itself.
+
+A rank's *own work* is its step time less its wait and its starved time:
+what it would take if nobody were late and it had its core to itself. A
+straggler is a rank whose own work per step is at least 10% above the
+median of the ranks.
 """
 import gzip
 import json
@@ -113,7 +119,7 @@ def spans(events, cats, names=None):
 
 def breakdown(events):
     """Per rank: steps, step_s, compute_s, data_s, wait_s, exposed_comm_s, idle_s,
-    overlap, own_work_s (per step), and the pipeline's bubble where it ran F/B/W."""
+    overlap, starved_s, own_work_s (per step), and the pipeline's bubble where it ran F/B/W."""
     rows = []
     for rank, evs in sorted(by_rank(events).items()):
         steps = spans(evs, ("step",))
@@ -128,17 +134,26 @@ def breakdown(events):
         step_us = length(steps)
         parts = {"compute": length(compute), "data": length(data), "wait": length(wait), "exposed": length(exposed)}
         comm_us = length(comm)
+        starved = sum(max(0.0, e["dur"] - e["args"]["cpu_s"] * 1e6) for e in evs
+                      if e["cat"] == "compute" and "cpu_s" in (e.get("args") or {}) and _inside(e, steps))
         row = {"rank": rank, "steps": len(steps), "step_s": step_us / 1e6,
                "compute_s": parts["compute"] / 1e6, "data_s": parts["data"] / 1e6,
                "exposed_comm_s": parts["exposed"] / 1e6, "wait_s": parts["wait"] / 1e6,
                "idle_s": max(0.0, step_us - sum(parts.values())) / 1e6,
                "overlap": length(intersect(comm, compute)) / comm_us if comm_us else 0.0,
-               "own_work_s": (step_us - parts["wait"]) / 1e6 / len(steps)}
+               "starved_s": starved / 1e6,
+               "own_work_s": (step_us - parts["wait"] - starved) / 1e6 / len(steps)}
         stage_work = intersect(spans(evs, COMPUTE, ("F", "B", "W")), steps)
         if stage_work:
             row["bubble"] = 1.0 - length(stage_work) / step_us
         rows.append(row)
     return rows
+
+
+def _inside(e, steps):
+    """Whether event e lies within one of the (sorted, disjoint) steps."""
+    t = e["ts"]
+    return any(a <= t and t + e["dur"] <= b for a, b in steps)
 
 
 def stragglers(rows, factor=STRAGGLER_FACTOR):

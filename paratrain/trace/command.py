@@ -24,16 +24,18 @@ def report(result):
     """The analysis as lines of text."""
     lines = [f"trace: {result['trace']}",
              f"{'rank':>4}  {'steps':>5}  {'step ms':>8}  {'compute':>8}  {'data':>6}  {'exposed':>8}  "
-             f"{'wait':>8}  {'idle':>8}  {'overlap':>7}  bubble"]
+             f"{'wait':>8}  {'idle':>8}  {'overlap':>7}  {'starved':>8}  bubble"]
     for r in result["ranks"]:
         n = max(1, r["steps"])
 
         def ms(key):
             return f"{r[key] / n * 1e3:8.2f}"
         bubble = f"{r['bubble']:6.1%}" if "bubble" in r else "     -"
-        lines.append(f"{r['rank']:>4}  {r['steps']:>5}  {ms('step_s')}  {ms('compute_s')}  {r['data_s'] / n * 1e3:6.2f}  "
-                     f"{ms('exposed_comm_s')}  {ms('wait_s')}  {ms('idle_s')}  {r['overlap']:7.1%}  {bubble}")
-    lines.append("(milliseconds per step; overlap: the share of communication with compute beside it)")
+        lines.append(f"{r['rank']:>4}  {r['steps']:>5}  {ms('step_s')}  {ms('compute_s')}  "
+                     f"{r['data_s'] / n * 1e3:6.2f}  {ms('exposed_comm_s')}  {ms('wait_s')}  {ms('idle_s')}  "
+                     f"{r['overlap']:7.1%}  {ms('starved_s')}  {bubble}")
+    lines.append("(milliseconds per step; overlap: the share of communication with compute beside it; starved: "
+                 "of compute, waiting for a CPU)")
     if result["stragglers"]:
         for s in result["stragglers"]:
             lines.append(f"straggler: rank {s['rank']}, its own work {s['factor']:.2f}x the median rank's")

@@ -20,13 +20,12 @@ def install():
 
     def before(optimizer, args, kwargs):
         if recorder.ON:
-            _started[id(optimizer)] = time.perf_counter()
+            _started[id(optimizer)] = (time.perf_counter(), recorder.cpu_now())
 
     def after(optimizer, args, kwargs):
-        t0 = _started.pop(id(optimizer), None)
-        if t0 is not None:
-            recorder.add("optimizer.step", "compute", "compute", t0, time.perf_counter(),
-                         {"optimizer": type(optimizer).__name__})
+        began = _started.pop(id(optimizer), None)
+        if began is not None:
+            recorder.add_compute("optimizer.step", *began, {"optimizer": type(optimizer).__name__})
 
     register_optimizer_step_pre_hook(before)
     register_optimizer_step_post_hook(after)

@@ -26,6 +26,7 @@ FLUSH_EVERY = 4096
 
 ON = False        # read by the hot paths before they call anything here
 _REC = None       # the Recorder while ON
+_CPU = False      # compute spans also note this thread's CPU time (one compute thread per process)
 
 
 class Recorder:
@@ -58,11 +59,14 @@ class Recorder:
                 self._file = None
 
 
-def start(directory, role, index, offset_s=0.0, uncertainty_s=None, **extra):
+def start(directory, role, index, offset_s=0.0, uncertainty_s=None, count_cpu=False, **extra):
     """Record this process's spans into ``directory/<role>-<index>.jsonl`` from now on.
-    ``offset_s``: what to add to this process's clock to read rank 0's."""
-    global ON, _REC
+    ``offset_s``: what to add to this process's clock to read rank 0's. ``count_cpu``:
+    compute spans note the CPU time their thread got (true only where one thread
+    computes), which tells a slow rank from one that waited for a CPU."""
+    global ON, _REC, _CPU
     stop()
+    _CPU = bool(count_cpu)
     os.makedirs(directory, exist_ok=True)
     header = {"role": role, "index": int(index), "pid": os.getpid(), "host": os.uname().nodename,
               "offset_s": offset_s, "uncertainty_s": uncertainty_s, "clock": "time.perf_counter", **extra}
@@ -85,6 +89,20 @@ def add(name, category, track, start_s, end_s, args=None):
         rec.add(name, category, track, start_s, end_s, args)
 
 
+def cpu_now():
+    """This thread's CPU seconds, where compute spans count them (else None)."""
+    return time.thread_time() if _CPU else None
+
+
+def add_compute(name, start_s, cpu_start, args=None):
+    """A compute span from ``start_s`` (and ``cpu_start``, cpu_now()'s) to now."""
+    rec = _REC
+    if rec is not None:
+        if cpu_start is not None:
+            args = {**(args or {}), "cpu_s": time.thread_time() - cpu_start}
+        rec.add(name, "compute", "compute", start_s, time.perf_counter(), args)
+
+
 def next_message(key):
     """The number of this point-to-point message among those with the same key
     (group, direction, peer, tag): the sender's n-th message is the receiver's n-th."""
@@ -101,19 +119,23 @@ class span:
     compute row (or ``track=``), under ``category`` (``user`` unless said). Costs one
     branch when the run is not traced. Usable as a decorator too."""
 
-    __slots__ = ("name", "category", "track", "args", "t0")
+    __slots__ = ("name", "category", "track", "args", "t0", "c0")
 
     def __init__(self, name, category="user", track="compute", **args):
         self.name, self.category, self.track, self.args = str(name), category, track, args or None
 
     def __enter__(self):
         if ON:
+            self.c0 = cpu_now() if self.category == "compute" else None
             self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         if ON and hasattr(self, "t0"):
-            add(self.name, self.category, self.track, self.t0, time.perf_counter(), self.args)
+            if self.c0 is not None:
+                add_compute(self.name, self.t0, self.c0, self.args)
+            else:
+                add(self.name, self.category, self.track, self.t0, time.perf_counter(), self.args)
         return False
 
     def __call__(self, fn):

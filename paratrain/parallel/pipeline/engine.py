@@ -179,7 +179,7 @@ class Pipeline:
         ended = time.perf_counter()
         self.timeline.append((kind, mb, c, began - self._t_start, ended - self._t_start))
         if trace.ON:
-            trace.add(kind, "compute", "compute", began, ended, {"microbatch": mb, "chunk": c})
+            trace.add_compute(kind, began, self._cpu_began, {"microbatch": mb, "chunk": c})
 
     def _weights_while_waiting(self, mb, c):
         """The first stage's tail (past its last F): run pending W's while B's gradient is on its way.
@@ -217,6 +217,7 @@ class Pipeline:
             for v in differentiable(values):
                 v.requires_grad_(True)
         began = time.perf_counter()
+        self._cpu_began = trace.cpu_now() if trace.ON else None
         self._capture = [] if self._splits(s) else None
         saved = _SavedBytes(self._param_storages)
         try:
@@ -253,6 +254,7 @@ class Pipeline:
             pairs = [(o, g) for o, g in zip(state.pop("sent"), grads) if o.requires_grad]
             state["outputs"], state["grads"] = [o for o, _ in pairs], [g for _, g in pairs]
         began = time.perf_counter()
+        self._cpu_began = trace.cpu_now() if trace.ON else None
         leaves = differentiable(state["inputs"])
         outputs, grads = state.pop("outputs"), state.pop("grads")
         if not self._splits(s):
@@ -297,6 +299,7 @@ class Pipeline:
     def _weights(self, mb, c):
         """W: each weight-owning module's output gradient back to its own weights."""
         began = time.perf_counter()
+        self._cpu_began = trace.cpu_now() if trace.ON else None
         state = self._state.pop((mb, c))
         # one autograd call per module, asking for its own weights only: asked together,
         # a module's output gradient would also flow back through the modules before it

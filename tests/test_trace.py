@@ -1,0 +1,149 @@
+"""`paratrain train --trace` under every strategy, `paratrain run --trace` on a user's script,
+and `paratrain trace` naming a straggler: each trace must be valid Chrome JSON whose figures
+agree with what the ranks did."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT, python_m
+from test_train import ok, run_dirs, side_by_side, train
+
+from paratrain.trace import analysis
+
+STRATEGIES = {
+    "allreduce": ("--model", "digits", "--steps", "12"),
+    "pipeline": ("--model", "mlp", "--pp", "2", "--steps", "8"),
+    "tensor": ("--model", "gpt", "--tp", "2", "--batch-size", "8", "--steps", "4"),
+    "zero": ("--model", "mlp", "--strategy", "zero", "--stage", "3", "--steps", "8"),
+    "ps": ("--model", "mlp", "--strategy", "ps", "--steps", "8"),
+    "compressed": ("--model", "mlp", "--compression", "topk:0.05", "--steps", "8"),
+}
+
+
+def check_chrome(events):
+    """What a viewer needs: complete events with ts, dur, pid, tid; flows paired; names for
+    every process and thread that has events."""
+    complete = [e for e in events if e["ph"] == "X"]
+    assert complete
+    for e in complete:
+        assert {"ts", "dur", "pid", "tid", "name", "cat"} <= set(e) and e["dur"] >= 0, e
+    assert not [e for e in events if e["ph"] in ("B", "E")]   # only complete events: nothing to balance
+    flows = {}
+    for e in events:
+        if e["ph"] in ("s", "t", "f"):
+            flows.setdefault(e["id"], []).append(e["ph"])
+    for phases in flows.values():
+        assert phases[0] == "s" and phases[-1] == "f" and set(phases[1:-1]) <= {"t"}, phases
+    named = {(e["pid"], e.get("tid")) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {(e["pid"], e["tid"]) for e in complete} <= named
+
+
+def same_sequence_on_every_rank(events):
+    """Every group's collectives, in sequence-id order, are the same calls on every member."""
+    calls = {}
+    for e in events:
+        a = e.get("args") or {}
+        if e["ph"] == "X" and e["cat"] == "comm" and "seq" in a:
+            calls.setdefault(a["group"], {}).setdefault(e["pid"], []).append((a["seq"], e["name"], a["bytes"]))
+    assert calls
+    for group, per_rank in calls.items():
+        lists = [sorted(v) for v in per_rank.values()]
+        assert all(x == lists[0] for x in lists), group
+        assert len(per_rank) == len(next(e["args"]["ranks"] for e in events if e.get("args", {}).get("group") == group))
+    return calls
+
+
+@pytest.mark.timeout(420)
+def test_every_strategy_traces_a_valid_timeline_whose_breakdown_adds_up(tmp_path):
+    results = side_by_side(*[(tmp_path / name, *args, "--trace") for name, args in STRATEGIES.items()])
+    for name, res in zip(STRATEGIES, results):
+        ok(res)
+        (run,) = run_dirs(tmp_path / name)
+        assert (run / "trace.png").stat().st_size > 0 and "straggler" in res.stdout, name
+        events = analysis.load(str(run))
+        check_chrome(events)
+        rows = analysis.breakdown(events)
+        assert [r["rank"] for r in rows] == [0, 1], name
+        for r in rows:
+            parts = r["compute_s"] + r["data_s"] + r["exposed_comm_s"] + r["wait_s"] + r["idle_s"]
+            assert parts == pytest.approx(r["step_s"], rel=0.05), (name, r)
+            assert r["compute_s"] > 0 and r["steps"] == int(STRATEGIES[name][-1]), (name, r)   # --steps comes last
+        names = {e["name"] for e in events if e["ph"] == "X"}
+        assert {"step", "data", "optimizer.step" if name != "ps" else "ps.pull"} <= names, (name, names)
+        if name == "ps":   # the servers step the optimizer
+            assert {"ps.step", "push"} & names or {"ps.push", "ps.pull"} <= names, names
+            assert any(e["pid"] >= 1000 for e in events if e["ph"] == "X"), "the server traces too"
+            continue
+        calls = same_sequence_on_every_rank(events)
+        if name == "pipeline":
+            assert {"F", "B"} <= names and all("bubble" in r for r in rows)
+            sends = [e for e in events if e["ph"] == "X" and e["name"] in ("isend", "send")]
+            assert sends and any(e.get("cat") == "wait" for e in events)   # receives split at their sender's start
+        else:
+            assert {"forward", "backward"} <= names, (name, names)
+        if name == "allreduce":
+            assert any(op == "all_reduce" for calls_of in calls["world"].values() for _, op, _ in calls_of)
+
+
+def test_a_users_script_is_traced_with_its_own_spans(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text(
+        "import torch, paratrain as pt\n"
+        "pt.init()\n"
+        "model = pt.DataParallel(torch.nn.Linear(8, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    with pt.trace.span('my step', 'step'):\n"
+        "        with pt.trace.span('my data', 'data', track='data'):\n"
+        "            x = torch.randn(4, 8)\n"
+        "        model(x).sum().backward()\n"
+        "        opt.step(); opt.zero_grad()\n"
+        "pt.destroy()\n")
+    trace_dir = tmp_path / "tr"
+    env = dict(os.environ, PARATRAIN_TIMEOUT="60")
+    res = python_m(["paratrain", "run", "-n", "2", "--trace", str(trace_dir), str(script)], env)
+    ok(res)
+    assert "trace.json" in res.stderr
+    events = analysis.load(str(trace_dir))
+    check_chrome(events)
+    assert {"my step", "my data", "forward", "backward", "optimizer.step", "all_reduce"} <= \
+        {e["name"] for e in events if e["ph"] == "X"}
+    rows = analysis.breakdown(events)
+    assert [r["steps"] for r in rows] == [3, 3]
+    header = json.loads((trace_dir / "rank-1.jsonl").read_text().splitlines()[0])
+    assert abs(header["offset_s"]) <= header["uncertainty_s"] + 50e-6   # one host: one clock
+    out = python_m(["paratrain", "trace", str(trace_dir), "--json", "--no-plot"], env)
+    ok(out)
+    figures = json.loads(out.stdout)
+    assert {"rank", "compute_s", "exposed_comm_s", "wait_s", "idle_s", "overlap"} <= set(figures["ranks"][0])
+    assert figures["stragglers"] == [] or {"rank", "factor"} <= set(figures["stragglers"][0])
+
+
+@pytest.mark.timeout(300)
+def test_paratrain_trace_names_the_straggler_and_only_it(tmp_path):
+    slow = train(tmp_path / "slow", "--model", "gpt", "--workers", "3", "--steps", "20", "--straggler", "1:1.3",
+                 "--trace")
+    ok(slow)
+    even = train(tmp_path / "even", "--model", "gpt", "--workers", "3", "--steps", "20", "--trace")
+    ok(even)
+    env = dict(os.environ)
+    for where, expect in (("slow", [1]), ("even", [])):
+        (run,) = run_dirs(tmp_path / where)
+        res = python_m(["paratrain", "trace", str(run), "--json", "--no-plot"], env)
+        ok(res)
+        found = json.loads(res.stdout)["stragglers"]
+        assert [s["rank"] for s in found] == expect, (where, res.stdout)
+        if expect:
+            assert 1.2 <= found[0]["factor"] <= 1.4, found
+    assert "straggler: rank 1" in slow.stdout
+
+
+def test_paratrain_trace_says_what_is_missing(tmp_path):
+    from paratrain.trace.command import main
+    assert main([str(tmp_path)]) == 2
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}"]))

@@ -1,0 +1,170 @@
+"""The trace's logic without processes: intervals, the clock estimate, the merge and the analysis
+on hand-made rank files whose answers are known."""
+import gzip
+import json
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from paratrain.trace import analysis, chrome, clock, recorder
+
+intervals = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)).map(lambda t: (t[0], t[0] + t[1])),
+                     max_size=8)
+
+
+def covered(xs):
+    return {t for a, b in xs for t in range(a, b)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(intervals, intervals)
+def test_interval_arithmetic_matches_sets_of_points(xs, ys):
+    ux, uy = analysis.union(xs), analysis.union(ys)
+    assert covered(ux) == covered(xs)
+    assert all(b <= c for (_, b), (c, _) in zip(ux, ux[1:]))   # sorted, disjoint
+    assert covered(analysis.intersect(ux, uy)) == covered(xs) & covered(ys)
+    assert covered(analysis.subtract(ux, uy)) == covered(xs) - covered(ys)
+    assert analysis.length(ux) == len(covered(xs))
+
+
+def test_the_clock_estimate_finds_a_skew_within_its_uncertainty():
+    """Rank r's clock reads rank 0's minus 2.5 ms; the legs of each round trip take
+    10-200 us, unequally. The estimate must be within its stated uncertainty of the truth,
+    and the uncertainty that of the shortest round trip."""
+    rng = random.Random(0)
+    skew, samples = -2.5e-3, []
+    true = 100.0
+    for _ in range(clock.ROUNDS):
+        t0 = true + skew
+        there, back = rng.uniform(10e-6, 200e-6), rng.uniform(10e-6, 200e-6)
+        t1 = true + there                    # rank 0's clock when the ping arrives
+        t2 = true + there + back + skew      # rank r's when the answer is back
+        samples.append((t0, t1, t2))
+        true += 0.01
+    offset, uncertainty = clock.best_offset(samples)
+    assert abs(offset - (-skew)) <= uncertainty + 1e-12
+    assert uncertainty == pytest.approx(min((t2 - t0) / 2 for t0, _, t2 in samples))
+
+
+def write_rank(directory, rank, spans, offset=0.0, world=2):
+    header = {"role": "rank", "index": rank, "pid": 1, "host": "h", "offset_s": offset, "uncertainty_s": 0.0}
+    with open(directory / f"rank-{rank}.jsonl", "w") as f:
+        f.write(json.dumps(header) + "\n")
+        for s in spans:
+            f.write(json.dumps(s) + "\n")
+
+
+def collective(seq, rank, t0, t1, ranks=(0, 1)):
+    return ["all_reduce", "comm", "comm world", t0, t1,
+            {"op": "all_reduce", "group": "world", "seq": seq, "bytes": 64, "ranks": list(ranks), "rank": rank}]
+
+
+def two_ranks(tmp_path, offset1=0.0):
+    """Two steps of 10 ms. Rank 0 computes 4 ms, then all-reduces from 4 to 9 ms; rank 1
+    computes 7 ms (3 ms longer: it is late), and all-reduces from 7 to 9 ms. So rank 0 waits
+    3 ms and both move bytes for 2 ms; rank 0 idles the last 1 ms, rank 1 too. Rank 1's
+    clock runs ``offset1`` behind rank 0's, and its file says so."""
+    r0, r1 = [], []
+    for k in range(2):
+        base = k * 0.010
+        r0 += [["step", "step", "compute", base, base + 0.010, {"step": k + 1}],
+               ["forward", "compute", "compute", base, base + 0.004, {"cpu_s": 0.004}],
+               collective(k + 1, 0, base + 0.004, base + 0.009)]
+        r1 += [["step", "step", "compute", base, base + 0.010, {"step": k + 1}],
+               ["forward", "compute", "compute", base, base + 0.007, {"cpu_s": 0.007}],
+               collective(k + 1, 1, base + 0.007, base + 0.009)]
+    shift = lambda spans: [[n, c, t, a - offset1, b - offset1, x] for n, c, t, a, b, x in spans]  # noqa: E731
+    write_rank(tmp_path, 0, r0)
+    write_rank(tmp_path, 1, shift(r1), offset=offset1)
+
+
+def test_the_merge_splits_each_collective_at_the_last_arrival_and_moves_clocks(tmp_path):
+    two_ranks(tmp_path, offset1=0.5)   # rank 1's clock half a second behind: the merge moves it back
+    path = chrome.merge(str(tmp_path))
+    events = analysis.load(path)
+    waits = {(e["pid"], round(e["dur"])) for e in events if e.get("cat") == "wait"}
+    assert waits == {(0, 3000), (1, 0)}
+    transfers = sorted(round(e["dur"]) for e in events if e.get("cat") == "transfer")
+    assert transfers == [2000] * 4
+    flows = {}
+    for e in events:
+        if e.get("ph") in "stf" and e.get("cat") == "flow":
+            flows.setdefault(e["id"], []).append(e["ph"])
+    assert sorted(flows.values()) == [["s", "f"], ["s", "f"]]
+
+    rows = {r["rank"]: r for r in analysis.breakdown(events)}
+    r0, r1 = rows[0], rows[1]
+    assert r0["compute_s"] == pytest.approx(0.008) and r0["wait_s"] == pytest.approx(0.006)
+    assert r0["exposed_comm_s"] == pytest.approx(0.004) and r0["idle_s"] == pytest.approx(0.002)
+    assert r1["compute_s"] == pytest.approx(0.014) and r1["wait_s"] == pytest.approx(0.0)
+    for r in rows.values():
+        parts = r["compute_s"] + r["data_s"] + r["exposed_comm_s"] + r["wait_s"] + r["idle_s"]
+        assert parts == pytest.approx(r["step_s"])
+    # Own work per step: 7 ms and 10 ms; the median of two is 8.5 ms, so rank 1 is 1.18x it.
+    assert analysis.stragglers(list(rows.values())) == [{"rank": 1, "factor": pytest.approx(10 / 8.5)}]
+    late = analysis.last_arrivals(events, steps=2)
+    assert late == [{"op": "all_reduce", "rank": 1, "share": 1.0, "calls": 2,
+                     "others_wait_s_per_step": pytest.approx(0.003)}]
+
+
+def test_starved_compute_is_not_the_ranks_own_work(tmp_path):
+    """Rank 1 computed 7 ms of wall time but got only 4 ms of CPU: it waited 3 ms for a core,
+    so its own work equals rank 0's and nobody is a straggler."""
+    two_ranks(tmp_path)
+    lines = (tmp_path / "rank-1.jsonl").read_text().replace('"cpu_s": 0.007', '"cpu_s": 0.004')
+    (tmp_path / "rank-1.jsonl").write_text(lines)
+    rows = analysis.breakdown(analysis.load(chrome.merge(str(tmp_path))))
+    assert rows[1]["starved_s"] == pytest.approx(0.006)
+    assert analysis.stragglers(rows) == []
+
+
+def test_a_large_trace_is_gzipped_and_still_read(tmp_path):
+    two_ranks(tmp_path)
+    path = chrome.merge(str(tmp_path), gzip_above=0)
+    assert path.endswith("trace.json.gz")
+    with gzip.open(path, "rt") as f:
+        assert json.load(f)["traceEvents"]
+    assert analysis.find_trace(str(tmp_path)) == path
+    assert len(analysis.breakdown(analysis.load(str(tmp_path)))) == 2
+
+
+def test_a_message_waits_for_its_sender(tmp_path):
+    """A receive posted at 1 ms whose send starts at 5 ms waited 4 ms for rank 0."""
+    msg = {"group": "world", "src": 0, "dst": 1, "tag": 3, "n": 0, "bytes": 8}
+    write_rank(tmp_path, 0, [["isend", "comm", "comm world", 0.005, 0.0051, {**msg, "rank": 0, "posted": True}]])
+    write_rank(tmp_path, 1, [["recv", "comm", "comm world", 0.001, 0.006, {**msg, "rank": 1}]])
+    events = analysis.load(chrome.merge(str(tmp_path)))
+    (wait,) = [e for e in events if e.get("cat") == "wait"]
+    assert wait["pid"] == 1 and wait["dur"] == pytest.approx(4000) and wait["args"]["for_rank"] == 0
+    assert sorted(e["ph"] for e in events if e.get("cat") == "flow") == ["f", "s"]
+
+
+def test_no_files_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--trace"):
+        chrome.merge(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--trace"):
+        analysis.load(str(tmp_path))
+
+
+def test_spans_record_only_while_on(tmp_path):
+    with recorder.span("before"):
+        pass
+    recorder.start(str(tmp_path), "rank", 0)
+    try:
+        with recorder.span("mine", answer=42):
+            pass
+
+        @recorder.span("decorated", "compute")
+        def f():
+            return 7
+        assert f() == 7
+    finally:
+        recorder.stop()
+    with recorder.span("after"):
+        pass
+    lines = (tmp_path / "rank-0.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["role"] == "rank"
+    names = [json.loads(x)[0] for x in lines[1:]]
+    assert names == ["mine", "decorated"]
+    assert json.loads(lines[1])[5] == {"answer": 42}
