@@ -15,6 +15,7 @@
     paratrain bench tensor                   tensor parallelism beside torch's parallelize_module
     paratrain bench zero                     pt.ZeRO beside DataParallel, ZeroRedundancyOptimizer and FSDP2
     paratrain bench compression              gradient compression beside DDP's, over a slow link
+    paratrain bench trace                    what --trace costs, and how well the ranks' clocks line up
 """
 import sys
 
@@ -35,7 +36,7 @@ commands:
   bench    benchmarks beside PyTorch, Gloo and Open MPI: `paratrain bench collectives -n 2`,
            `paratrain bench data-parallel`, `paratrain bench parameter-server`,
            `paratrain bench pipeline`, `paratrain bench tensor`, `paratrain bench zero`,
-           `paratrain bench compression`
+           `paratrain bench compression`, `paratrain bench trace`
 
 `paratrain <command> --help` for a command's options."""
 
@@ -61,7 +62,7 @@ def main(argv=None):
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
                    "pipeline": "pipeline", "tensor": "tensor", "zero": "zero",
-                   "compression": "compression"}
+                   "compression": "compression", "trace": "trace"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

@@ -1,0 +1,96 @@
+"""``paratrain bench trace``: what ``--trace`` costs, and how well the ranks' clocks line up.
+
+    paratrain bench trace [--rounds 3] [--tasks gpt,mlp-large,pipeline] [--steps 40]
+
+Each round runs every task twice, untraced and traced, one after the other,
+so both meet the same machine; a task's figure is the median step time of
+its steps after the first few (metrics.jsonl), and the table gives traced
+over untraced per round and their median. From each traced run it also
+reads how far apart the same collective ends on the ranks after the clock
+correction (an all_reduce ends on every rank at nearly the same moment: the
+last bytes arrive everywhere together), the median and the 90th percentile.
+Writes benchmarks/results/trace.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from ..trace import analysis
+
+TASKS = {
+    "gpt": ["--model", "gpt"],
+    "mlp-large": ["--model", "mlp-large"],
+    "pipeline": ["--model", "gpt", "--pp", "2"],
+}
+WARMUP_STEPS = 5
+SYMMETRIC = ("all_reduce", "all_gather", "reduce_scatter", "barrier")   # they end together on every rank
+
+
+def run(task, steps, traced, runs):
+    cmd = [sys.executable, "-m", "paratrain", "train", *TASKS[task], "--workers", "2", "--steps", str(steps),
+           "--runs", runs, "--eval-every", str(steps)] + (["--trace"] if traced else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    run_dir = max((os.path.join(runs, d) for d in os.listdir(runs)), key=os.path.getmtime)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        times = [json.loads(line)["step_seconds"] for line in f if "step_seconds" in line]
+    return statistics.median(times[WARMUP_STEPS:]), run_dir
+
+
+def end_spread_us(run_dir):
+    """The spread of the same collective's end across ranks, per call: (median, p90) in us
+    (None, None) when the run had none."""
+    ends = {}
+    for e in analysis.load(run_dir):
+        a = e.get("args") or {}
+        if e.get("ph") == "X" and e.get("cat") == "comm" and "seq" in a and e["name"] in SYMMETRIC:
+            ends.setdefault((a["group"], a["seq"]), []).append(e["ts"] + e["dur"])
+    spreads = sorted(max(v) - min(v) for v in ends.values() if len(v) > 1)
+    if not spreads:
+        return None, None
+    return statistics.median(spreads), spreads[int(0.9 * (len(spreads) - 1))]
+
+
+def _us(x):
+    return "-" if x is None else f"{x:.0f} us"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="paratrain bench trace", description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--out", default=os.path.join("benchmarks", "results", "trace.json"))
+    args = p.parse_args(argv)
+    tasks = args.tasks.split(",")
+    rows = {t: [] for t in tasks}
+    with tempfile.TemporaryDirectory() as runs:
+        for r in range(args.rounds):
+            for t in tasks:
+                off, _ = run(t, args.steps, False, runs)
+                on, run_dir = run(t, args.steps, True, runs)
+                spread = end_spread_us(run_dir)
+                rows[t].append({"untraced_s": off, "traced_s": on, "ratio": on / off,
+                                "end_spread_median_us": spread[0], "end_spread_p90_us": spread[1]})
+                print(f"round {r + 1}/{args.rounds} {t}: untraced {off * 1e3:.1f} ms, traced {on * 1e3:.1f} ms "
+                      f"({on / off:.3f}x); the same collective ends within {_us(spread[0])} (median), "
+                      f"{_us(spread[1])} (p90)", flush=True)
+    print(f"\n{'task':<10} {'traced / untraced, per round':<36} {'median':>7}  the same collective's end across ranks, median/p90")
+    for t in tasks:
+        ratios = [x["ratio"] for x in rows[t]]
+        spreads = " ".join(f"{_us(x['end_spread_median_us'])}/{_us(x['end_spread_p90_us'])}" for x in rows[t])
+        print(f"{t:<10} {' '.join(f'{x:.3f}' for x in ratios):<36} {statistics.median(ratios):7.3f}  {spreads}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"steps": args.steps, "rounds": args.rounds, "tasks": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
