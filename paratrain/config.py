@@ -81,6 +81,12 @@ SETTINGS = {s.name: s for s in (
             "paratrain.launch.forkserver SOCKET`): workers start as forks of it, torch already imported"),
     Setting("PARATRAIN_TRACE", None, str, "a folder: every rank records a trace there, merged into "
             "`trace.json` at the end (set by `paratrain run --trace DIR` and `paratrain train --trace`)"),
+    Setting("PARATRAIN_FLIGHT_RECORDER", 2000, count, "collectives and messages each rank's flight recorder keeps "
+            "(0: off); dumped on a timeout, a dead peer, a mismatch, SIGUSR1 or an uncaught exception"),
+    Setting("PARATRAIN_FLIGHT_DIR", None, str, "where the flight recorder's dumps go (`paratrain train`: "
+            "`runs/<id>/flight/`; unset elsewhere: a folder under the temporary directory, named by the error)"),
+    Setting("PARATRAIN_STALL_S", 60.0, positive_seconds, "seconds a rank waits in a call before it logs which ranks "
+            "it waits for and their stacks (`--stall-s`)"),
     Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
     Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
     Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "

@@ -18,7 +18,7 @@ soon as it can send and receive. The algorithms see the backend only through
 import numpy as np
 
 from .. import config
-from ..trace import calls as trace_calls, recorder as trace
+from ..trace import calls as trace_calls, flight, recorder as trace
 from . import envelopes, ops
 from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
@@ -109,12 +109,20 @@ class ProcessGroup:
         self._env_algo = config.get("PARATRAIN_ALGO")
         self._destroyed = False
         self._trace_bytes, self._trace_algorithm = 0, None   # the call being made, for its trace (trace/calls.py)
+        flight.GROUPS.add(self)   # the stall inspector asks every live group how far it got
 
     def __repr__(self):
         return f"<{type(self).__name__} rank {self.rank}/{self.world_size} backend={self.backend}>"
 
     def size(self):
         return self.world_size
+
+    def calls_made(self):
+        """Collectives called on this group so far: the sequence id of the last one."""
+        return self._seq
+
+    def is_destroyed(self):
+        return self._destroyed
 
     def get_rank(self):
         return self.rank
@@ -123,8 +131,13 @@ class ProcessGroup:
 
     def _run(self, lane, fn, async_op, what):
         self._check_alive(what)
-        if trace.ON and lane == "coll":
-            fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn)
+        if lane == "coll":
+            if trace.ON:
+                fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn)
+            ring = flight.RING
+            if ring is not None:
+                fn = flight.wrap(ring.begin(trace_calls.group_name(self), self._seq, what, self._trace_bytes), fn,
+                                 CommError)
         if async_op:
             return self._lanes.submit(lane, fn, what)
         self._lanes.drain(lane)
@@ -149,7 +162,7 @@ class ProcessGroup:
         It counts the call (seq), so every check that may refuse a call runs before it:
         a call refused on one rank only must leave the ranks' counts equal."""
         self._seq += 1
-        if trace.ON:
+        if trace.ON or flight.RING is not None:
             self._trace_bytes = int(numel) * ops.itemsize(code) if code else 0
         fields = (COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code, int(numel), int(root), extra)
         return (self._seq, *fields, hash(fields) & 0x7FFFFFFFFFFFFFFF)
@@ -187,12 +200,31 @@ class ProcessGroup:
     # is called, so its Work is done once its message is in (work.posted_work).
 
     def send(self, tensor, dst, tag=0):
+        if flight.RING is not None:
+            return self._flown("send", tensor, dst, tag, lambda: self._traced_send(tensor, dst, tag))
+        return self._traced_send(tensor, dst, tag)
+
+    def recv(self, tensor, src, tag=0):
+        if flight.RING is not None:
+            return self._flown("recv", tensor, src, tag, lambda: self._traced_recv(tensor, src, tag))
+        return self._traced_recv(tensor, src, tag)
+
+    def _flown(self, name, tensor, peer, tag, fn):
+        """A blocking send or receive in the flight recorder (its peer as a global rank)."""
+        peer, tag = self._p2p_peer(peer, tag, name)
+        slot = flight.RING.begin(trace_calls.group_name(self), None, name, int(getattr(tensor, "nbytes", 0)),
+                                 self.ranks[peer])
+        result = []
+        flight.wrap(slot, lambda: result.append(fn()), CommError)()
+        return result[0]
+
+    def _traced_send(self, tensor, dst, tag):
         if trace.ON:
             return trace_calls.point_to_point(self, "send", "send", *self._traced_peer(tensor, dst, tag, "send"),
                                               lambda: self._send_call(tensor, dst, tag))
         return self._send_call(tensor, dst, tag)
 
-    def recv(self, tensor, src, tag=0):
+    def _traced_recv(self, tensor, src, tag):
         if trace.ON:
             return trace_calls.point_to_point(self, "recv", "recv", *self._traced_peer(tensor, src, tag, "recv"),
                                               lambda: self._recv_call(tensor, src, tag))

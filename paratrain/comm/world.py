@@ -39,6 +39,7 @@ class _State:
     group_count = 0
     groups = ()  # the sub-groups new_group made, destroyed with the world
     torch_initialized = False
+    watchdog = None   # the stall inspector (trace/stall.py)
 
 
 _S = _State()
@@ -77,6 +78,8 @@ def init(backend=None, timeout=None, threads=None):
         from .mpi_backend import mpi_world
         _S.world, _S.backend = mpi_world(timeout), "mpi"
         _S.world.trace_name = "world"
+        from ..trace import flight
+        flight.install(_S.world.rank, _S.world.world_size)   # (no store to ask the others through)
         _start_trace(_S.world, _S.world.rank)
         return _S.world
 
@@ -100,7 +103,18 @@ def init(backend=None, timeout=None, threads=None):
     _S.backend = backend
     _S.world = _make_group(list(range(e.world_size)), e.rank, backend, timeout, world=True)
     _start_trace(_S.world, e.rank)
+    _S.watchdog = _start_watchdog(_S.store, e.rank, e.world_size)
     return _S.world
+
+
+def _start_watchdog(store, rank, world_size):
+    """The flight recorder, and the stall inspector's watchdog over the job's store (trace/)."""
+    from ..trace import flight, stall
+    if flight.install(rank, world_size) is None or world_size < 2:
+        return None
+    dog = stall.Watchdog(PrefixStore("stall", store), rank, world_size, config.get("PARATRAIN_STALL_S"))
+    dog.start()
+    return dog
 
 
 def _start_trace(world, rank):
@@ -295,6 +309,8 @@ def destroy():
     with the process). The rendezvous store stays connected, for a later
     pt.init() (_job_store)."""
     global _S
+    if _S.watchdog is not None:
+        _S.watchdog.stop()
     for g in _S.groups:
         g.destroy()
     if _S.world is not None:

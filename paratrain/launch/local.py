@@ -104,6 +104,10 @@ def build_parser():
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="every worker records a trace into DIR (PARATRAIN_TRACE); at the end they are merged into "
                         "DIR/trace.json, which Perfetto opens and `paratrain trace DIR` reads")
+    p.add_argument("--stall-s", type=float, default=None, metavar="S",
+                   help="seconds a worker waits in a call before it logs which ranks it waits for and their stacks "
+                        "(PARATRAIN_STALL_S, default 60)")
+    p.add_argument("--flight-dir", default=None, help=argparse.SUPPRESS)   # paratrain train: runs/<id>/flight
     p.add_argument("--trace-out", default=None, help=argparse.SUPPRESS)   # paratrain train: where trace.json goes
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
                    help="do not prefix workers' output lines with [rank R]")
@@ -284,6 +288,10 @@ def main(argv=None, on_line=None):
     cmd = [sys.executable, "-m", BOOTSTRAP, *target, *args.args]
     base = dict(os.environ)
     trace_dir = args.trace or base.get("PARATRAIN_TRACE") or None
+    if args.stall_s is not None:
+        base["PARATRAIN_STALL_S"] = repr(args.stall_s)
+    if args.flight_dir:
+        base["PARATRAIN_FLIGHT_DIR"] = args.flight_dir
     if trace_dir:
         trace_dir = base["PARATRAIN_TRACE"] = os.path.abspath(trace_dir)
         remove_old_trace(trace_dir)

@@ -2,6 +2,7 @@
 
     paratrain trace runs/<id>            (a run folder, a trace folder, or trace.json[.gz])
     paratrain trace runs/<id> --json     the same figures as JSON
+    paratrain trace --flight DIR         where the ranks' flight-recorder dumps part
 """
 import argparse
 import json
@@ -13,7 +14,9 @@ from . import analysis, gantt
 
 def build_parser():
     p = argparse.ArgumentParser(prog="paratrain trace", description=__doc__.splitlines()[0].strip("`"))
-    p.add_argument("path", help="a run folder (runs/<id>), a trace folder, or a trace.json[.gz]")
+    p.add_argument("path", nargs="?", help="a run folder (runs/<id>), a trace folder, or a trace.json[.gz]")
+    p.add_argument("--flight", metavar="DIR", default=None,
+                   help="read the flight recorder's dumps in DIR (runs/<id>/flight, or the folder an error named)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--steps", type=int, default=3, help="steps drawn in trace.png (default 3)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not write trace.png")
@@ -50,7 +53,20 @@ def report(result):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.flight:
+        from . import flight_report
+        try:
+            print("\n".join(flight_report.report(args.flight)))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"paratrain trace: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if not args.path:
+        parser.print_usage(sys.stderr)
+        print("paratrain trace: error: give a run folder or a trace file, or --flight DIR", file=sys.stderr)
+        return 2
     try:
         result = analysis.analyse(args.path)
     except (FileNotFoundError, ValueError) as e:

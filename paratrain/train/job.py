@@ -60,6 +60,9 @@ def main(argv=None):
     from .progress import ProgressDisplay
     tracing = ["--trace", os.path.join(run_dir, "trace"), "--trace-out", os.path.join(run_dir, "trace.json")] \
         if args.trace else []
+    tracing += ["--stall-s", repr(args.stall_s)] if args.stall_s else []
+    if not os.environ.get("PARATRAIN_FLIGHT_DIR"):
+        tracing += ["--flight-dir", os.path.join(os.path.abspath(run_dir), "flight")]
     launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to, *tracing,
                 *strategies.STRATEGIES[args.strategy].launcher_args(args),
                 "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]

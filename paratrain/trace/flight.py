@@ -1,0 +1,181 @@
+"""The flight recorder: this rank's last collectives and messages, dumped when something goes wrong.
+
+Always on (``PARATRAIN_FLIGHT_RECORDER`` records, default 2000; 0 turns it
+off), as PyTorch's Flight Recorder keeps a ring buffer of its last
+collectives per rank. Each record is one preallocated list, overwritten
+in turn: op, group, sequence id, bytes, dtype, peer, state (queued /
+started / completed / failed) and its timestamps, so recording a call
+allocates nothing.
+
+The ring is dumped as JSON to ``PARATRAIN_FLIGHT_DIR/rank-<R>.json`` on a
+collective's timeout, a dead peer or a mismatch (any CommError out of a
+call), on SIGUSR1, and on an uncaught exception. ``paratrain trace
+--flight DIR`` (flight_report.py) then lines the ranks' dumps up by
+sequence id and names the first call where they part.
+"""
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+
+from .. import config
+
+QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
+FIELDS = ("group", "seq", "op", "bytes", "peer", "state", "queued_s", "started_s", "ended_s", "thread")
+GROUP, SEQ, OP, BYTES, PEER, STATE, QUEUED_S, STARTED_S, ENDED_S, THREAD = range(len(FIELDS))
+
+RING = None       # the FlightRecorder, or None when off
+GROUPS = weakref.WeakSet()   # every live group of this process, for the stall inspector's answers
+_dumped = set()
+
+
+class FlightRecorder:
+    def __init__(self, size, rank, world_size, directory):
+        self.size, self.rank, self.world_size, self.directory = size, rank, world_size, directory
+        self.slots = [[None] * len(FIELDS) for _ in range(size)]
+        self.count = 0
+        self.lock = threading.Lock()   # calls from the lane threads and the main thread
+
+    def begin(self, group_name, seq, op, nbytes, peer=None):
+        """A call was made: its record, queued (returned to be moved on with start/end)."""
+        with self.lock:
+            slot = self.slots[self.count % self.size]
+            self.count += 1
+        slot[:] = (group_name, seq, op, nbytes, peer, QUEUED, time.time(), None, None, None)
+        return slot
+
+    def records(self):
+        """The records, oldest first, as dicts."""
+        with self.lock:
+            n = min(self.count, self.size)
+            start = self.count - n
+            rows = [list(self.slots[i % self.size]) for i in range(start, self.count)]
+        return [dict(zip(FIELDS, row)) for row in rows]
+
+    def in_flight(self):
+        """The records not yet ended, oldest first."""
+        return [r for r in self.records() if r["state"] in (QUEUED, STARTED)]
+
+
+def start(slot):
+    slot[STATE], slot[STARTED_S], slot[THREAD] = STARTED, time.time(), threading.current_thread().name
+
+
+def end(slot, ok=True):
+    slot[STATE], slot[ENDED_S] = (COMPLETED if ok else FAILED), time.time()
+
+
+def wrap(slot, fn, dump_on):
+    """fn, moving ``slot`` through started and completed (or failed) as it runs."""
+    def run():
+        start(slot)
+        try:
+            fn()
+        except BaseException as e:
+            end(slot, ok=False)
+            if isinstance(e, dump_on):
+                failed(e)
+            raise
+        end(slot)
+    return run
+
+
+def failed(e):
+    """A call raised one of the errors that end a job (comm/ passes its CommError: a
+    timeout, a dead peer, a mismatch): dump the ring, and the error says where."""
+    if RING is not None:
+        path = dump(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if path and hasattr(e, "add_note") and not getattr(e, "_flight_noted", False):
+            e.add_note(f"flight recorder: {path} (read every rank's with `paratrain trace --flight "
+                       f"{os.path.dirname(path)}`)")
+            e._flight_noted = True
+
+
+def default_directory():
+    job = config.get("PARATRAIN_JOB_ID") or str(os.getpid())
+    return os.path.join(tempfile.gettempdir(), f"paratrain-flight-{job}")
+
+
+def install(rank, world_size):
+    """Turn the recorder on for this process (pt.init), with SIGUSR1 and an uncaught
+    exception dumping it. Returns the recorder, or None when PARATRAIN_FLIGHT_RECORDER=0."""
+    global RING
+    size = config.get("PARATRAIN_FLIGHT_RECORDER")
+    if not size:
+        RING = None
+        return None
+    directory = config.get("PARATRAIN_FLIGHT_DIR") or default_directory()
+    RING = FlightRecorder(size, rank, world_size, directory)
+    _on_signal()
+    _on_uncaught()
+    return RING
+
+
+def dump(reason):
+    """Write the ring (and every thread's stack) to DIR/rank-<R>.json; returns its path.
+    Once per reason, so a broken group that fails every later call writes once."""
+    ring = RING
+    if ring is None or reason in _dumped:
+        return None
+    _dumped.add(reason)
+    frames = sys._current_frames()
+    stacks = {t.name: "".join(traceback.format_stack(frames[t.ident]))
+              for t in threading.enumerate() if t.ident in frames}
+    data = {"rank": ring.rank, "world_size": ring.world_size, "pid": os.getpid(), "host": os.uname().nodename, "reason": reason,
+            "time": time.time(), "size": ring.size, "calls": ring.count, "records": ring.records(),
+            "groups": group_progress(), "stacks": stacks}
+    os.makedirs(ring.directory, exist_ok=True)
+    path = os.path.join(ring.directory, f"rank-{ring.rank}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def group_progress():
+    """{group name: calls made} for this process's live groups: how far each got."""
+    from .calls import group_name
+    return {group_name(g): g.calls_made() for g in list(GROUPS) if not g.is_destroyed()}
+
+
+def _on_signal():
+    """SIGUSR1 dumps the ring (and the process goes on); SIGTERM, the launcher stopping the
+    job after another rank failed, dumps it and then ends the process as SIGTERM would.
+    Left alone where the script has its own handler."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_usr1(signum, frame):
+        _dumped.discard("SIGUSR1")
+        path = dump("SIGUSR1")
+        print(f"paratrain: flight recorder written to {path}", file=sys.stderr, flush=True)
+
+    def on_term(signum, frame):
+        dump("SIGTERM: the job was being stopped")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    for sig, handler in ((signal.SIGUSR1, on_usr1), (signal.SIGTERM, on_term)):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, handler)
+
+
+def _on_uncaught():
+    previous = sys.excepthook
+    if getattr(previous, "_paratrain_flight", False):
+        return
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+            path = dump(f"uncaught {kind.__name__}: {str(value).splitlines()[0] if str(value) else ''}")
+            if path:
+                print(f"paratrain: flight recorder written to {path}", file=sys.stderr, flush=True)
+        previous(kind, value, tb)
+    hook._paratrain_flight = True
+    sys.excepthook = hook
