@@ -9,6 +9,9 @@ over untraced per round and their median. From each traced run it also
 reads how far apart the same collective ends on the ranks after the clock
 correction (an all_reduce ends on every rank at nearly the same moment: the
 last bytes arrive everywhere together), the median and the 90th percentile.
+Last, the always-on part: the median latency of a 4 KiB all_reduce on 2
+ranks with the flight recorder off (``PARATRAIN_FLIGHT_RECORDER=0``) and on
+(the default), in the same interleaved rounds.
 Writes benchmarks/results/trace.json.
 """
 import argparse
@@ -56,6 +59,36 @@ def end_spread_us(run_dir):
     return statistics.median(spreads), spreads[int(0.9 * (len(spreads) - 1))]
 
 
+LATENCY = """\
+import time, torch, paratrain as pt
+g = pt.init()
+t = torch.ones(1024)
+for _ in range(500):
+    g.all_reduce(t)
+runs = []
+for _ in range(5):
+    g.barrier()
+    t0 = time.perf_counter()
+    for _ in range(4000):
+        g.all_reduce(t)
+    runs.append((time.perf_counter() - t0) / 4000)
+if g.rank == 0:
+    print("LATENCY", sorted(runs)[2])
+pt.destroy()
+"""
+
+
+def latency(flight_on, script):
+    """The median 4 KiB all_reduce latency (s) of one 2-rank run."""
+    env = dict(os.environ, PARATRAIN_FLIGHT_RECORDER="2000" if flight_on else "0")
+    res = subprocess.run([sys.executable, "-m", "paratrain", "run", "-n", "2", script], capture_output=True,
+                         text=True, timeout=300, env=env)
+    line = next((x for x in res.stdout.splitlines() if "LATENCY" in x), None)
+    if res.returncode != 0 or line is None:
+        raise SystemExit(f"the latency run failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return float(line.split()[-1])
+
+
 def _us(x):
     return "-" if x is None else f"{x:.0f} us"
 
@@ -69,8 +102,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     tasks = args.tasks.split(",")
     rows = {t: [] for t in tasks}
+    rows["all_reduce 4 KiB"] = []
     with tempfile.TemporaryDirectory() as runs:
+        script = os.path.join(runs, "latency.py")
+        with open(script, "w") as f:
+            f.write(LATENCY)
         for r in range(args.rounds):
+            off, on = latency(False, script), latency(True, script)
+            rows["all_reduce 4 KiB"].append({"flight_recorder_off_s": off, "flight_recorder_on_s": on, "ratio": on / off})
+            print(f"round {r + 1}/{args.rounds} all_reduce 4 KiB: flight recorder off {off * 1e6:.1f} us, "
+                  f"on {on * 1e6:.1f} us ({on / off:.3f}x)", flush=True)
             for t in tasks:
                 off, _ = run(t, args.steps, False, runs)
                 on, run_dir = run(t, args.steps, True, runs)
@@ -81,6 +122,9 @@ def main(argv=None):
                       f"({on / off:.3f}x); the same collective ends within {_us(spread[0])} (median), "
                       f"{_us(spread[1])} (p90)", flush=True)
     print(f"\n{'task':<10} {'traced / untraced, per round':<36} {'median':>7}  the same collective's end across ranks, median/p90")
+    off_on = [x["ratio"] for x in rows["all_reduce 4 KiB"]]
+    print(f"{'4 KiB':<10} {' '.join(f'{x:.3f}' for x in off_on):<36} {statistics.median(off_on):7.3f}  "
+          "(all_reduce latency, flight recorder on / off)")
     for t in tasks:
         ratios = [x["ratio"] for x in rows[t]]
         spreads = " ".join(f"{_us(x['end_spread_median_us'])}/{_us(x['end_spread_p90_us'])}" for x in rows[t])

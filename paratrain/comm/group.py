@@ -131,17 +131,32 @@ class ProcessGroup:
 
     def _run(self, lane, fn, async_op, what):
         self._check_alive(what)
+        slot = None
         if lane == "coll":
             if trace.ON:
                 fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn)
             ring = flight.RING
-            if ring is not None:
-                fn = flight.wrap(ring.begin(trace_calls.group_name(self), self._seq, what, self._trace_bytes), fn,
-                                 CommError)
+            if ring is not None:   # the flight recorder: the record of a blocking call is written in line
+                slot = ring.begin(trace_calls.group_name(self), self._seq, what, self._trace_bytes,
+                                  state=flight.QUEUED if async_op else flight.STARTED)
+                if async_op:
+                    fn = flight.wrap(slot, fn, CommError)
         if async_op:
             return self._lanes.submit(lane, fn, what)
         self._lanes.drain(lane)
-        fn()
+        if slot is None:
+            fn()
+            return None
+        try:
+            fn()
+        except CommError as e:
+            flight.end(slot, ok=False)
+            flight.failed(e)
+            raise
+        except BaseException:
+            flight.end(slot, ok=False)
+            raise
+        flight.end(slot)
         return None
 
     def _check_alive(self, what):

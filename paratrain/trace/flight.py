@@ -13,6 +13,7 @@ call), on SIGUSR1, and on an uncaught exception. ``paratrain trace
 --flight DIR`` (flight_report.py) then lines the ranks' dumps up by
 sequence id and names the first call where they part.
 """
+import itertools
 import json
 import os
 import sys
@@ -25,8 +26,8 @@ import weakref
 from .. import config
 
 QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
-FIELDS = ("group", "seq", "op", "bytes", "peer", "state", "queued_s", "started_s", "ended_s", "thread")
-GROUP, SEQ, OP, BYTES, PEER, STATE, QUEUED_S, STARTED_S, ENDED_S, THREAD = range(len(FIELDS))
+FIELDS = ("group", "seq", "op", "bytes", "peer", "state", "queued_s", "started_s", "ended_s")
+GROUP, SEQ, OP, BYTES, PEER, STATE, QUEUED_S, STARTED_S, ENDED_S = range(len(FIELDS))
 
 RING = None       # the FlightRecorder, or None when off
 GROUPS = weakref.WeakSet()   # every live group of this process, for the stall inspector's answers
@@ -37,23 +38,23 @@ class FlightRecorder:
     def __init__(self, size, rank, world_size, directory):
         self.size, self.rank, self.world_size, self.directory = size, rank, world_size, directory
         self.slots = [[None] * len(FIELDS) for _ in range(size)]
+        self._numbers = itertools.count()   # next() is atomic under the GIL: no lock on the hot path
         self.count = 0
-        self.lock = threading.Lock()   # calls from the lane threads and the main thread
 
-    def begin(self, group_name, seq, op, nbytes, peer=None):
-        """A call was made: its record, queued (returned to be moved on with start/end)."""
-        with self.lock:
-            slot = self.slots[self.count % self.size]
-            self.count += 1
-        slot[:] = (group_name, seq, op, nbytes, peer, QUEUED, time.time(), None, None, None)
+    def begin(self, group_name, seq, op, nbytes, peer=None, state=QUEUED):
+        """A call was made: its record (returned to be moved on with start/end)."""
+        n = next(self._numbers)
+        self.count = n + 1
+        slot = self.slots[n % self.size]
+        now = time.time()
+        slot[:] = (group_name, seq, op, nbytes, peer, state, now, now if state is STARTED else None, None)
         return slot
 
     def records(self):
-        """The records, oldest first, as dicts."""
-        with self.lock:
-            n = min(self.count, self.size)
-            start = self.count - n
-            rows = [list(self.slots[i % self.size]) for i in range(start, self.count)]
+        """The records, oldest first, as dicts (a call being recorded meanwhile may show half-written)."""
+        count = self.count
+        n = min(count, self.size)
+        rows = [list(self.slots[i % self.size]) for i in range(count - n, count)]
         return [dict(zip(FIELDS, row)) for row in rows]
 
     def in_flight(self):
@@ -62,7 +63,7 @@ class FlightRecorder:
 
 
 def start(slot):
-    slot[STATE], slot[STARTED_S], slot[THREAD] = STARTED, time.time(), threading.current_thread().name
+    slot[STATE], slot[STARTED_S] = STARTED, time.time()
 
 
 def end(slot, ok=True):

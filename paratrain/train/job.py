@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from .. import config
 from . import layout, options, strategies
 
 
@@ -61,7 +62,7 @@ def main(argv=None):
     tracing = ["--trace", os.path.join(run_dir, "trace"), "--trace-out", os.path.join(run_dir, "trace.json")] \
         if args.trace else []
     tracing += ["--stall-s", repr(args.stall_s)] if args.stall_s else []
-    if not os.environ.get("PARATRAIN_FLIGHT_DIR"):
+    if not config.get("PARATRAIN_FLIGHT_DIR"):
         tracing += ["--flight-dir", os.path.join(os.path.abspath(run_dir), "flight")]
     launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to, *tracing,
                 *strategies.STRATEGIES[args.strategy].launcher_args(args),
