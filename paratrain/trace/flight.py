@@ -30,6 +30,7 @@ FIELDS = ("group", "seq", "op", "bytes", "peer", "state", "queued_s", "started_s
 GROUP, SEQ, OP, BYTES, PEER, STATE, QUEUED_S, STARTED_S, ENDED_S = range(len(FIELDS))
 
 RING = None       # the FlightRecorder, or None when off
+ask_peers = None  # set by the stall watchdog: fn(error, wait) that has the other ranks dump theirs too
 GROUPS = weakref.WeakSet()   # every live group of this process, for the stall inspector's answers
 _dumped = set()
 
@@ -90,6 +91,8 @@ def failed(e):
     timeout, a dead peer, a mismatch): dump the ring, and the error says where."""
     if RING is not None:
         path = dump(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if path and ask_peers is not None:
+            ask_peers(e, wait=False)   # (a caught error must not be slowed; an uncaught one waits, below)
         if path and hasattr(e, "add_note") and not getattr(e, "_flight_noted", False):
             e.add_note(f"flight recorder: {path} (read every rank's with `paratrain trace --flight "
                        f"{os.path.dirname(path)}`)")
@@ -145,9 +148,10 @@ def group_progress():
 
 
 def _on_signal():
-    """SIGUSR1 dumps the ring (and the process goes on); SIGTERM, the launcher stopping the
-    job after another rank failed, dumps it and then ends the process as SIGTERM would.
-    Left alone where the script has its own handler."""
+    """SIGUSR1 dumps the ring, and the process goes on. Left alone where the script has its
+    own handler. (Not SIGTERM: a Python handler runs only between bytecodes, so a rank
+    stuck inside an engine's wait would no longer end when the launcher stops the job;
+    the others' dumps are asked for through the store instead, ask_peers.)"""
     import signal
     if threading.current_thread() is not threading.main_thread():
         return
@@ -157,14 +161,8 @@ def _on_signal():
         path = dump("SIGUSR1")
         print(f"paratrain: flight recorder written to {path}", file=sys.stderr, flush=True)
 
-    def on_term(signum, frame):
-        dump("SIGTERM: the job was being stopped")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    for sig, handler in ((signal.SIGUSR1, on_usr1), (signal.SIGTERM, on_term)):
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, handler)
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGUSR1, on_usr1)
 
 
 def _on_uncaught():
@@ -177,6 +175,8 @@ def _on_uncaught():
             path = dump(f"uncaught {kind.__name__}: {str(value).splitlines()[0] if str(value) else ''}")
             if path:
                 print(f"paratrain: flight recorder written to {path}", file=sys.stderr, flush=True)
+                if ask_peers is not None:   # before this rank's exit has the launcher stop the others
+                    ask_peers(value, wait=True)
         previous(kind, value, tb)
     hook._paratrain_flight = True
     sys.excepthook = hook

@@ -26,18 +26,21 @@ import traceback
 
 from . import flight
 
-ANSWER_WAIT_S = 2.0   # how long an asking rank waits for the others' answers
+ANSWER_WAIT_S = 2.0   # how long an asking rank waits for the others' answers (and their dumps)
 
 
 class Watchdog(threading.Thread):
     def __init__(self, store, rank, world_size, stall_s, log=None):
         super().__init__(name="paratrain-stall-watchdog", daemon=True)
         self.store, self.rank, self.world_size, self.stall_s = store, rank, world_size, stall_s
-        self.period = min(1.0, stall_s / 8)
+        self.period = min(0.5, stall_s / 8)
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.reported = set()   # (group, seq) already logged
         self.answered = 0       # asks answered so far
+        self.dumps_done = 0     # dump requests answered so far
+        self.dumps_asked = 0    # this rank's own request, once made
         self.stopped = threading.Event()
+        flight.ask_peers = self.ask_for_dumps
 
     def run(self):
         while not self.stopped.wait(self.period):
@@ -49,15 +52,48 @@ class Watchdog(threading.Thread):
 
     def stop(self):
         self.stopped.set()
+        if flight.ask_peers == self.ask_for_dumps:
+            flight.ask_peers = None
 
     # ---- answering ------------------------------------------------------------------
 
     def answer(self):
+        wanted = self.store.add("flight/asks", 0)
+        if wanted > self.dumps_done:
+            self.dumps_done = wanted
+            flight.dump(f"asked by another rank, whose call failed (request {wanted})")
+            self.store.set(f"flight/dumped/{self.rank}", str(wanted))
         asks = self.store.add("stall/asks", 0)
         if asks > self.answered:
             self.answered = asks
             state = {"ask": asks, "groups": flight.group_progress(), "stack": main_stack(), "time": time.time()}
             self.store.set(f"stall/state/{self.rank}", json.dumps(state))
+
+    def ask_for_dumps(self, error, wait):
+        """This rank's call failed: have every other rank dump its flight recorder too, so the
+        report can say what the missing ones last did; with ``wait``, wait (briefly) for the
+        living ones. Asked once; a second call only waits."""
+        try:
+            if not self.dumps_asked:
+                self.dumps_asked = self.store.add("flight/asks", 1)
+                self.dumps_done = max(self.dumps_done, self.dumps_asked)
+            wanted = self.dumps_asked
+            if not wait:
+                return
+            # A timeout's ranks are alive but stuck: their dumps are the ones wanted. A peer
+            # error's ranks died or broke their connection: they cannot answer.
+            dead = set() if type(error).__name__ == "CommTimeout" else set(getattr(error, "ranks", ()))
+            others = [r for r in range(self.world_size) if r != self.rank and r not in dead]
+            deadline = time.time() + ANSWER_WAIT_S
+            while others and time.time() < deadline:
+                for peer in list(others):
+                    key = f"flight/dumped/{peer}"
+                    if self.store.check([key]) and int(self.store.get(key)) >= wanted:
+                        others.remove(peer)
+                if others:
+                    time.sleep(0.05)
+        except Exception:   # the store is gone with rank 0: nobody else can be asked
+            pass
 
     # ---- asking ---------------------------------------------------------------------
 

@@ -30,6 +30,10 @@ def check(args):
     problem = options.check(args)
     if problem:
         return problem
+    if args.tensorboard:
+        from .tensorboard import missing
+        if missing():
+            return missing()
     if args.straggler and args.straggler[0] >= args.workers:
         return (f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: there is no rank {args.straggler[0]} "
                 f"among {args.workers} workers (ranks 0..{args.workers - 1})")

@@ -55,6 +55,9 @@ def build_parser():
     p.add_argument("--trace", action="store_true",
                    help="record a timeline of every rank: runs/<id>/trace.json (Perfetto, chrome://tracing), "
                         "trace.png, and where each rank's step time went (`paratrain trace runs/<id>`)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="write the loss, evaluation, samples/s, communication and each rank's step time to "
+                        "runs/<id>/tb/ for TensorBoard (needs the tensorboard extra)")
     p.add_argument("--stall-s", type=positive_float, default=None, metavar="S",
                    help="seconds a worker waits in a call before it logs which ranks it waits for and their "
                         "stacks (default 60)")

@@ -34,6 +34,7 @@ from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_targ
 from .progress import ProgressReporter
 from .slowdown import Slowdown
 from .summary import job_numbers
+from .tensorboard import Board
 from .tasks import build_task
 
 
@@ -104,6 +105,7 @@ class TrainingRun:
         self.run_dir = args.run_dir
         self.log = MetricsLog(self.run_dir) if self.lead else None
         self.progress = ProgressReporter(self.settings.steps, enabled=self.lead)
+        self.board_tb = Board(self.run_dir, self.strategy.rank, self.lead) if args.tensorboard else None
         self.loss = float("nan")   # the last step's logged loss
         self.last_eval = {}
         self.train_seconds = self.loop_seconds = 0.0
@@ -149,6 +151,8 @@ class TrainingRun:
             if trace.ON:
                 trace.add("data", "data", "data", fetched, time.perf_counter())
             dt, compute, slept = self._step(batch)
+            if self.board_tb is not None:
+                self.board_tb.step(step + 1, dt)
             if trace.ON:
                 trace.add("step", "step", "compute", fetched, time.perf_counter(), {"step": step + 1})
             self.train_seconds += dt
@@ -196,14 +200,18 @@ class TrainingRun:
         self.log.log(**row)
         R = self.strategy.data_replicas
         job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - self.start) * R
-        self.progress.update(min(s.steps, self.start + job_batches // R), loss=self.loss,
-                             samples_per_s=job_batches * s.batch_size / (time.perf_counter() - self.t_start))
+        samples_per_s = job_batches * s.batch_size / (time.perf_counter() - self.t_start)
+        self.progress.update(min(s.steps, self.start + job_batches // R), loss=self.loss, samples_per_s=samples_per_s)
+        if self.board_tb is not None:
+            self.board_tb.record(done, row, samples_per_s, evaluation)
 
     def finish(self):
         """Every worker: the strategy's end, the final checkpoint, and this worker's report
         handed in. Returns (reports by rank, lost workers) on rank 0, None elsewhere."""
         strategy, slow = self.strategy, self.slow
         strategy.finish()
+        if self.board_tb is not None:
+            self.board_tb.close()
         self.board.beat(self.pool.taken, self.loop_seconds, force=True)
         if self.lead and strategy.finish_changes_weights:
             self.last_eval = self.task.evaluate(self.task.model)  # e.g. the servers' final weights

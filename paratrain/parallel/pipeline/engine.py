@@ -152,6 +152,8 @@ class Pipeline:
         self._held = self.peak_activation_bytes = 0
         self.saved_per_forward = []
         self._t_start, self._weights_done = t_start, set()
+        self.waited_seconds = 0.0   # this step's time waiting for a neighbour's values
+        self.sent_bytes = 0         # and the bytes this stage sent
         try:
             for i, (kind, mb, c) in enumerate(self.actions):
                 if kind == "W" and (mb, c) in self._weights_done:
@@ -161,6 +163,7 @@ class Pipeline:
                 self._run(kind, mb, c)
             for work, _ in self._works:
                 work.wait()
+            self.sent_bytes = sum(t.numel() * t.element_size() for _, t in self._works)
             tied.sum_gradients(self.group, self.stage.tied, self.stage.total)
         finally:
             self._state, self._works, self._inputs, self._targets = {}, [], None, None
@@ -173,7 +176,9 @@ class Pipeline:
         return loss[0]
 
     def _run(self, kind, mb, c):
+        called = time.perf_counter()
         began = {"F": self._forward, "B": self._backward, "W": self._weights}[kind](mb, c)
+        self.waited_seconds += began - called   # for its input: activations or gradients from a neighbour
         if kind == "W":
             self._weights_done.add((mb, c))
         ended = time.perf_counter()

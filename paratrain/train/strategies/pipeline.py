@@ -169,7 +169,11 @@ class PipelineStep(GroupStep):
 
     def forward_backward(self, task, batch):
         x, y = batch
-        return self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
+        loss = self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
+        self.stats.bytes += self.pipe.sent_bytes   # activations and gradients sent to the neighbours
+        self.stats.wait_seconds += self.pipe.waited_seconds
+        self.stats.comm_seconds += self.pipe.waited_seconds
+        return loss
 
     def before_step(self):
         self.traffic.start()
