@@ -1,4 +1,5 @@
 """The built-in tasks: their data, models, losses and evaluations (paratrain.train.datasets/models/tasks)."""
+import functools
 import json
 import sysconfig
 
@@ -214,9 +215,15 @@ def test_models_depend_only_on_seed(make):
 
 # --- tasks --------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def recsys_task():
+    """The recsys task, built once for the tests that only read it (its 1M-row table takes seconds)."""
+    return build_task("recsys", seed=0)
+
+
 @pytest.mark.parametrize("name", TASKS)
 def test_build_task(name):
-    task = build_task(name, seed=0)
+    task = recsys_task() if name == "recsys" else build_task(name, seed=0)
     assert task.name == name and task.metric in ("accuracy", "eval_loss")
     d = task.defaults
     assert {"steps", "batch_size", "lr", "optimizer", "eval_every"} <= d.keys() and d["optimizer"] in ("sgd", "adam")
@@ -254,7 +261,7 @@ def test_mlp_eval_set_poses_the_training_problem():
 def test_recsys_ids_are_zipf_and_a_batch_touches_few_rows():
     from paratrain.ps.rows import initial_rows
     from paratrain.train import recsys
-    task = build_task("recsys")
+    task = recsys_task()
     ids = task.train_set.tensors[0]
     counts = torch.bincount(ids.reshape(-1), minlength=recsys.NUM_IDS).sort(descending=True).values
     top = counts[:recsys.NUM_IDS // 100].sum().item() / counts.sum().item()
