@@ -15,6 +15,8 @@ soon as it can send and receive. The algorithms see the backend only through
 ``self.transport`` (comm/transport.py), built here from those methods.
 """
 
+import time
+
 import numpy as np
 
 from .. import config
@@ -110,6 +112,7 @@ class ProcessGroup:
         self._destroyed = False
         self._trace_bytes, self._trace_algorithm = 0, None   # the call being made, for its trace (trace/calls.py)
         flight.GROUPS.add(self)   # the stall inspector asks every live group how far it got
+        self._flight = flight.new_log()
 
     def __repr__(self):
         return f"<{type(self).__name__} rank {self.rank}/{self.world_size} backend={self.backend}>"
@@ -131,32 +134,31 @@ class ProcessGroup:
 
     def _run(self, lane, fn, async_op, what):
         self._check_alive(what)
-        slot = None
+        log = None
         if lane == "coll":
             if trace.ON:
                 fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn)
-            ring = flight.RING
-            if ring is not None:   # the flight recorder: the record of a blocking call is written in line
-                slot = ring.begin(trace_calls.group_name(self), self._seq, what, self._trace_bytes,
-                                  state=flight.QUEUED if async_op else flight.STARTED)
+            log = self._flight
+            if log is not None:   # the flight recorder (trace/flight.py): a tuple in, a count on
+                seq = self._seq
+                log.calls.append((seq, what, self._trace_bytes, time.time(), async_op))
                 if async_op:
-                    fn = flight.wrap(slot, fn, CommError)
+                    fn = flight.run_async(log, seq, fn, CommError)
         if async_op:
             return self._lanes.submit(lane, fn, what)
         self._lanes.drain(lane)
-        if slot is None:
+        if log is None:
             fn()
             return None
         try:
             fn()
-        except CommError as e:
-            flight.end(slot, ok=False)
-            flight.failed(e)
+        except BaseException as e:
+            log.failed[seq] = time.time()
+            if isinstance(e, CommError):
+                flight.failed(e)
             raise
-        except BaseException:
-            flight.end(slot, ok=False)
-            raise
-        flight.end(slot)
+        log.ends[seq % log.size] = time.time()
+        log.done = seq
         return None
 
     def _check_alive(self, what):
@@ -177,7 +179,7 @@ class ProcessGroup:
         It counts the call (seq), so every check that may refuse a call runs before it:
         a call refused on one rank only must leave the ranks' counts equal."""
         self._seq += 1
-        if trace.ON or flight.RING is not None:
+        if trace.ON or self._flight is not None:
             self._trace_bytes = int(numel) * ops.itemsize(code) if code else 0
         fields = (COLL_CODE[coll], ops.REDUCE_CODE[op] if op else 0, code, int(numel), int(root), extra)
         return (self._seq, *fields, hash(fields) & 0x7FFFFFFFFFFFFFFF)

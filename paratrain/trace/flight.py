@@ -2,10 +2,13 @@
 
 Always on (``PARATRAIN_FLIGHT_RECORDER`` records, default 2000; 0 turns it
 off), as PyTorch's Flight Recorder keeps a ring buffer of its last
-collectives per rank. Each record is one preallocated list, overwritten
-in turn: op, group, sequence id, bytes, dtype, peer, state (queued /
-started / completed / failed) and its timestamps, so recording a call
-allocates nothing.
+collectives per rank. Each group keeps its own ring (GroupLog): a call
+appends one small tuple (sequence id, op, bytes, time) to a bounded deque
+and, when it ends, writes its end time and moves the group's count of
+completed calls; collectives complete in sequence order (one lane per
+group), so a record's state follows from that count. That is a few hundred
+nanoseconds a call. Blocking sends and receives go to one more ring of
+records with their peer (FlightRecorder).
 
 The ring is dumped as JSON to ``PARATRAIN_FLIGHT_DIR/rank-<R>.json`` on a
 collective's timeout, a dead peer or a mismatch (any CommError out of a
@@ -13,6 +16,7 @@ call), on SIGUSR1, and on an uncaught exception. ``paratrain trace
 --flight DIR`` (flight_report.py) then lines the ranks' dumps up by
 sequence id and names the first call where they part.
 """
+import collections
 import itertools
 import json
 import os
@@ -33,6 +37,55 @@ RING = None       # the FlightRecorder, or None when off
 ask_peers = None  # set by the stall watchdog: fn(error, wait) that has the other ranks dump theirs too
 GROUPS = weakref.WeakSet()   # every live group of this process, for the stall inspector's answers
 _dumped = set()
+
+
+class GroupLog:
+    """One group's last collectives: the hot path touches only these fields."""
+
+    __slots__ = ("calls", "ends", "size", "done", "started", "failed")
+
+    def __init__(self, size):
+        self.calls = collections.deque(maxlen=size)   # (seq, op, bytes, called at, asynchronous)
+        self.ends = [None] * size                     # end time of call seq, at seq % size
+        self.size = size
+        self.done = 0                                 # the sequence id of the last completed call
+        self.started = {}                             # seq -> start time, for asynchronous calls
+        self.failed = {}                              # seq -> time it failed
+
+    def records(self, group_name):
+        out = []
+        for seq, op, nbytes, called, asynchronous in list(self.calls):
+            if seq in self.failed:
+                state, ended = FAILED, self.failed[seq]
+            elif seq <= self.done:
+                state, ended = COMPLETED, self.ends[seq % self.size]
+            else:   # a blocking call starts when called; an asynchronous one when its lane runs it
+                state, ended = (QUEUED if asynchronous and seq not in self.started else STARTED), None
+            out.append({"group": group_name, "seq": seq, "op": op, "bytes": nbytes, "peer": None, "state": state,
+                        "queued_s": called, "started_s": self.started.get(seq, called), "ended_s": ended})
+        return out
+
+
+def run_async(log, seq, fn, dump_on):
+    """An asynchronous collective's body, noting when it starts and ends (on the lane thread)."""
+    def run():
+        log.started[seq] = time.time()
+        try:
+            fn()
+        except BaseException as e:
+            log.failed[seq] = time.time()
+            if isinstance(e, dump_on):
+                failed(e)
+            raise
+        log.ends[seq % log.size] = time.time()
+        log.done = seq
+        log.started.pop(seq, None)
+    return run
+
+
+def new_log():
+    """A GroupLog for a new group, or None when the recorder is off."""
+    return GroupLog(RING.size) if RING is not None else None
 
 
 class FlightRecorder:
@@ -58,9 +111,19 @@ class FlightRecorder:
         rows = [list(self.slots[i % self.size]) for i in range(count - n, count)]
         return [dict(zip(FIELDS, row)) for row in rows]
 
+    def all_records(self):
+        """Every group's records and the messages', oldest first."""
+        from .calls import group_name
+        out = list(self.records())
+        for g in list(GROUPS):
+            log = getattr(g, "_flight", None)
+            if log is not None:
+                out += log.records(group_name(g))
+        return sorted(out, key=lambda r: r["queued_s"])
+
     def in_flight(self):
         """The records not yet ended, oldest first."""
-        return [r for r in self.records() if r["state"] in (QUEUED, STARTED)]
+        return [r for r in self.all_records() if r["state"] in (QUEUED, STARTED)]
 
 
 def start(slot):
@@ -114,6 +177,9 @@ def install(rank, world_size):
         return None
     directory = config.get("PARATRAIN_FLIGHT_DIR") or default_directory()
     RING = FlightRecorder(size, rank, world_size, directory)
+    for g in list(GROUPS):   # the groups made before (the world, made just before this)
+        if getattr(g, "_flight", None) is None:
+            g._flight = GroupLog(size)
     _on_signal()
     _on_uncaught()
     return RING
@@ -130,7 +196,7 @@ def dump(reason):
     stacks = {t.name: "".join(traceback.format_stack(frames[t.ident]))
               for t in threading.enumerate() if t.ident in frames}
     data = {"rank": ring.rank, "world_size": ring.world_size, "pid": os.getpid(), "host": os.uname().nodename, "reason": reason,
-            "time": time.time(), "size": ring.size, "calls": ring.count, "records": ring.records(),
+            "time": time.time(), "size": ring.size, "records": ring.all_records(),
             "groups": group_progress(), "stacks": stacks}
     os.makedirs(ring.directory, exist_ok=True)
     path = os.path.join(ring.directory, f"rank-{ring.rank}.json")
