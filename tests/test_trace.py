@@ -1,6 +1,6 @@
 """`paratrain train --trace` under every strategy, `paratrain run --trace` on a user's script,
 and `paratrain trace` naming a straggler: each trace must be valid Chrome JSON whose figures
-agree with what the ranks did."""
+agree with what the ranks did. (The allreduce run also writes TensorBoard's scalars.)"""
 import json
 import os
 import sys
@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from conftest import ROOT, python_m
-from test_train import ok, run_dirs, side_by_side, train
+from test_train import front_end, ok, run_dirs, side_by_side, train
 
 from paratrain.trace import analysis
 
 STRATEGIES = {
-    "allreduce": ("--model", "digits", "--steps", "12"),
+    "allreduce": ("--model", "digits", "--tensorboard", "--eval-every", "6", "--steps", "12"),
     "pipeline": ("--model", "mlp", "--pp", "2", "--steps", "8"),
     "tensor": ("--model", "gpt", "--tp", "2", "--batch-size", "8", "--steps", "4"),
     "zero": ("--model", "mlp", "--strategy", "zero", "--stage", "3", "--steps", "8"),
@@ -55,6 +55,32 @@ def same_sequence_on_every_rank(events):
     return calls
 
 
+def check_tensorboard(run):
+    """`--tensorboard`'s event files hold the run's numbers: read back with TensorBoard's own
+    reader and compared with metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def scalars(folder):
+        acc = EventAccumulator(str(run / "tb" / folder))
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    job = scalars("job")
+    assert [s for s, _ in job["loss"]] == [r["step"] for r in rows]
+    assert [v for _, v in job["loss"]] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert [v for _, v in job["comm/wait_s"]] == pytest.approx([r["comm_wait_seconds"] for r in rows], rel=1e-5)
+    evals = [(r["step"], r["accuracy"]) for r in rows if "accuracy" in r]
+    assert [s for s, _ in job["eval/accuracy"]] == [s for s, _ in evals] == [6, 12]
+    assert [v for _, v in job["eval/accuracy"]] == pytest.approx([v for _, v in evals], rel=1e-6)
+    assert all(v > 0 for _, v in job["samples_per_s"])
+    for rank in (0, 1):
+        times = scalars(f"rank-{rank}")["step_time_s"]
+        assert [s for s, _ in times] == list(range(1, 13)) and all(v > 0 for _, v in times)
+    assert [v for _, v in scalars("rank-0")["step_time_s"]] == \
+        pytest.approx([r["step_seconds"] for r in rows], abs=1e-4)
+
+
 @pytest.mark.timeout(420)
 def test_every_strategy_traces_a_valid_timeline_whose_breakdown_adds_up(tmp_path):
     results = side_by_side(*[(tmp_path / name, *args, "--trace") for name, args in STRATEGIES.items()])
@@ -85,6 +111,7 @@ def test_every_strategy_traces_a_valid_timeline_whose_breakdown_adds_up(tmp_path
             assert {"forward", "backward"} <= names, (name, names)
         if name == "allreduce":
             assert any(op == "all_reduce" for calls_of in calls["world"].values() for _, op, _ in calls_of)
+            check_tensorboard(run)   # (the same run: one launch fewer)
 
 
 def test_a_users_script_is_traced_with_its_own_spans(tmp_path):
@@ -138,6 +165,13 @@ def test_paratrain_trace_names_the_straggler_and_only_it(tmp_path):
         if expect:
             assert 1.2 <= found[0]["factor"] <= 1.4, found
     assert "straggler: rank 1" in slow.stdout
+
+
+def test_without_tensorboard_the_flag_says_how_to_get_it(tmp_path, monkeypatch):
+    from paratrain.train import tensorboard
+    monkeypatch.setattr(tensorboard, "installed", lambda: False)
+    res = front_end(tmp_path, "--tensorboard")
+    assert res.returncode == 2 and "pip install -e '.[tensorboard]'" in res.stderr
 
 
 def test_paratrain_trace_says_what_is_missing(tmp_path):
