@@ -15,6 +15,7 @@ soon as it can send and receive. The algorithms see the backend only through
 ``self.transport`` (comm/transport.py), built here from those methods.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -149,16 +150,8 @@ class ProcessGroup:
         self._lanes.drain(lane)
         if log is None:
             fn()
-            return None
-        try:
-            fn()
-        except BaseException as e:
-            log.failed[seq] = time.time()
-            if isinstance(e, CommError):
-                flight.failed(e)
-            raise
-        log.ends[seq % log.size] = time.time()
-        log.done = seq
+        else:
+            log.run(seq, fn, CommError)
         return None
 
     def _check_alive(self, what):
@@ -217,35 +210,36 @@ class ProcessGroup:
     # is called, so its Work is done once its message is in (work.posted_work).
 
     def send(self, tensor, dst, tag=0):
-        if flight.RING is not None:
-            return self._flown("send", tensor, dst, tag, lambda: self._traced_send(tensor, dst, tag))
-        return self._traced_send(tensor, dst, tag)
+        if flight.RING is None and not trace.ON:
+            return self._send_call(tensor, dst, tag)
+        return self._recorded("send", "send", tensor, dst, tag, self._send_call)
 
     def recv(self, tensor, src, tag=0):
-        if flight.RING is not None:
-            return self._flown("recv", tensor, src, tag, lambda: self._traced_recv(tensor, src, tag))
-        return self._traced_recv(tensor, src, tag)
+        if flight.RING is None and not trace.ON:
+            return self._recv_call(tensor, src, tag)
+        return self._recorded("recv", "recv", tensor, src, tag, self._recv_call)
 
-    def _flown(self, name, tensor, peer, tag, fn):
-        """A blocking send or receive in the flight recorder (its peer as a global rank)."""
-        peer, tag = self._p2p_peer(peer, tag, name)
-        slot = flight.RING.begin(trace_calls.group_name(self), None, name, int(getattr(tensor, "nbytes", 0)),
-                                 self.ranks[peer])
-        result = []
-        flight.wrap(slot, lambda: result.append(fn()), CommError)()
-        return result[0]
+    def _recorded(self, name, direction, tensor, peer, tag, call):
+        """A blocking send or receive, in the flight recorder (its peer as a global rank) and,
+        when the run is traced, in the trace."""
+        checked, checked_tag, nbytes = self._traced_peer(tensor, peer, tag, name)
 
-    def _traced_send(self, tensor, dst, tag):
+        def run():
+            return call(tensor, peer, tag)
         if trace.ON:
-            return trace_calls.point_to_point(self, "send", "send", *self._traced_peer(tensor, dst, tag, "send"),
-                                              lambda: self._send_call(tensor, dst, tag))
-        return self._send_call(tensor, dst, tag)
-
-    def _traced_recv(self, tensor, src, tag):
-        if trace.ON:
-            return trace_calls.point_to_point(self, "recv", "recv", *self._traced_peer(tensor, src, tag, "recv"),
-                                              lambda: self._recv_call(tensor, src, tag))
-        return self._recv_call(tensor, src, tag)
+            run = functools.partial(trace_calls.point_to_point, self, name, direction, checked, checked_tag, nbytes,
+                                    run)
+        ring = flight.RING
+        if ring is None:
+            return run()
+        slot = ring.message(trace_calls.group_name(self), name, nbytes, self.ranks[checked])
+        try:
+            result = run()
+        except BaseException as e:
+            flight.end(slot, e, CommError)
+            raise
+        flight.end(slot)
+        return result
 
     def isend(self, tensor, dst, tag=0):
         if trace.ON:

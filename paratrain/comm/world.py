@@ -119,14 +119,13 @@ def _start_watchdog(store, rank, world_size):
 
 def _start_trace(world, rank):
     """With PARATRAIN_TRACE set: this rank's clock offset to rank 0's (one exchange
-    with rank 0 over the world group), then record from here on (trace/)."""
-    directory = config.get("PARATRAIN_TRACE")
-    if directory:
-        from ..trace import clock, optimizer, recorder
+    with rank 0 over the world group), then record from here on (trace/). Once per
+    process: a later pt.init() goes on recording into the same file."""
+    from .. import trace
+    if config.get("PARATRAIN_TRACE") and not trace.enabled():
+        from ..trace import clock
         offset, uncertainty = clock.estimate(world)
-        optimizer.install()
-        recorder.start(directory, "rank", rank, offset, uncertainty, count_cpu=torch.get_num_threads() == 1,
-                       world_size=world.world_size, backend=_S.backend)
+        trace.start_from_env("rank", rank, offset, uncertainty, world_size=world.world_size, backend=_S.backend)
 
 
 _STORES = {}   # (addr, port, rank, world size) -> [the rendezvous store, inits over it so far]

@@ -324,7 +324,8 @@ def main(argv=None, on_line=None):
 def remove_old_trace(directory):
     """A trace folder used before holds the last job's files: remove them, so the merge
     reads this job's alone."""
-    for path in glob.glob(os.path.join(directory, "rank-*.jsonl")) + glob.glob(os.path.join(directory, "server-*.jsonl")):
+    from ..trace.chrome import process_files
+    for path in process_files(directory):
         os.remove(path)
 
 

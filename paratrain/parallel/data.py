@@ -96,6 +96,7 @@ class _DataParallelBase(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._require_sync = True
         self._joining = None
+        self._backward_began = None   # (time, CPU time) backward reached the output, when traced
         self._check_same_model()
         self.sync_module_states()
 
@@ -124,7 +125,7 @@ class _DataParallelBase(nn.Module):
 
     def _note_backward_end(self):
         """Called first thing at the end of backward: its span, when traced."""
-        began, self._backward_began = getattr(self, "_backward_began", None), None
+        began, self._backward_began = self._backward_began, None
         if trace.ON and began is not None:
             trace.add_compute("backward", *began)
 

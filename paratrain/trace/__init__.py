@@ -16,19 +16,23 @@ above config, so the communication layer can call it.
 from .recorder import span, start, stop
 
 
-def start_from_env(role, index):
-    """Start recording where PARATRAIN_TRACE says, for a process that joins no group
-    (a parameter-server worker or a server): its clock is taken as rank 0's, which holds
-    on one host (the header says so)."""
+def start_from_env(role, index, offset_s=0.0, uncertainty_s=None, **header):
+    """Start recording where PARATRAIN_TRACE says, once per process, with every torch
+    optimizer's steps. ``offset_s``: this clock's offset to rank 0's (pt.init measures it,
+    clock.py); a process that joins no group (a parameter-server worker, a server) takes
+    its clock as rank 0's, which holds on one host."""
     from .. import config
     from . import recorder
     directory = config.get("PARATRAIN_TRACE")
     if directory and not recorder.ON:
         import torch
-        recorder.start(directory, role, index, 0.0, None, count_cpu=torch.get_num_threads() == 1,
-                       clock_note="taken as rank 0's (no group to measure it against)")
+
         from . import optimizer
         optimizer.install()
+        if uncertainty_s is None:
+            header.setdefault("clock_note", "taken as rank 0's (no group to measure it against)")
+        recorder.start(directory, role, index, offset_s, uncertainty_s, count_cpu=torch.get_num_threads() == 1,
+                       **header)
 
 
 def enabled():

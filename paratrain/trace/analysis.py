@@ -28,9 +28,10 @@ import json
 import os
 import statistics
 
+from .chrome import SERVER_PID
+
 STRAGGLER_FACTOR = 1.10
 COMPUTE = ("compute",)
-SERVER_PID = 1000
 
 
 def find_trace(path):
@@ -188,10 +189,12 @@ def last_arrivals(events, steps):
     return out
 
 
-def analyse(path):
-    """Everything ``paratrain trace`` prints, as one dict (its --json)."""
-    events = load(path)
+def analyse(path, events=None):
+    """Everything ``paratrain trace`` prints, as one dict (its --json); ``events``: the
+    trace at ``path`` when the caller has loaded it already."""
+    trace_file = find_trace(path)
+    events = load(trace_file) if events is None else events
     rows = breakdown(events)
     steps = max((r["steps"] for r in rows), default=0)
-    return {"trace": find_trace(path), "ranks": rows, "stragglers": stragglers(rows),
+    return {"trace": trace_file, "ranks": rows, "stragglers": stragglers(rows),
             "last_arrivals": last_arrivals(events, steps)}

@@ -86,11 +86,16 @@ def _message_key(a):
     return a["group"], a["src"], a["dst"], a["tag"], a["n"]
 
 
+def process_files(directory):
+    """The processes' own files in a trace folder: the ranks', then the servers'."""
+    return sorted(glob.glob(os.path.join(directory, "rank-*.jsonl"))) + \
+        sorted(glob.glob(os.path.join(directory, "server-*.jsonl")))
+
+
 def merge(directory, out=None, gzip_above=GZIP_ABOVE):
     """Merge ``directory``'s rank-*.jsonl and server-*.jsonl into one Chrome trace;
     returns its path (``directory/trace.json``, or ``.json.gz`` when large)."""
-    files = sorted(glob.glob(os.path.join(directory, "rank-*.jsonl"))) + \
-        sorted(glob.glob(os.path.join(directory, "server-*.jsonl")))
+    files = process_files(directory)
     if not files:
         raise FileNotFoundError(f"no rank-*.jsonl in {directory}: was the job run with --trace "
                                 "(or PARATRAIN_TRACE) and did its ranks call pt.init()?")

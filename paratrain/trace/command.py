@@ -23,6 +23,19 @@ def build_parser():
     return p
 
 
+def analyse_and_plot(path, steps=3, plot=True):
+    """The analysis of the trace at ``path`` and, with ``plot``, trace.png beside it (its
+    path under "plot"), from one reading of the file."""
+    trace_file = analysis.find_trace(path)
+    events = analysis.load(trace_file)
+    result = analysis.analyse(trace_file, events)
+    if plot:
+        folder = os.path.dirname(os.path.abspath(trace_file))
+        result["plot"] = gantt.plot(events, os.path.join(folder, "trace.png"),
+                                    f"{os.path.basename(folder)}: the last {steps} steps")
+    return result
+
+
 def report(result):
     """The analysis as lines of text."""
     lines = [f"trace: {result['trace']}",
@@ -68,15 +81,10 @@ def main(argv=None):
         print("paratrain trace: error: give a run folder or a trace file, or --flight DIR", file=sys.stderr)
         return 2
     try:
-        result = analysis.analyse(args.path)
+        result = analyse_and_plot(args.path, args.steps, args.plot)
     except (FileNotFoundError, ValueError) as e:
         print(f"paratrain trace: error: {e}", file=sys.stderr)
         return 2
-    if args.plot:
-        trace_file = result["trace"]
-        png = os.path.join(os.path.dirname(trace_file), "trace.png")
-        run = os.path.basename(os.path.dirname(os.path.abspath(trace_file)))
-        result["plot"] = gantt.plot(analysis.load(trace_file), png, f"{run}: the last {args.steps} steps")
     if args.json:
         print(json.dumps(result, indent=1))
     else:

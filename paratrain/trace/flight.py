@@ -65,20 +65,25 @@ class GroupLog:
                         "queued_s": called, "started_s": self.started.get(seq, called), "ended_s": ended})
         return out
 
+    def run(self, seq, fn, dump_on):
+        """Run call ``seq``'s body and note how it ended: completed (calls complete in
+        sequence order, one lane per group), or failed, where one of ``dump_on`` dumps the ring."""
+        try:
+            fn()
+        except BaseException as e:
+            self.failed[seq] = time.time()
+            if isinstance(e, dump_on):
+                failed(e)
+            raise
+        self.ends[seq % self.size] = time.time()
+        self.done = seq
+
 
 def run_async(log, seq, fn, dump_on):
     """An asynchronous collective's body, noting when it starts and ends (on the lane thread)."""
     def run():
         log.started[seq] = time.time()
-        try:
-            fn()
-        except BaseException as e:
-            log.failed[seq] = time.time()
-            if isinstance(e, dump_on):
-                failed(e)
-            raise
-        log.ends[seq % log.size] = time.time()
-        log.done = seq
+        log.run(seq, fn, dump_on)
         log.started.pop(seq, None)
     return run
 
@@ -95,13 +100,13 @@ class FlightRecorder:
         self._numbers = itertools.count()   # next() is atomic under the GIL: no lock on the hot path
         self.count = 0
 
-    def begin(self, group_name, seq, op, nbytes, peer=None, state=QUEUED):
-        """A call was made: its record (returned to be moved on with start/end)."""
+    def message(self, group_name, op, nbytes, peer):
+        """A blocking send or receive started: its record (returned for ``end``)."""
         n = next(self._numbers)
         self.count = n + 1
         slot = self.slots[n % self.size]
         now = time.time()
-        slot[:] = (group_name, seq, op, nbytes, peer, state, now, now if state is STARTED else None, None)
+        slot[:] = (group_name, None, op, nbytes, peer, STARTED, now, now, None)
         return slot
 
     def records(self):
@@ -126,27 +131,11 @@ class FlightRecorder:
         return [r for r in self.all_records() if r["state"] in (QUEUED, STARTED)]
 
 
-def start(slot):
-    slot[STATE], slot[STARTED_S] = STARTED, time.time()
-
-
-def end(slot, ok=True):
-    slot[STATE], slot[ENDED_S] = (COMPLETED if ok else FAILED), time.time()
-
-
-def wrap(slot, fn, dump_on):
-    """fn, moving ``slot`` through started and completed (or failed) as it runs."""
-    def run():
-        start(slot)
-        try:
-            fn()
-        except BaseException as e:
-            end(slot, ok=False)
-            if isinstance(e, dump_on):
-                failed(e)
-            raise
-        end(slot)
-    return run
+def end(slot, error=None, dump_on=()):
+    """A message's record: completed, or failed with ``error`` (one of ``dump_on`` dumps the ring)."""
+    slot[STATE], slot[ENDED_S] = (COMPLETED if error is None else FAILED), time.time()
+    if isinstance(error, dump_on):
+        failed(error)
 
 
 def failed(e):

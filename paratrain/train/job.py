@@ -32,8 +32,9 @@ def check(args):
         return problem
     if args.tensorboard:
         from .tensorboard import missing
-        if missing():
-            return missing()
+        problem = missing()
+        if problem:
+            return problem
     if args.straggler and args.straggler[0] >= args.workers:
         return (f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: there is no rank {args.straggler[0]} "
                 f"among {args.workers} workers (ranks 0..{args.workers - 1})")
@@ -96,12 +97,9 @@ def main(argv=None):
 
 def show_trace(run_dir, console):
     """After a traced run: trace.png, and where each rank's step time went."""
-    from ..trace import analysis, command, gantt
+    from ..trace import command
     try:
-        result = analysis.analyse(run_dir)
-        trace_file = result["trace"]
-        result["plot"] = gantt.plot(analysis.load(trace_file), os.path.join(run_dir, "trace.png"),
-                                    f"{os.path.basename(run_dir)}: the last 3 steps")
+        result = command.analyse_and_plot(run_dir)
     except (OSError, ValueError) as e:
         console.print(f"paratrain train: the trace could not be read: {e}")
         return
