@@ -17,7 +17,7 @@ STRATEGIES = {
     "pipeline": ("--model", "mlp", "--pp", "2", "--steps", "8"),
     "tensor": ("--model", "gpt", "--tp", "2", "--batch-size", "8", "--steps", "4"),
     "zero": ("--model", "mlp", "--strategy", "zero", "--stage", "3", "--steps", "8"),
-    "ps": ("--model", "mlp", "--strategy", "ps", "--steps", "8"),
+    "ps": ("--model", "mlp", "--strategy", "ps", "--consistency", "ssp", "--staleness", "1", "--steps", "8"),
     "compressed": ("--model", "mlp", "--compression", "topk:0.05", "--steps", "8"),
 }
 
@@ -101,6 +101,9 @@ def test_every_strategy_traces_a_valid_timeline_whose_breakdown_adds_up(tmp_path
         if name == "ps":   # the servers step the optimizer
             assert {"ps.step", "push"} & names or {"ps.push", "ps.pull"} <= names, names
             assert any(e["pid"] >= 1000 for e in events if e["ph"] == "X"), "the server traces too"
+            stale = analysis.staleness(events)   # every pull of every step, within SSP's bound
+            assert [w["worker"] for w in stale] == [0, 1] and all(w["reads"] >= 8 for w in stale), stale
+            assert all(0 <= w["max_lag"] <= 1 for w in stale), stale
             continue
         calls = same_sequence_on_every_rank(events)
         if name == "pipeline":
@@ -109,6 +112,15 @@ def test_every_strategy_traces_a_valid_timeline_whose_breakdown_adds_up(tmp_path
             assert sends and any(e.get("cat") == "wait" for e in events)   # receives split at their sender's start
         else:
             assert {"forward", "backward"} <= names, (name, names)
+        purposes = {e["args"].get("for") for e in events if e.get("cat") == "comm" and "seq" in e.get("args", {})}
+        if name == "tensor":   # each layer's collectives, forward and backward, under its name
+            # mlp.0 is column-parallel (its all-reduce is in backward), mlp.2 row-parallel (forward)
+            assert {"blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0"} <= purposes, purposes
+        if name == "zero":   # each unit's gathers and reduce-scatters, and its frees
+            frees = {e["args"]["unit"] for e in events if e.get("cat") == "memory"}
+            assert frees and frees <= purposes, (frees, purposes)
+        if name == "compressed":
+            assert {"topk encode", "topk decode"} <= names and "bucket 0" in purposes, (names, purposes)
         if name == "allreduce":
             assert any(op == "all_reduce" for calls_of in calls["world"].values() for _, op, _ in calls_of)
             check_tensorboard(run)   # (the same run: one launch fewer)

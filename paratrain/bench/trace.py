@@ -1,11 +1,14 @@
 """``paratrain bench trace``: what ``--trace`` costs, and how well the ranks' clocks line up.
 
-    paratrain bench trace [--rounds 3] [--tasks gpt,mlp-large,pipeline] [--steps 40]
+    paratrain bench trace [--rounds 3] [--tasks gpt,mlp-large,pipeline] [--steps 60]
 
-Each round runs every task twice, untraced and traced, one after the other,
-so both meet the same machine; a task's figure is the median step time of
-its steps after the first few (metrics.jsonl), and the table gives traced
-over untraced per round and their median. From each traced run it also
+Each round runs every task once with ``--trace``, recording every other
+step only, so traced and untraced steps alternate in one run and meet the
+same machine, the same processes and the same memory (separate runs differ
+by a few percent on their own: where the scheduler puts them, what else
+ran). A round's figure is the median time of its traced steps over that of
+its untraced ones, the first few steps left out (metrics.jsonl); the table
+gives it per round and the median. From each traced run it also
 reads how far apart the same collective ends on the ranks after the clock
 correction (an all_reduce ends on every rank at nearly the same moment: the
 last bytes arrive everywhere together), the median and the 90th percentile.
@@ -33,16 +36,19 @@ WARMUP_STEPS = 5
 SYMMETRIC = ("all_reduce", "all_gather", "reduce_scatter", "barrier")   # they end together on every rank
 
 
-def run(task, steps, traced, runs):
+def run(task, steps, runs):
+    """One run of ``task`` traced every other step: (median untraced step s, median traced
+    step s, the run folder)."""
     cmd = [sys.executable, "-m", "paratrain", "train", *TASKS[task], "--workers", "2", "--steps", str(steps),
-           "--runs", runs, "--eval-every", str(steps)] + (["--trace"] if traced else [])
+           "--runs", runs, "--eval-every", str(steps), "--trace", "--trace-every-other"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
     run_dir = max((os.path.join(runs, d) for d in os.listdir(runs)), key=os.path.getmtime)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        times = [json.loads(line)["step_seconds"] for line in f if "step_seconds" in line]
-    return statistics.median(times[WARMUP_STEPS:]), run_dir
+        rows = [json.loads(line) for line in f][WARMUP_STEPS:]
+    times = {flag: [r["step_seconds"] for r in rows if r.get("traced") is flag] for flag in (False, True)}
+    return statistics.median(times[False]), statistics.median(times[True]), run_dir
 
 
 def end_spread_us(run_dir):
@@ -96,7 +102,7 @@ def _us(x):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="paratrain bench trace", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "trace.json"))
     args = p.parse_args(argv)
@@ -113,8 +119,7 @@ def main(argv=None):
             print(f"round {r + 1}/{args.rounds} all_reduce 4 KiB: flight recorder off {off * 1e6:.1f} us, "
                   f"on {on * 1e6:.1f} us ({on / off:.3f}x)", flush=True)
             for t in tasks:
-                off, _ = run(t, args.steps, False, runs)
-                on, run_dir = run(t, args.steps, True, runs)
+                off, on, run_dir = run(t, args.steps, runs)
                 spread = end_spread_us(run_dir)
                 rows[t].append({"untraced_s": off, "traced_s": on, "ratio": on / off,
                                 "end_spread_median_us": spread[0], "end_spread_p90_us": spread[1]})

@@ -10,6 +10,8 @@ top-k, PowerSGD and 1-bit as further hooks.
 """
 import torch
 
+from ..trace import span
+
 
 class AllReduceHook:
     """The default: an all-reduce with op avg, in place."""
@@ -42,6 +44,8 @@ class CastHook(AllReduceHook):
             raise ValueError(f"CastHook compresses to float16 or bfloat16, not {dtype}")
         self.dtype = dtype
         self.low = []
+        kind = "fp16" if dtype == torch.float16 else "bf16"
+        self.encoding, self.decoding = f"{kind} encode", f"{kind} decode"
 
     def prepare(self, group, flats):
         self.low = [group.empty_shared(f.numel(), self.dtype) for f in flats]
@@ -51,10 +55,12 @@ class CastHook(AllReduceHook):
 
     def __call__(self, group, index, flat):
         low = self.low[index]
-        torch.div(flat, group.world_size, out=flat)
-        low.copy_(flat)
+        with span(self.encoding, "compute", "compression", bucket=index):
+            torch.div(flat, group.world_size, out=flat)
+            low.copy_(flat)
         group.all_reduce(low, op="sum", algorithm=self.algorithm)
-        flat.copy_(low)
+        with span(self.decoding, "compute", "compression", bucket=index):
+            flat.copy_(low)
 
 
 def make_hook(compression=None, algorithm=None):

@@ -335,7 +335,8 @@ class DataParallel(_DataParallelBase):
 
     def _reduce_bucket(self, b):
         t0 = time.perf_counter()
-        self.hook(self.group, b.index, b.flat)
+        with trace.label(f"bucket {b.index}"):
+            self.hook(self.group, b.index, b.flat)
         self.stats.comm_seconds += time.perf_counter() - t0
         self.stats.bytes += self.hook.wire_bytes(b.flat)
         self.stats.allreduces += 1

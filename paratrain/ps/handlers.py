@@ -19,10 +19,12 @@ Sparse embedding tables (rows.py) follow the same rules per table: BSP
 gathers every worker's rows of a clock and applies their average once.
 """
 import dataclasses
+import time
 
 import numpy as np
 
 from .. import config
+from ..trace import recorder as trace
 from . import doorbell, push_codecs, shared, wire
 from .consistency import Clocks, effective_mode
 from .optimizers import make_optimizer
@@ -209,7 +211,10 @@ class Handlers:
         return self.clocks.may_read(h.worker)
 
     def _record_read(self, h, unit):
-        self.clocks.record_read(h.worker, h.clock - unit.applied if self.mode == "bsp" else None)
+        lag = self.clocks.record_read(h.worker, h.clock - unit.applied if self.mode == "bsp" else None)
+        if trace.ON:   # what paratrain trace reports as each worker's staleness
+            now = time.perf_counter()
+            trace.add("read", "ps", "reads", now, now, {"worker": h.worker, "clock": h.clock, "lag": lag})
 
     def _pull(self, ident, h, meta, payload):
         """One shard's weights over TCP, or every shard's into this worker's pull region."""

@@ -3,6 +3,7 @@
     paratrain train --trace                    # runs/<id>/trace.json and trace.png
     paratrain run --trace DIR script.py        # DIR/trace.json (also PARATRAIN_TRACE=DIR)
     with pt.trace.span("my part"): ...         # the user's own spans, on this rank's row
+    with pt.trace.label("my layer"): ...       # what the collectives inside are for
     paratrain trace runs/<id>                  # where each rank's time went, and who was late
 
 Each process records its spans to its own file (recorder.py) on a clock
@@ -13,7 +14,7 @@ Perfetto and chrome://tracing open (chrome.py), and read back by the
 analysis (analysis.py, gantt.py). This package imports nothing of paratrain
 above config, so the communication layer can call it.
 """
-from .recorder import span, start, stop
+from .recorder import label, span, start, stop
 
 
 def start_from_env(role, index, offset_s=0.0, uncertainty_s=None, **header):
@@ -41,4 +42,4 @@ def enabled():
     return recorder.ON
 
 
-__all__ = ["span", "start", "stop", "start_from_env", "enabled"]
+__all__ = ["label", "span", "start", "stop", "start_from_env", "enabled"]

@@ -22,6 +22,9 @@ A rank's *own work* is its step time less its wait and its starved time:
 what it would take if nobody were late and it had its core to itself. A
 straggler is a rank whose own work per step is at least 10% above the
 median of the ranks.
+
+Under the parameter server, the servers note every read with the reader's
+lag, and the analysis gives each worker's staleness.
 """
 import gzip
 import json
@@ -189,6 +192,18 @@ def last_arrivals(events, steps):
     return out
 
 
+def staleness(events):
+    """Per parameter-server worker: the reads the servers answered it, and how many clocks
+    it was ahead of the slowest worker at each (its lag: SSP bounds it by s, BSP keeps it
+    0, ASP lets it grow; Ho et al., NIPS 2013)."""
+    lags = {}
+    for e in events:
+        if e.get("ph") == "X" and e["cat"] == "ps" and e["name"] == "read":
+            lags.setdefault(e["args"]["worker"], []).append(e["args"]["lag"])
+    return [{"worker": w, "reads": len(v), "mean_lag": sum(v) / len(v), "max_lag": max(v),
+             "histogram": {str(k): v.count(k) for k in sorted(set(v))}} for w, v in sorted(lags.items())]
+
+
 def analyse(path, events=None):
     """Everything ``paratrain trace`` prints, as one dict (its --json); ``events``: the
     trace at ``path`` when the caller has loaded it already."""
@@ -197,4 +212,4 @@ def analyse(path, events=None):
     rows = breakdown(events)
     steps = max((r["steps"] for r in rows), default=0)
     return {"trace": trace_file, "ranks": rows, "stragglers": stragglers(rows),
-            "last_arrivals": last_arrivals(events, steps)}
+            "last_arrivals": last_arrivals(events, steps), "staleness": staleness(events)}

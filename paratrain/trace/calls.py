@@ -3,7 +3,8 @@
 A collective is one span on its group's row, from the moment it starts
 running (on the caller's thread, or on the group's collective lane for
 ``async_op=True``) to its end, with its op, group, sequence id, bytes and
-algorithm. The sequence id is the group's own count of collectives, the
+algorithm, and what it is for where the caller said (``recorder.label``: a
+ZeRO unit, a tensor-parallel layer, a gradient bucket). The sequence id is the group's own count of collectives, the
 same on every rank, so the merge (chrome.py) finds each call on every rank
 and splits it into *waiting for the last rank to arrive* and *moving the
 bytes*.
@@ -31,6 +32,9 @@ def collective(group, name, seq, nbytes, algorithm, fn):
             "rank": group.ranks[group.rank]}
     if algorithm:
         args["algorithm"] = algorithm
+    purpose = recorder.current_label()   # read on the caller's thread, before an async call leaves it
+    if purpose:
+        args["for"] = purpose
     track = f"comm {gname}"
 
     def run():

@@ -60,6 +60,9 @@ def report(result):
     for a in result["last_arrivals"]:
         lines.append(f"rank {a['rank']} arrived last in {a['share']:.0%} of {a['calls']} {a['op']}s; "
                      f"the others waited {a['others_wait_s_per_step'] * 1e3:.1f} ms a step for it")
+    for w in result.get("staleness", []):
+        lines.append(f"worker {w['worker']} read {w['reads']} times, {w['mean_lag']:.2f} clocks ahead of the "
+                     f"slowest worker on average, at most {w['max_lag']}")
     if result.get("plot"):
         lines.append(f"plot: {result['plot']}")
     return lines

@@ -83,6 +83,13 @@ def stop():
         rec.close()
 
 
+def pause(paused=True):
+    """Stop recording (or go on) without closing the file: ``paratrain bench trace``
+    times traced and untraced steps of one run, interleaved."""
+    global ON
+    ON = _REC is not None and not paused
+
+
 def add(name, category, track, start_s, end_s, args=None):
     rec = _REC
     if rec is not None:
@@ -94,13 +101,13 @@ def cpu_now():
     return time.thread_time() if _CPU else None
 
 
-def add_compute(name, start_s, cpu_start, args=None):
+def add_compute(name, start_s, cpu_start, args=None, track="compute"):
     """A compute span from ``start_s`` (and ``cpu_start``, cpu_now()'s) to now."""
     rec = _REC
     if rec is not None:
         if cpu_start is not None:
             args = {**(args or {}), "cpu_s": time.thread_time() - cpu_start}
-        rec.add(name, "compute", "compute", start_s, time.perf_counter(), args)
+        rec.add(name, "compute", track, start_s, time.perf_counter(), args)
 
 
 def next_message(key):
@@ -112,6 +119,43 @@ def next_message(key):
     n = rec.counts.get(key, 0)
     rec.counts[key] = n + 1
     return n
+
+
+_LABELS = threading.local()
+
+
+def current_label():
+    """What the collectives of this thread are for right now (``label``), or None."""
+    return getattr(_LABELS, "name", None)
+
+
+def set_label(name):
+    """Set this thread's label (for hooks that open and close it apart; else ``label``)."""
+    _LABELS.name = name
+
+
+class label:
+    """``with label("layers.3.mlp.fc1"):`` names what the collectives called inside are
+    for (a ZeRO unit, a tensor-parallel layer, a gradient bucket): each one's span
+    carries it as ``for``. Per thread; costs one branch when the run is not traced."""
+
+    __slots__ = ("name", "prev")
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        if ON:
+            self.prev = getattr(_LABELS, "name", None)
+            _LABELS.name = self.name
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            _LABELS.name = self.prev
+        except AttributeError:   # entered untraced
+            pass
+        return False
 
 
 class span:
@@ -133,7 +177,7 @@ class span:
     def __exit__(self, *exc):
         if ON and hasattr(self, "t0"):
             if self.c0 is not None:
-                add_compute(self.name, self.t0, self.c0, self.args)
+                add_compute(self.name, self.t0, self.c0, self.args, self.track)
             else:
                 add(self.name, self.category, self.track, self.t0, time.perf_counter(), self.args)
         return False

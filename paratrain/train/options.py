@@ -61,6 +61,7 @@ def build_parser():
     p.add_argument("--stall-s", type=positive_float, default=None, metavar="S",
                    help="seconds a worker waits in a call before it logs which ranks it waits for and their "
                         "stacks (default 60)")
+    p.add_argument("--trace-every-other", action="store_true", help=argparse.SUPPRESS)  # bench trace: A/B steps
     p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
     layout.add_options(p)

@@ -110,6 +110,7 @@ class TrainingRun:
         self.last_eval = {}
         self.train_seconds = self.loop_seconds = 0.0
         self.t_start = None
+        self.every_other = getattr(args, "trace_every_other", False)   # bench trace: traced and untraced steps
 
     def _resume(self):
         """Load the checkpoint into the model and the strategy; returns the step it was at."""
@@ -148,6 +149,8 @@ class TrainingRun:
         for step, batch in batches_from(self.task, sampler, s.batch_size, self.start, s.steps_per_epoch):
             if not self.pool.take():
                 break
+            if self.every_other:
+                trace.pause(step % 2 == 0)
             if trace.ON:
                 trace.add("data", "data", "data", fetched, time.perf_counter())
             dt, compute, slept = self._step(batch)
@@ -190,6 +193,8 @@ class TrainingRun:
                "comm_wait_seconds": round(wait, 5)}
         if slept:
             row["slowdown_seconds"] = round(slept, 5)
+        if self.every_other:
+            row["traced"] = trace.ON
         if sent:
             row["bytes"] = sent
         if pool.shared:  # the job's batches so far (taken, not all finished yet)

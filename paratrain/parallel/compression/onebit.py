@@ -14,6 +14,7 @@ import math
 import numpy as np
 import torch
 
+from ...trace import span
 from .base import Compressor
 
 
@@ -68,15 +69,17 @@ class OneBit(Compressor):
     def __call__(self, group, index, flat):
         n, p = flat.numel(), group.world_size
         runs = self._runs(index, n)
-        bits, scale = self.encode(index, flat)
+        with span("onebit encode", "compute", "compression", bucket=index):
+            bits, scale = self.encode(index, flat)
         all_bits = torch.empty(p * bits.numel(), dtype=torch.uint8)
         scales = torch.empty(p * scale.numel(), dtype=torch.bfloat16)
         group.all_gather(all_bits, bits)
         group.all_gather(scales, scale)
-        flat.zero_()
-        for their_bits, their_scale in zip(all_bits.view(p, -1), scales.view(p, -1)):
-            flat.add_(decode(their_bits, their_scale, n, runs, self.block, flat.dtype))
-        flat.div_(p)
+        with span("onebit decode", "compute", "compression", bucket=index):
+            flat.zero_()
+            for their_bits, their_scale in zip(all_bits.view(p, -1), scales.view(p, -1)):
+                flat.add_(decode(their_bits, their_scale, n, runs, self.block, flat.dtype))
+            flat.div_(p)
 
 
 def decode(bits, scale, n, runs, block, dtype):

@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from ...trace import span
 from .base import Compressor
 
 
@@ -93,14 +94,18 @@ class PowerSGD(Compressor):
             qs = [self.q.get((index, j)) for j in range(len(mats))]
             qs = [q if q is not None else self._start_q(index, j, n, r).to(flat.dtype)
                   for j, (q, (_, m, n, r)) in enumerate(zip(qs, mats))]
-            ps = self._mean(group, [_times(m, q) for m, q in zip(ms, qs)])
-            ps = [torch.linalg.qr(p).Q for p in ps]   # the same input on every rank: the same basis
-            local = [_transposed_times(m, p) for m, p in zip(ms, ps)]
+            with span("powersgd encode", "compute", "compression", bucket=index):
+                local = [_times(m, q) for m, q in zip(ms, qs)]
+            ps = self._mean(group, local)
+            with span("powersgd encode", "compute", "compression", bucket=index):
+                ps = [torch.linalg.qr(p).Q for p in ps]   # the same input on every rank: the same basis
+                local = [_transposed_times(m, p) for m, p in zip(ms, ps)]
             qs = self._mean(group, local)
-            for j, ((at, m, n, _), mat, p, q, mine) in enumerate(zip(mats, ms, ps, qs, local)):
-                torch.mm(p, q.T, out=flat[at:at + m * n].view(m, n))   # the mean of every rank's P P^T M
-                mat.addmm_(p, mine.T, alpha=-1)   # the residual: what this rank's own P P^T M missed
-                self.q[(index, j)] = q
+            with span("powersgd decode", "compute", "compression", bucket=index):
+                for j, ((at, m, n, _), mat, p, q, mine) in enumerate(zip(mats, ms, ps, qs, local)):
+                    torch.mm(p, q.T, out=flat[at:at + m * n].view(m, n))   # the mean of every rank's P P^T M
+                    mat.addmm_(p, mine.T, alpha=-1)   # the residual: what this rank's own P P^T M missed
+                    self.q[(index, j)] = q
         self.residual[index] = acc
         if before is not None:
             self.sent[index] = before.sub_(acc)   # this rank's own part: its small tensors, and P Q^T

@@ -45,6 +45,7 @@ import math
 
 import torch
 
+from ...trace import span
 from .base import Compressor
 
 SAMPLED_ABOVE = 100_000     # buckets smaller than this take the plain topk
@@ -171,7 +172,8 @@ class TopK(Compressor):
     def __call__(self, group, index, flat):
         """The small tensors' values are all-reduced densely (every rank sends the same
         positions, so no indices go with them); the top k go as (index, value) pairs."""
-        chosen, values = self.encode(index, flat)
+        with span("topk encode", "compute", "compression", bucket=index):
+            chosen, values = self.encode(index, flat)
         whole, k = self.sent_k[id(flat)]     # encode's count of each part
         dense = values[:whole].clone()     # values stay what this rank sent (self.sent)
         if whole:
@@ -183,5 +185,7 @@ class TopK(Compressor):
             all_val = torch.empty(group.world_size * k, dtype=flat.dtype)
             group.all_gather(all_idx, chosen[whole:].to(torch.int32))
             group.all_gather(all_val, values[whole:].contiguous())
-            flat.index_add_(0, all_idx.long(), all_val)
-        flat.div_(group.world_size)
+        with span("topk decode", "compute", "compression", bucket=index):
+            if k:
+                flat.index_add_(0, all_idx.long(), all_val)
+            flat.div_(group.world_size)

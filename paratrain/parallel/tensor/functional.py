@@ -38,6 +38,8 @@ backward.
 """
 import torch
 
+from ...trace import recorder as trace
+
 
 class Traffic:
     """Calls and bytes per kind of collective, since the last ``reset()``."""
@@ -101,15 +103,22 @@ class _AllReduce(torch.autograd.Function):
         return g, None
 
 
+def _label(ctx):
+    """Keep the forward's trace label (the layer) for the collective its backward runs."""
+    ctx.label = trace.current_label() if trace.ON else None
+
+
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        _label(ctx)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _sum(ctx.group, g), None
+        with trace.label(ctx.label):
+            return _sum(ctx.group, g), None
 
 
 def _slice(group, x, dim):
@@ -124,11 +133,13 @@ class _AlongDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, forward, backward):
         ctx.group, ctx.dim, ctx.backward_op = group, dim, backward
+        _label(ctx)
         return forward(group, x, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.backward_op(ctx.group, g, ctx.dim), None, None, None, None
+        with trace.label(ctx.label):
+            return ctx.backward_op(ctx.group, g, ctx.dim), None, None, None, None
 
 
 class _Broadcast(torch.autograd.Function):

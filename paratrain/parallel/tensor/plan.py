@@ -69,6 +69,7 @@ import re
 
 from torch import nn
 
+from ...trace import recorder as trace
 from . import heads, ties
 from .layers import ColumnParallelLinear, RowParallelLinear, _divisible, features, is_conv1d
 from .vocab import VocabParallelEmbedding, check_embedding
@@ -219,6 +220,23 @@ def _sequence_region(model, name, kinds, group, dim):
             lambda m, args, out: _first_output(out, lambda y: tpf.all_gather(y, group, dim=dim)))
 
 
+def _label_collectives(module, name):
+    """A traced run names the module's collectives after it: forward here, backward
+    through the label functional.py's autograd functions keep."""
+    outer = []
+
+    def enter(m, args):
+        if trace.ON:
+            outer.append(trace.current_label())
+            trace.set_label(name)
+
+    def leave(m, args, out):
+        if outer:
+            trace.set_label(outer.pop())
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
+
+
 def _cut(module, kind, parts, group, sequence_parallel, sequence_dim, input_gathered):
     """This rank's layer in place of ``module``, cut as ``kind``."""
     if kind == "colwise":
@@ -261,6 +279,9 @@ def parallelize(model, group=None, plan=None, sequence_parallel=False, sequence_
             setattr(parent, attr, _cut(old, kind, parts, group, sequence_parallel, sequence_dim,
                                        sequence_parallel and _gathered(chosen, name)))
     ties.retie(model, tied)
+    for name in chosen:
+        if name:
+            _label_collectives(model.get_submodule(name), name)
     for name, widths in attention.items():
         heads.localize(model.get_submodule(name) if name else model, widths, p)
     return model

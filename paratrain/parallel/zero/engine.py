@@ -50,6 +50,7 @@ import math
 import torch
 from torch import nn
 
+from ...trace import recorder as trace
 from .gather import Gathering, untracked
 from .layout import bucket_units, layer_units, parameter_names
 from .memory import held_bytes, optimizer_tensors
@@ -162,7 +163,8 @@ class ZeRO:
         full gradients dropped (stage 3: and the gathered parameters)."""
         flat = u.flat_of([p.grad for _, p in u.params])
         mine = torch.empty(u.chunk, dtype=flat.dtype)
-        self.group.reduce_scatter(mine, flat, op="avg")
+        with trace.label(u.name):
+            self.group.reduce_scatter(mine, flat, op="avg")
         if u.shard.grad is None:
             u.shard.grad = mine
         else:
@@ -205,7 +207,8 @@ class ZeRO:
         self.optimizer.step()
         if self.stage < 3:   # every rank's updated chunks back into every rank's parameters
             for u in self.units:
-                self.group.all_gather(u.flat, u.shard.detach().clone())
+                with trace.label(u.name):
+                    self.group.all_gather(u.flat, u.shard.detach().clone())
 
     def zero_grad(self):
         for u in self.units:

@@ -41,9 +41,12 @@ import ctypes
 import dataclasses
 from functools import partial
 
+import time
+
 import numpy as np
 import torch
 
+from ...trace import recorder as trace
 from .units import ROOT
 
 
@@ -163,7 +166,8 @@ class Gathering:
         if not u.gathered:
             self._allocate(u)
             try:
-                self.group.all_gather(untracked(u.flat), u.shard.detach())
+                with trace.label(u.name):
+                    self.group.all_gather(untracked(u.flat), u.shard.detach())
             except Exception as e:
                 raise RuntimeError(f"ZeRO stage 3: gathering unit {u.name}'s parameters failed: {e}") from e
             u.gathered = True
@@ -187,7 +191,8 @@ class Gathering:
         if u.gathered or id(u) in self._pending:
             return
         self._allocate(u)
-        self._pending[id(u)] = self.group.all_gather(untracked(u.flat), u.shard.detach(), async_op=True)
+        with trace.label(u.name):
+            self._pending[id(u)] = self.group.all_gather(untracked(u.flat), u.shard.detach(), async_op=True)
         self.prefetched += 1
 
     def _wait_for(self, u):
@@ -204,8 +209,12 @@ class Gathering:
         if not u.gathered:
             return
         self._live.pop(_storage(u.flat), None)
+        t0 = time.perf_counter()
         u.flat.untyped_storage().resize_(0)
         u.gathered = False
+        if trace.ON:
+            trace.add(f"free {u.name}", "memory", "zero", t0, time.perf_counter(),
+                      {"unit": u.name, "bytes": u.padded * u.flat.element_size()})
 
     def end_of_backward(self):
         """Every unit freed (one gathered again by a late read included); the units' order
