@@ -2,6 +2,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,30 +24,9 @@ def launch(n, script, *args, env=None, timeout=150, launcher_args=()):
 def python_m(args, env, cwd=ROOT, timeout=150):
     """``python -m ARGS`` (a CompletedProcess, text), forked from the suite's fork server
     when there is one: a front-end such as ``paratrain train`` then starts with torch
-    already imported, as its workers do. Output goes through files, so nothing blocks."""
-    import signal
-    import tempfile
-
-    from paratrain.launch import binding, forkserver
-    address = os.environ.get("PARATRAIN_FORKSERVER")
-    if address:
-        e = dict(env, **binding.interpreter_env(1))   # what the server started with
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-            proc = forkserver.start(address, [sys.executable, "-m", forkserver.BOOTSTRAP, "-m", *args], e, cwd=cwd,
-                                    stdin=null.fileno(), stdout=out.fileno(), stderr=err.fileno())
-            if not isinstance(proc, str):
-                try:
-                    rc = proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)   # its workers die as their launcher's connections close
-                    proc.wait(10)
-                    raise
-                out.seek(0)
-                err.seek(0)
-                return subprocess.CompletedProcess(args, rc, out.read().decode(errors="replace"),
-                                                   err.read().decode(errors="replace"))
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    already imported, as its workers do."""
+    from paratrain.launch import forkserver
+    return forkserver.run([sys.executable, "-m", *args], env, cwd=cwd, timeout=timeout)
 
 
 # What the suite's workers and front-ends import: torch, the optimizer's torch._dynamo,
@@ -103,17 +83,62 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def spawn(n, script, *args, env=None, port=None):
-    """Start n ranks directly (no launcher), e.g. to see how a survivor behaves alone."""
+    """Start n ranks directly (no launcher), e.g. to see how a survivor behaves alone:
+    forked from the suite's fork server when there is one (as python_m), else fresh."""
+    from paratrain.launch import binding, forkserver
     from paratrain.launch.local import free_port
     port = port or free_port()
+    address = os.environ.get("PARATRAIN_FORKSERVER")
     procs = []
     for r in range(n):
         e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PARATRAIN_TIMEOUT="30")
         e.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / script), *args], cwd=ROOT, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [sys.executable, str(WORKERS / script), *args]
+        if address:
+            out = tempfile.TemporaryFile()
+            with open(os.devnull) as null:
+                proc = forkserver.start(address, cmd, dict(e, **binding.interpreter_env(1)), cwd=ROOT,
+                                        stdin=null.fileno(), stdout=out.fileno(), stderr=out.fileno())
+            if not isinstance(proc, str):
+                procs.append(ForkedRank(proc, out))
+                continue
+            out.close()
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     return procs
+
+
+class ForkedRank:
+    """A rank spawn() forked from the server, with what the tests use of a Popen
+    (pid, returncode, poll, wait, kill, communicate); its output went to a file."""
+
+    def __init__(self, proc, out):
+        self._proc, self._out = proc, out
+        self.pid = proc.pid
+
+    @property
+    def returncode(self):
+        return self._proc.returncode
+
+    def poll(self):
+        return self._proc.poll()
+
+    def wait(self, timeout=None):
+        return self._proc.wait(timeout)
+
+    def kill(self):
+        try:
+            os.killpg(self.pid, 9)   # a fork has its own session
+        except ProcessLookupError:
+            pass
+
+    def communicate(self, timeout=None):
+        self._proc.wait(timeout)
+        self._out.seek(0)
+        text = self._out.read().decode(errors="replace")
+        self._out.close()
+        return text, None
 
 
 def outputs(procs, timeout):

@@ -31,11 +31,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ..launch import forkserver
 
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MODES = [("bsp", []), ("asp", []), ("ssp s=1", ["--staleness", "1"]), ("ssp s=3", ["--staleness", "3"]),
@@ -73,7 +74,7 @@ def train(args, runs, *flags):
     cmd = [sys.executable, "-m", "paratrain", "train", "--runs", runs, *flags]
     print(f"[bench] paratrain train {' '.join(flags)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    res = forkserver.run(cmd, timeout=args.timeout)
     if res.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     run_dir, = set(os.listdir(runs)) - before

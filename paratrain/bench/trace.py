@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 
+from ..launch import forkserver
 from ..trace import analysis
 
 TASKS = {
@@ -41,7 +42,7 @@ def run(task, steps, runs):
     step s, the run folder)."""
     cmd = [sys.executable, "-m", "paratrain", "train", *TASKS[task], "--workers", "2", "--steps", str(steps),
            "--runs", runs, "--eval-every", str(steps), "--trace", "--trace-every-other"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    res = forkserver.run(cmd, timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
     run_dir = max((os.path.join(runs, d) for d in os.listdir(runs)), key=os.path.getmtime)

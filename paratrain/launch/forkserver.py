@@ -164,6 +164,33 @@ def start(address, cmd, env, cwd=None, cpus=None, stdin=None, stdout=None, stder
     return ForkedProcess(conn, reply["pid"], None, None)
 
 
+def run(cmd, env=None, cwd=None, timeout=None):
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a ``python`` command,
+    forked from the server PARATRAIN_FORKSERVER names when there is one (the command then
+    starts with the server's imports done: what benchmarks and tests that start many
+    front-ends want), else fresh. Output goes through files, so nothing blocks; past
+    ``timeout`` the forked process's group is killed and TimeoutExpired raised."""
+    from .. import config
+    env = dict(os.environ if env is None else env)
+    address = config.get("PARATRAIN_FORKSERVER")
+    if address:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
+            proc = start(address, cmd, dict(env, **binding.interpreter_env(1)), cwd=cwd,   # as the server started
+                         stdin=null.fileno(), stdout=out.fileno(), stderr=err.fileno())
+            if not isinstance(proc, str):
+                try:
+                    rc = proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)   # its workers die as their launcher's connections close
+                    proc.wait(10)
+                    raise
+                out.seek(0)
+                err.seek(0)
+                return subprocess.CompletedProcess(cmd, rc, out.read().decode(errors="replace"),
+                                                   err.read().decode(errors="replace"))
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 # --- the server's side ---------------------------------------------------------------------------
 
 class Server:

@@ -10,6 +10,7 @@ import argparse
 from ..launch import binding
 from . import compression, layout, optimizer, strategies
 from .argtypes import positive_float, positive_int
+from .fail import fail_spec
 from .slowdown import jitter_spec, straggler_spec
 from .tasks import TASKS
 
@@ -38,6 +39,9 @@ def build_parser():
     p.add_argument("--jitter", type=jitter_spec, default=None, metavar="P:FACTOR",
                    help="on each step, each worker computes FACTOR times slower with probability P (transient "
                         "hiccups), drawn from a generator seeded by --seed and the rank")
+    p.add_argument("--fail", type=fail_spec, action="append", default=[], metavar="RANK:STEP",
+                   help="kill worker RANK with SIGKILL as it begins step STEP, to see what the job does with a "
+                        "lost worker (repeat for more)")
     p.add_argument("--target-loss", type=positive_float, default=None, metavar="X",
                    help="report in the summary when the loss first reached X (time to a fixed loss)")
     p.add_argument("--backend", default=None, choices=("shm", "torch"),

@@ -30,6 +30,7 @@ import paratrain as pt
 from ..trace import recorder as trace
 from . import checkpoint as ckpt
 from . import strategies
+from .fail import die_if_due
 from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
 from .progress import ProgressReporter
 from .slowdown import Slowdown
@@ -110,6 +111,7 @@ class TrainingRun:
         self.last_eval = {}
         self.train_seconds = self.loop_seconds = 0.0
         self.t_start = None
+        self.failures = set(getattr(args, "fail", None) or ())   # --fail RANK:STEP
         self.every_other = getattr(args, "trace_every_other", False)   # bench trace: traced and untraced steps
 
     def _resume(self):
@@ -149,6 +151,8 @@ class TrainingRun:
         for step, batch in batches_from(self.task, sampler, s.batch_size, self.start, s.steps_per_epoch):
             if not self.pool.take():
                 break
+            if self.failures:
+                die_if_due(self.failures, strategy.rank, step + 1)
             if self.every_other:
                 trace.pause(step % 2 == 0)
             if trace.ON:
