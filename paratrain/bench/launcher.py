@@ -20,7 +20,8 @@ import subprocess
 import sys
 import time
 
-from ..launch import binding
+from .. import config
+from ..launch import binding, forkserver
 from ..launch.local import BOOTSTRAP
 
 # Variables that would make paratrain believe it was started by torchrun; under
@@ -72,8 +73,7 @@ def free_port_pair(host="127.0.0.1"):
 
 def worker_env(master_port, extra=None, host="127.0.0.1"):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(MASTER_ADDR=host, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
-               PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    env.update(MASTER_ADDR=host, MASTER_PORT=str(master_port), PARATRAIN_THREADS="1", **binding.interpreter_env(1))
     # All ranks are on this host: Gloo should use loopback, not whatever the
     # hostname resolves to (in a container that may be an unreachable address).
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -108,10 +108,19 @@ def start(nproc, module_args, env, use_mpi, module="paratrain.bench.collectives"
                "-n", str(nproc), *forwarded, *_command(module_args, module)]
         return [subprocess.Popen(cmd, env=env, start_new_session=True)]
     cpus = binding.cpu_sets(bind_to, nproc, 1, binding.available_cpus())
+    address = config.get("PARATRAIN_FORKSERVER")
     procs = []
     for r in range(nproc):
         e = dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc))
-        procs.append(subprocess.Popen(_command(module_args, module), env=e, start_new_session=True,
+        cmd = _command(module_args, module)
+        if address:   # forked, as paratrain run's workers are (the server's refusal: started fresh)
+            with open(os.devnull) as null:
+                proc = forkserver.start(address, cmd, e, cpus=cpus[r], stdin=null.fileno(),
+                                        stdout=1, stderr=2)   # what a Popen child inherits
+            if not isinstance(proc, str):
+                procs.append(proc)
+                continue
+        procs.append(subprocess.Popen(cmd, env=e, start_new_session=True,
                                       preexec_fn=functools.partial(binding.pin, cpus[r])))
     return procs
 
