@@ -35,26 +35,50 @@ def _splitmix64(x):
     OOPSLA 2014: a bijective mixer, so distinct counters give independent-looking
     64-bit outputs. Vectorised over a uint64 array (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        return _mix(x + _GOLDEN)
+
+
+def _mix(z):
+    """splitmix64's finaliser, in place on a uint64 array (a new array would cost more
+    than the arithmetic: the generator is bound by memory traffic)."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def initial_rows(seed, table, rows, dim, std):
     """The initial values of ``rows`` of table ``table``: N(0, std^2) per element,
     from a counter-based generator keyed by (seed, table, row, column), so any
     row can be created alone, on any server, in any order. Box-Muller over two
-    53-bit uniforms; returns a (len(rows), dim) float32 array."""
+    53-bit uniforms; returns a (len(rows), dim) float32 array. Computed in place,
+    in the order of std * sqrt(-2 ln u1) * cos(2 pi u2), so every value is the same
+    bits wherever it is made."""
     rows = np.asarray(rows, dtype=np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         base = _splitmix64(np.uint64(seed & (2**64 - 1)) ^ _splitmix64(np.uint64(table)))
-        counter = (rows[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]) * np.uint64(2)
-        a = _splitmix64(base + counter)
-        b = _splitmix64(base + counter + np.uint64(1))
-    u1 = ((a >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53   # (0, 1]
-    u2 = (b >> np.uint64(11)).astype(np.float64) / 2.0**53           # [0, 1)
-    return (std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)).astype(F32)
+        counter = rows[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
+        counter *= np.uint64(2)
+        counter += base + _GOLDEN        # splitmix64(base + counter), its first step
+        a = _mix(counter.copy())
+        counter += np.uint64(1)
+        b = _mix(counter)                # splitmix64(base + counter + 1)
+    a >>= np.uint64(11)
+    b >>= np.uint64(11)
+    u1 = a.astype(np.float64)
+    u1 += 1.0
+    u1 /= 2.0**53                        # (0, 1]
+    u2 = b.astype(np.float64)
+    u2 /= 2.0**53                        # [0, 1)
+    u2 *= 2.0 * np.pi
+    np.log(u1, out=u1)
+    u1 *= -2.0
+    np.sqrt(u1, out=u1)
+    u1 *= std
+    u1 *= np.cos(u2, out=u2)
+    return u1.astype(F32)
 
 
 class RowTable:

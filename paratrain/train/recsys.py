@@ -73,8 +73,8 @@ def make_embedding(sparse, num_ids=NUM_IDS, dim=DIM):
         return Embedding(num_ids, dim, std=INIT_STD, seed=SEED)
     dense = nn.Embedding(num_ids, dim)
     with torch.no_grad():
-        for lo in range(0, num_ids, 1 << 16):   # in chunks: the generator's temporaries are 4x the rows
-            hi = min(num_ids, lo + (1 << 16))
+        for lo in range(0, num_ids, 1 << 13):   # in chunks whose temporaries stay in the caches
+            hi = min(num_ids, lo + (1 << 13))
             dense.weight[lo:hi] = torch.from_numpy(initial_rows(SEED, 0, np.arange(lo, hi), dim, INIT_STD))
     return dense
 
