@@ -23,7 +23,8 @@ _API["ZeRO"] = "paratrain.parallel.zero"
 _NAMESPACES = {"ps": "paratrain.ps", "pipeline": "paratrain.parallel.pipeline",   # pt.ps.connect(), pt.pipeline.split()
                "tensor": "paratrain.parallel.tensor",                              # pt.tensor.ColumnParallelLinear
                "functional": "paratrain.parallel.tensor.functional",               # pt.functional.all_reduce
-               "trace": "paratrain.trace"}                                         # pt.trace.span("name")
+               "trace": "paratrain.trace",                                         # pt.trace.span("name")
+               "elastic": "paratrain.elastic"}                                     # pt.elastic.ElasticSampler
 __all__ = sorted(_API)
 
 

@@ -1,0 +1,169 @@
+"""ElasticSampler: every sample of an epoch used exactly once, whatever the world does.
+
+Each epoch is one permutation of the dataset (seeded by ``seed`` and the
+epoch, the same on every rank). The world reads it from the front: with W
+ranks, rank r takes every W-th index of what is left, starting at r, so
+after k batches of B on every rank the world has used exactly the first
+k x B x W indices of the permutation, a prefix. A commit keeps only that
+prefix's length (``start``); after the world changes size, the new ranks
+deal out the rest of the permutation the same way. Nothing is repeated,
+unlike Horovod's ElasticSampler, which pads the epoch to a multiple of the
+world size, and nothing is skipped, unlike torchft, whose data loader does
+not resume (torchft #58).
+
+The sampler counts the indices it has handed out; a DataLoader with
+``num_workers=0`` asks for exactly the indices of the batches it makes, so
+the count is what was consumed. A loader whose worker processes prefetch
+asks for more: tell the sampler with ``record(n)`` how many this rank has
+used.
+
+Dealt one index at a time, the ranks' counts differ by one at most, and
+when the epoch's last round holds fewer samples than there are ranks, some
+ranks get one batch more than others (a synchronous step would then wait
+for those that have none: ``pt.DataParallel``'s join handles uneven inputs).
+With ``batch_size=B`` the sampler deals whole batches instead and is given
+to the loader as ``DataLoader(dataset, batch_sampler=sampler)``: every rank
+then gets the same number of batches, the last round split evenly, or,
+where it holds fewer samples than ranks, added to the round before (a few
+batches of B + 1).
+"""
+
+import torch
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    def __init__(self, dataset, shuffle=True, seed=0, batch_size=None, rank=None, num_replicas=None):
+        self.size = len(dataset)
+        self.shuffle, self.seed, self.batch_size = bool(shuffle), int(seed), batch_size
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"ElasticSampler: batch_size must be at least 1, got {batch_size}")
+        if rank is None or num_replicas is None:
+            from ..comm import world
+            g = world()
+            rank, num_replicas = g.rank if rank is None else rank, g.world_size if num_replicas is None else num_replicas
+        self.epoch = 0
+        self.start = 0          # indices of this epoch's permutation the world used before the last reset
+        self.handed_out = 0     # indices this rank handed out since then
+        self._recorded = None   # or what record() said this rank used
+        self.reset(rank, num_replicas)
+
+    # ---- the world -------------------------------------------------------------------------
+
+    def reset(self, rank, num_replicas):
+        """A new world (after a commit's restore): deal out the rest of the epoch anew."""
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"ElasticSampler: rank {rank} is not in a world of {num_replicas}")
+        self.rank, self.num_replicas = int(rank), int(num_replicas)
+        self.handed_out, self._recorded = 0, None
+
+    def set_epoch(self, epoch):
+        """Start epoch ``epoch`` from its first sample, unless it is the epoch already under
+        way (a training function called again after a reset resumes it where the commit was)."""
+        if epoch != self.epoch:
+            self.epoch, self.start = int(epoch), 0
+            self.handed_out, self._recorded = 0, None
+
+    def record(self, n):
+        """This rank has used ``n`` samples since the last reset (where a prefetching
+        loader asked the sampler for more than it used)."""
+        self._recorded = int(n)
+
+    def used(self):
+        """Samples of this epoch the whole world has used: those before the last reset,
+        plus, rank by rank, as many as this one used (in lockstep every rank uses as
+        many, capped at its share; rank 0's share is the largest, so its count is the
+        world's at the end of an uneven epoch too)."""
+        mine = self.handed_out if self._recorded is None else self._recorded
+        return min(self.size, self.start + self._taken(mine))
+
+    # ---- the commit ------------------------------------------------------------------------
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "start": self.used(), "seed": self.seed, "size": self.size}
+
+    def load_state_dict(self, state):
+        if int(state["size"]) != self.size or int(state["seed"]) != self.seed:
+            raise ValueError(f"ElasticSampler: the saved sampler was over {state['size']} samples with seed "
+                             f"{state['seed']}, this one over {self.size} with seed {self.seed}")
+        self.epoch, self.start = int(state["epoch"]), int(state["start"])
+        self.handed_out, self._recorded = 0, None
+
+    # ---- the indices -----------------------------------------------------------------------
+
+    def permutation(self):
+        """This epoch's order of the whole dataset, the same on every rank."""
+        if not self.shuffle:
+            return torch.arange(self.size)
+        g = torch.Generator()
+        g.manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.size, generator=g)
+
+    def _counts(self):
+        """How many of the rest of the epoch each rank takes."""
+        rest, w = self.size - self.start, self.num_replicas
+        if self.batch_size is None:
+            return [len(range(r, rest, w)) for r in range(w)]
+        return [sum(sizes) for sizes in batch_plan(rest, w, self.batch_size)]
+
+    def _taken(self, mine):
+        """The world's use when every rank has used ``mine`` (its own count, capped at its share)."""
+        return sum(min(mine, n) for n in self._counts())
+
+    def my_indices(self):
+        """This rank's indices for the rest of the epoch, in the order it uses them."""
+        if self.batch_size is not None:
+            return [i for batch in self.my_batches() for i in batch]
+        return self.permutation()[self.start:].tolist()[self.rank::self.num_replicas]
+
+    def my_batches(self):
+        """With batch_size: this rank's batches for the rest of the epoch."""
+        rest = self.permutation()[self.start:].tolist()
+        plan = batch_plan(len(rest), self.num_replicas, self.batch_size)
+        out, at = [], 0
+        for k in range(max(map(len, plan))):   # round by round, rank by rank: each round a prefix of the rest
+            for r, sizes in enumerate(plan):
+                if k < len(sizes):
+                    if r == self.rank:
+                        out.append(rest[at:at + sizes[k]])
+                    at += sizes[k]
+        return out
+
+    def __iter__(self):
+        if self.batch_size is None:
+            for index in self.my_indices()[self.handed_out:]:
+                self.handed_out += 1
+                yield index
+            return
+        skip = self.handed_out
+        for batch in self.my_batches():
+            if skip >= len(batch):   # (a loader that stopped mid-epoch and asks again)
+                skip -= len(batch)
+                continue
+            batch, skip = batch[skip:], 0
+            self.handed_out += len(batch)
+            yield batch
+
+    def __len__(self):
+        if self.batch_size is None:
+            return self._counts()[self.rank]
+        return len(batch_plan(self.size - self.start, self.num_replicas, self.batch_size)[self.rank])
+
+
+def batch_plan(rest, w, b):
+    """The batch sizes of each of ``w`` ranks for the ``rest`` samples of an epoch, in
+    batches of ``b``, every rank with the same number of batches: full rounds of b
+    each, then the last partial round split evenly; where it holds fewer samples than
+    ranks, they join the round before, one each to the first ranks (batches of b + 1).
+    Fewer samples than ranks in all: one batch of one for the first ranks, none for
+    the others (there is no even way)."""
+    rounds, left = divmod(rest, w * b)
+    plan = [[b] * rounds for _ in range(w)]
+    if left and (left >= w or not rounds):
+        for r in range(w):
+            share = left // w + (1 if r < left % w else 0)
+            if share:
+                plan[r].append(share)
+    elif left:
+        for r in range(left):
+            plan[r][-1] += 1
+    return plan
