@@ -87,6 +87,11 @@ SETTINGS = {s.name: s for s in (
             "`runs/<id>/flight/`; unset elsewhere: a folder under the temporary directory, named by the error)"),
     Setting("PARATRAIN_STALL_S", 60.0, positive_seconds, "seconds a rank waits in a call before it logs which ranks "
             "it waits for and their stacks (`--stall-s`)"),
+    Setting("PARATRAIN_ELASTIC", None, checked(int, lambda v: v >= 0, "a worker id, 0 or more"), "this worker's "
+            "id in an elastic job (set by `paratrain run --min-workers`): pt.init() takes its rank from the "
+            "launcher's rendezvous"),
+    Setting("PARATRAIN_ELASTIC_TIMEOUT", 600.0, positive_seconds, "seconds an elastic job waits for a world "
+            "of at least --min-workers before it gives up (`paratrain run --elastic-timeout`)"),
     Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
     Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
     Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "

@@ -95,7 +95,10 @@ def test_every_strategy_traces_a_valid_timeline_whose_breakdown_adds_up(tmp_path
         for r in rows:
             parts = r["compute_s"] + r["data_s"] + r["exposed_comm_s"] + r["wait_s"] + r["idle_s"]
             assert parts == pytest.approx(r["step_s"], rel=0.05), (name, r)
-            assert r["compute_s"] > 0 and r["steps"] == int(STRATEGIES[name][-1]), (name, r)   # --steps comes last
+            assert r["compute_s"] > 0, (name, r)
+        steps = int(STRATEGIES[name][-1])   # --steps comes last; under SSP a faster worker takes more of the batches
+        counted = [r["steps"] for r in rows]
+        assert (sum(counted) == 2 * steps) if name == "ps" else counted == [steps, steps], (name, counted)
         names = {e["name"] for e in events if e["ph"] == "X"}
         assert {"step", "data", "optimizer.step" if name != "ps" else "ps.pull"} <= names, (name, names)
         if name == "ps":   # the servers step the optimizer

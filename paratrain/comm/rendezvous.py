@@ -53,6 +53,17 @@ def connect(addr, port, rank, world_size, timeout):
     return store
 
 
+def connect_client(addr, port, timeout):
+    """A client of a store another process serves (an elastic job's launcher)."""
+    try:
+        return _client(addr, port, None, timeout)
+    except RendezvousError:
+        raise
+    except Exception as e:  # torch raises DistNetworkError / RuntimeError / DistStoreError
+        raise RendezvousError(f"could not reach the launcher's store at {addr}:{port} within {timeout:g}s "
+                              f"({first_line(e)}); is `paratrain run` alive?") from None
+
+
 def _client(addr, port, world_size, timeout):
     """Connect to rank 0's store, within the timeout even when something else holds
     the port: TCPStore's client, connected to a program that accepts the connection

@@ -10,6 +10,7 @@ The backend is chosen from where the ranks are:
   ``backend="mpi"`` force one engine for everything.
 """
 import atexit
+import dataclasses
 import importlib
 import os
 import sys
@@ -84,8 +85,12 @@ def init(backend=None, timeout=None, threads=None):
         return _S.world
 
     e = envmod.read_env()
+    worker_id = config.get("PARATRAIN_ELASTIC")
+    if worker_id is not None:
+        e, store = _elastic_world(e, worker_id, timeout)
+    else:
+        store = _job_store(e, timeout)
     _S.env = e
-    store = _job_store(e, timeout)
     rendezvous.wait_for_ranks(store, e.rank, e.world_size, timeout)
     _S.store = store
     if e.rank == 0:
@@ -150,6 +155,36 @@ def _job_store(e, timeout):
         entry[0].set_timeout(timedelta(seconds=timeout))
     entry[1] += 1
     return PrefixStore(f"init{entry[1]}", entry[0])
+
+
+_ELASTIC = {"store": None, "generation": -1}   # kept across pt.destroy(): the next init joins the next world
+
+
+def _elastic_world(e, worker_id, timeout):
+    """An elastic job's rank and world size come from the launcher's rendezvous
+    (elastic_rendezvous.py), not from the environment, and the store is the
+    launcher's (it outlives any worker); each generation's set-up goes under its
+    own key prefix. One host: the local rank is the rank."""
+    from . import elastic_rendezvous
+    client = _ELASTIC["store"]
+    if client is None:
+        client = _ELASTIC["store"] = rendezvous.connect_client(e.master_addr, e.master_port, timeout)
+    g, rank, world_size = elastic_rendezvous.join(client, worker_id, _ELASTIC["generation"],
+                                                  config.get("PARATRAIN_ELASTIC_TIMEOUT"))
+    _ELASTIC["generation"] = g
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", rank),
+                        ("LOCAL_WORLD_SIZE", world_size)):
+        os.environ[name] = str(value)   # what a script reading the environment expects
+    client.set_timeout(timedelta(seconds=timeout))
+    e = dataclasses.replace(e, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    return e, PrefixStore(f"gen{g}", client)
+
+
+def elastic_generation():
+    """(the launcher's store, this world's generation) in an elastic job, else (None, None)."""
+    if _ELASTIC["store"] is None or _S.world is None:
+        return None, None
+    return _ELASTIC["store"], _ELASTIC["generation"]
 
 
 def _processes(store, rank, world_size, timeout):

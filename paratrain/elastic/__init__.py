@@ -1,10 +1,15 @@
 """pt.elastic: training that goes on when workers die or join.
 
     sampler = pt.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+    state = pt.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
 
+run.py: @pt.elastic.run, the training function called again in a new world.
 sampler.py: every sample of an epoch used exactly once across changes of
-the world's size.
+the world's size. state.py: the commit in memory, and one rank's commit
+sent to every rank.
 """
+from .run import WorldChanged, run
 from .sampler import ElasticSampler
+from .state import State
 
-__all__ = ["ElasticSampler"]
+__all__ = ["ElasticSampler", "State", "WorldChanged", "run"]

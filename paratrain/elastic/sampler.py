@@ -70,11 +70,17 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def used(self):
         """Samples of this epoch the whole world has used: those before the last reset,
-        plus, rank by rank, as many as this one used (in lockstep every rank uses as
-        many, capped at its share; rank 0's share is the largest, so its count is the
-        world's at the end of an uneven epoch too)."""
+        plus what every rank used in lockstep with this one: as many batches (with
+        batch_size), or as many samples, capped at each rank's share (without: rank 0's
+        share is the largest, so its count is the world's at the end of an uneven epoch)."""
         mine = self.handed_out if self._recorded is None else self._recorded
-        return min(self.size, self.start + self._taken(mine))
+        if self.batch_size is None:
+            return min(self.size, self.start + self._taken(mine))
+        plan = batch_plan(self.size - self.start, self.num_replicas, self.batch_size)
+        sizes, k = plan[self.rank], 0
+        while k < len(sizes) and sum(sizes[:k + 1]) <= mine:
+            k += 1   # whole batches this rank used; in lockstep every rank used as many
+        return self.start + sum(sum(p[:k]) for p in plan)
 
     # ---- the commit ------------------------------------------------------------------------
 

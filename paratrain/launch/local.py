@@ -99,6 +99,17 @@ def build_parser():
     p.add_argument("--worker-failure", choices=("stop", "continue"), default="stop",
                    help="when a worker dies: stop the job (default), or go on without it and tell the "
                         "parameter servers it left (asynchronous training: ASP, SSP)")
+    p.add_argument("--min-workers", type=int, default=None, metavar="M",
+                   help="elastic training (pt.elastic): the job goes on while at least M workers live, the "
+                        "world re-formed without a worker that died; the launcher hosts the rendezvous")
+    p.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="elastic: at most N workers (default -n)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="elastic: start a replacement for a worker that dies, at most K times in all; it joins "
+                        "the running job at its next commit (default 0)")
+    p.add_argument("--elastic-timeout", type=float, default=None, metavar="S",
+                   help="elastic: seconds to wait for at least --min-workers workers before the job ends "
+                        "with an error (PARATRAIN_ELASTIC_TIMEOUT, default 600)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any wait in paratrain.comm may take (exported as PARATRAIN_TIMEOUT)")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -167,6 +178,8 @@ def worker_env(base, args, local_rank, port, job_id):
         "PARATRAIN_THREADS": str(args.threads),
         **binding.interpreter_env(args.threads),
     })
+    if args.min_workers is not None:
+        env["PARATRAIN_ELASTIC"] = str(args.node_rank * args.nproc + local_rank)   # its worker id, for life
     if args.timeout is not None:
         env["PARATRAIN_TIMEOUT"] = f"{args.timeout:g}"
     return env
@@ -205,7 +218,28 @@ def _check(args):
                 f"got {args.timeout:g}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master-port must be between 1 and 65535, got {args.master_port}"
-    return _check_servers(args) or _check_script(args)
+    return _check_elastic(args) or _check_servers(args) or _check_script(args)
+
+
+def _check_elastic(args):
+    if args.min_workers is None:
+        if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts:
+            return "--max-workers, --max-restarts and --elastic-timeout are for an elastic job: give --min-workers too"
+        return None
+    top = args.nproc if args.max_workers is None else args.max_workers
+    if not 1 <= args.min_workers <= args.nproc <= top:
+        return (f"elastic: need 1 <= --min-workers ({args.min_workers}) <= -n ({args.nproc}) <= --max-workers "
+                f"({top})")
+    if args.nnodes > 1:
+        return "elastic training runs on one machine for now: --min-workers with --nnodes 1"
+    if args.servers or args.ps_addrs:
+        return "--min-workers is for synchronous training; the parameter server takes lost workers with " \
+               "--worker-failure continue"
+    if args.max_restarts < 0:
+        return f"--max-restarts must be 0 or more, got {args.max_restarts}"
+    if args.elastic_timeout is not None and not args.elastic_timeout > 0:
+        return f"--elastic-timeout must be a positive number of seconds, got {args.elastic_timeout:g}"
+    return None
 
 
 def _check_servers(args):
@@ -299,6 +333,12 @@ def main(argv=None, on_line=None):
     if addrs:
         base["PARATRAIN_PS_ADDRS"] = ",".join(addrs)
     cpus = worker_cpus(args)
+    coordinator = None
+    if args.min_workers is not None:
+        coordinator, problem = start_coordinator(args, port, base)
+        if problem:
+            say(f"paratrain run: error: {problem}")
+            return 2
     workers = [Worker(args.node_rank * args.nproc + i, i, cmd, worker_env(base, args, i, port, job_id),
                       prefix=args.prefix, on_line=on_line, cpus=cpus[i]) for i in range(args.nproc)]
     checkpoints, servers = None, []
@@ -309,13 +349,18 @@ def main(argv=None, on_line=None):
             say(f"paratrain run: error: cannot make the servers' checkpoint directory: {e}")
             return 2
         servers = ps.make_servers(addrs, base, job_id, checkpoints.path, args.timeout, args.prefix)
+    policy = _policy(args, addrs, coordinator)
+    if coordinator is not None and args.max_restarts:
+        policy.replace_worker = Replacements(args, cmd, base, port, job_id, on_line, cpus, coordinator)
     rc = 1
     try:
-        rc = start_and_watch(workers, servers, _policy(args, addrs))
+        rc = start_and_watch(workers, servers, policy)
         if trace_dir:
             merge_trace(trace_dir, args.trace_out)
         return rc
     finally:
+        if coordinator is not None:
+            coordinator.stop()
         remove_leftover_segments(job_id)
         if checkpoints is not None:
             checkpoints.finish(rc == 0)
@@ -352,8 +397,54 @@ def worker_cpus(args):
     return sets
 
 
-def _policy(args, addrs):
+def start_coordinator(args, port, base):
+    """Elastic: the store the workers meet at, hosted here, and the generations formed
+    (elastic.py); every worker is told its id. Returns (coordinator, problem)."""
+    from .elastic import Coordinator
+    timeout = args.elastic_timeout if args.elastic_timeout is not None else 600.0
+    base["PARATRAIN_ELASTIC_TIMEOUT"] = repr(timeout)
+    try:
+        return Coordinator(args.master_addr, port, range(args.nproc), args.min_workers,
+                           args.max_workers or args.nproc, timeout, say), None
+    except Exception as e:   # torch's store: the port taken between our check and its bind
+        return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
+
+
+class Replacements:
+    """Elastic --max-restarts: a new worker, with a new worker id, in place of one that
+    died, at most K times in all; it joins the running job (elastic.py)."""
+
+    def __init__(self, args, cmd, base, port, job_id, on_line, cpus, coordinator):
+        self.args, self.cmd, self.base, self.port, self.job_id = args, cmd, base, port, job_id
+        self.on_line, self.cpus, self.coordinator = on_line, cpus, coordinator
+        self.left = args.max_restarts
+        self.next_id = args.nproc
+
+    def __call__(self, dead):
+        if self.left <= 0 or len(self.coordinator.live) >= (self.args.max_workers or self.args.nproc):
+            return None
+        self.left -= 1
+        wid, self.next_id = self.next_id, self.next_id + 1
+        env = dict(worker_env(self.base, self.args, dead.local_rank, self.port, self.job_id),
+                   PARATRAIN_ELASTIC=str(wid))   # (its rank comes from the rendezvous)
+        w = Worker(wid, dead.local_rank, self.cmd, env, prefix=self.args.prefix, on_line=self.on_line,
+                   cpus=self.cpus[dead.local_rank])
+        w.start()
+        w.start_output()
+        self.coordinator.started(wid)
+        say(f"paratrain run: elastic: started worker {wid} in place of {dead.label} "
+            f"({self.left} restart{'s' if self.left != 1 else ''} left)")
+        return w
+
+
+def _policy(args, addrs, coordinator=None):
     world_size = args.nnodes * args.nproc
+    if coordinator is not None:   # a lost worker is left behind; the others form a new world without it
+        def left(w):
+            coordinator.lost(w.rank)
+        return Policy(worker_failure="continue", worker_lost=left, restarts=ps.Restarts(args.server_restarts),
+                      lost_note="elastic: the others form a world without it",
+                      worker_finished=lambda w: coordinator.finished(w.rank))
 
     def farewell(w):
         return ps.farewell_in_background(addrs, w.rank, world_size)

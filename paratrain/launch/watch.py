@@ -112,6 +112,9 @@ class Policy:
     worker_failure: str = "stop"     # or "continue": a failed worker is left behind
     restarts: object = None          # servers.Restarts: a dead server's replacement, or None
     worker_lost: object = None       # called with a worker left behind; may return a thread to wait for
+    lost_note: str = "--worker-failure continue"   # why the job goes on without a lost worker
+    replace_worker: object = None    # called with a lost worker; returns its started replacement, or None
+    worker_finished: object = None   # called once with each worker that exits 0
 
 
 def _count(workers, servers):
@@ -140,15 +143,21 @@ def _worker_failures(workers, codes, lost, policy):
     """The first worker whose failure stops the job (the lowest rank among those
     found in the same look), or None. Under --worker-failure continue none does:
     each newly failed worker is announced, handed to policy.worker_lost (which
-    tells the servers) and kept in ``lost`` with what that returned."""
+    tells the servers) and kept in ``lost`` with what that returned; where the
+    policy replaces lost workers (elastic), the replacement joins ``workers``."""
     for w, rc in zip(workers, codes):
+        if rc == 0 and policy.worker_finished is not None and not w.signalled:
+            policy.worker_finished(w)
         if rc in (None, 0) or w in lost:
             continue
         if policy.worker_failure != "continue":
             return w
         say(f"{policy.command}: {w.label} {describe_exit(rc, hint=False)}; "
-            "the job goes on without it (--worker-failure continue)")
+            f"the job goes on without it ({policy.lost_note})")
         lost[w] = policy.worker_lost(w) if policy.worker_lost is not None else None
+        new = policy.replace_worker(w) if policy.replace_worker is not None else None
+        if new is not None:
+            workers.append(new)   # watched from now on, as the others
     return None
 
 

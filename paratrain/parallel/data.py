@@ -149,6 +149,16 @@ class _DataParallelBase(nn.Module):
                              "every rank must construct the same model with the same arguments")
 
     @torch.no_grad()
+    def regroup(self, group):
+        """Go on over ``group``: the new world pt.elastic formed after a peer died or
+        joined. The module and its hooks stay; the collectives of construction run
+        again, in the same order (a worker that joins is constructing its own), and
+        what lived in the old group's memory is made again in the new one's."""
+        self.group = group
+        self._joining = None
+        self._check_same_model()
+        self.sync_module_states()
+
     def sync_module_states(self, src=0):
         """Copy rank ``src``'s parameters and buffers to every rank."""
         for t in list(self.module.parameters()) + list(self.module.buffers()):
@@ -264,23 +274,31 @@ class DataParallel(_DataParallelBase):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.hook = make_hook(compression, algorithm)
-        self.buckets = bucketing.build(self.group, self._params, int(bucket_mb * 1e6))
-        if getattr(self.hook, "wants_shapes", False):   # a compressor of matrices (compression/base.py)
-            self.hook.prepare(self.group, [b.flat for b in self.buckets],
-                              shapes=[[tuple(v.shape) for v in b.views] for b in self.buckets])
-        else:
-            self.hook.prepare(self.group, [b.flat for b in self.buckets])
-        self._where = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[p] = (b, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._bucket_bytes = int(bucket_mb * 1e6)
+        self._make_buckets()
+        for p in self._where:
+            p.register_post_accumulate_grad_hook(self._on_grad)
         # the plain nn.Linear layers whose parameters all live in buckets, and large enough
         # that the copy saved outweighs a Python call (linear_grads.py: LINEAR_GRADS_MIN_NUMEL)
         self._linears = [m for m in module.modules() if type(m) is nn.Linear
                          and m.weight.numel() >= linear_grads.LINEAR_GRADS_MIN_NUMEL
                          and all(q in self._where for q in m.parameters())]
         self._comm = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paratrain-dp")
+        self._reset_backward()
+
+    def _make_buckets(self):
+        """The buckets in this group's memory, and the hook told of them (collective)."""
+        self.buckets = bucketing.build(self.group, self._params, self._bucket_bytes)
+        if getattr(self.hook, "wants_shapes", False):   # a compressor of matrices (compression/base.py)
+            self.hook.prepare(self.group, [b.flat for b in self.buckets],
+                              shapes=[[tuple(v.shape) for v in b.views] for b in self.buckets])
+        else:
+            self.hook.prepare(self.group, [b.flat for b in self.buckets])
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+
+    def regroup(self, group):
+        super().regroup(group)
+        self._make_buckets()
         self._reset_backward()
 
     def _reset_backward(self):

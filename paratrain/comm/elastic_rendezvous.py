@@ -1,0 +1,60 @@
+"""A worker's side of elastic training's rendezvous: which world it is in now.
+
+In an elastic job (``PARATRAIN_ELASTIC`` holds this worker's id) the launcher
+hosts the store and forms each generation of the world (launch/elastic.py
+has the keys and the rules). ``join`` says this worker is ready for the
+next generation and waits until the launcher has formed it; pt.init() then
+builds the groups of that generation under its own key prefix, so nothing
+of an earlier world's set-up is read again. ``world_moved`` tells a running
+world that the launcher has opened a new generation (a worker was lost or
+a replacement started), which pt.elastic checks at each commit.
+"""
+import json
+import time
+from datetime import timedelta
+
+from ..launch.elastic import KEY_ABORT, KEY_FINISHED, key_generation, key_here, key_ranks
+from .errors import CommError
+from .rendezvous import RendezvousError
+
+POLL = 0.01
+
+
+class ElasticAbort(CommError):
+    """The launcher gave up forming a world (fewer workers than --min-workers for too long)."""
+
+
+def current_generation(store):
+    return int(store.get(key_generation()).decode())
+
+
+def join(store, worker_id, last_generation, timeout):
+    """Wait to be placed in the generation after ``last_generation`` (-1: a new worker);
+    returns (generation, rank, world size). Raises ElasticAbort if the launcher gives up,
+    and a RendezvousError past ``timeout`` seconds."""
+    store.set_timeout(timedelta(seconds=max(timeout, 1.0)))
+    deadline = time.monotonic() + timeout
+    g = None
+    while time.monotonic() < deadline:
+        if store.check([KEY_ABORT]):
+            raise ElasticAbort(f"worker {worker_id}: {store.get(KEY_ABORT).decode()}")
+        if store.check([KEY_FINISHED]):   # the job ended while this worker was on its way: nothing to do
+            print(f"paratrain: elastic: worker {worker_id}: the job finished before it could join", flush=True)
+            raise SystemExit(0)
+        newest = max(current_generation(store), last_generation + 1)
+        if newest != g:
+            g = newest
+            store.set(key_here(g, worker_id), "1")
+        if store.check([key_ranks(g)]):
+            ranks = json.loads(store.get(key_ranks(g)).decode())
+            if str(worker_id) in ranks:
+                return g, ranks[str(worker_id)], len(ranks)
+            # formed before the launcher counted us (a replacement): it opens the next one
+        time.sleep(POLL)
+    raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout:g}s of asking to join "
+                          f"(generation {g}); is the launcher alive?")
+
+
+def world_moved(store, generation):
+    """Has the launcher opened a generation after ``generation``?"""
+    return current_generation(store) > generation

@@ -1,0 +1,81 @@
+"""pt.elastic.run: call the training function again, in a new world, when the old one fails.
+
+    @pt.elastic.run
+    def train(state): ...
+    train(state)
+
+Outside an elastic job (no ``paratrain run --min-workers``) the function is
+simply called. In one, the world first takes rank 0's starting state (a
+worker that joins a running job takes the running one). Then, when a peer
+dies in the middle of a collective (``PeerError``, or any ``CommError`` of
+a world that broke) or the launcher opens a new generation (a worker was
+lost or one joined, seen at ``state.commit()``), every worker:
+
+1. leaves the broken world (pt.destroy()) and joins the next one (pt.init(),
+   which asks the launcher for its new rank: comm/elastic_rendezvous.py);
+2. moves its DataParallel to the new world (``regroup``);
+3. restores its own last commit, then takes the new rank 0's (``sync``): a
+   survivor that committed one step more or less than the others ends up
+   where the new rank 0 is, and a new worker gets everything;
+4. deals the rest of the epoch out anew (the sampler), calls the
+   ``on_reset`` callbacks, and calls the function again.
+
+As Horovod's ``hvd.elastic.run`` (horovod/common/elastic.py), with the
+world formed by the launcher, which outlives any worker, instead of a
+driver on rank 0.
+"""
+import functools
+import time
+
+from .. import comm
+from ..comm.world import elastic_generation
+
+
+class WorldChanged(Exception):
+    """The launcher opened a new generation: a worker was lost or one joined."""
+
+
+def run(fn):
+    @functools.wraps(fn)
+    def wrapper(state, *args, **kwargs):
+        store, _ = elastic_generation()
+        if store is None:   # not an elastic job: nothing to re-form
+            return fn(state, *args, **kwargs)
+        state.sync(comm.world(), root=0)
+        _rebind(state)
+        while True:
+            try:
+                return fn(state, *args, **kwargs)
+            except (comm.CommError, WorldChanged) as e:
+                reform(state, e)
+    return wrapper
+
+
+def reform(state, why):
+    """Steps 1-4 above; notes what happened in ``state.events``."""
+    t0 = time.monotonic()
+    old = comm.world().world_size if comm.is_initialized() else None
+    comm.destroy()
+    world = comm.init()
+    model = state.model
+    if model is not None and hasattr(model, "regroup"):
+        model.regroup(world)
+    state.restore()
+    state.sync(world, root=0)
+    _rebind(state)
+    state.reset_callbacks()
+    step = getattr(state, "step", None)
+    state.events.append({"kind": "lost" if isinstance(why, comm.CommError) else "changed",
+                         "step": step, "world_size": world.world_size, "was": old,
+                         "reform_s": time.monotonic() - t0, "why": str(why).splitlines()[0][:200]})
+    if world.rank == 0:
+        print(f"paratrain: elastic: the world is now {world.world_size} workers (was {old}); "
+              f"resumed from the commit at step {step} in {time.monotonic() - t0:.2f}s",
+              flush=True)
+
+
+def _rebind(state):
+    """The sampler deals the rest of its epoch over the current world."""
+    world = comm.world()
+    if state.sampler is not None and hasattr(state.sampler, "reset"):
+        state.sampler.reset(world.rank, world.world_size)

@@ -1,0 +1,152 @@
+"""The launcher's side of elastic training: it hosts the job's store and forms each world.
+
+With ``paratrain run --min-workers M`` the rendezvous store must outlive any
+worker, so the launcher hosts it (a torch TCPStore server in this process)
+instead of rank 0. Each worker has a worker id for its whole life
+(``PARATRAIN_ELASTIC``); its rank is its place in the current *generation*,
+the world formed after the last change:
+
+    elastic/generation          the generation being formed or running
+    elastic/gen<g>/here/<id>    worker <id> is ready to join generation g
+    elastic/gen<g>/ranks        generation g's world, {"<id>": rank}, once formed
+    elastic/abort               why the job cannot go on (fewer than M workers too long)
+    elastic/finished            the running world finished: a worker still waiting to join leaves
+
+A worker whose world failed (a peer died in a collective;
+comm/elastic_rendezvous.py) says it is ready for the next generation and
+waits. The coordinator closes a generation once every live member of the
+last one (the launcher knows who is alive: it is their parent) and every
+new worker that has said so is ready, and there are at least M of them:
+ranks go by worker id, so survivors keep their order and a replacement
+comes last. A worker lost while the world runs opens the next generation;
+so does a new worker once it is ready (a replacement's start-up is not
+waited for: the others go on meanwhile). The running workers see it at
+their next commit (``elastic/generation`` moved).
+Below M workers it waits up to ``--elastic-timeout`` for replacements,
+then publishes why it gives up; no worker waits forever (Horovod's
+deadlock below min-np, horovod #3494, is the case this closes).
+"""
+import json
+import threading
+import time
+from datetime import timedelta
+
+POLL = 0.01   # seconds between looks at the store
+
+
+def key_generation():
+    return "elastic/generation"
+
+
+def key_here(generation, worker_id):
+    return f"elastic/gen{generation}/here/{worker_id}"
+
+
+def key_ranks(generation):
+    return f"elastic/gen{generation}/ranks"
+
+
+KEY_ABORT = "elastic/abort"
+KEY_FINISHED = "elastic/finished"
+
+
+class Coordinator:
+    """Hosts the store at host:port and forms the generations (a thread), from the
+    worker ids the launcher reports alive (``started``) and gone (``lost``)."""
+
+    def __init__(self, host, port, workers, min_workers, max_workers, timeout, say):
+        from torch.distributed import TCPStore
+        self.store = TCPStore(host, port, None, True, timedelta(seconds=max(timeout, 60.0)),
+                              wait_for_workers=False)
+        self.min_workers, self.max_workers, self.timeout, self.say = min_workers, max_workers, timeout, say
+        self.live = set(workers)
+        self.members = set(workers)   # the last formed generation's workers (first: the ones started)
+        self.generation = 0
+        self.formed = {}        # generation -> {worker id: rank}
+        self.done = set()       # workers that ended well
+        self.events = []        # (time, what, worker ids) for the summary
+        self._below_since = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.store.set(key_generation(), "0")
+        self._thread = threading.Thread(target=self._run, name="paratrain-elastic", daemon=True)
+        self._thread.start()
+
+    # ---- what the launcher reports -----------------------------------------------------------
+
+    def lost(self, worker_id):
+        with self._lock:
+            self.live.discard(worker_id)
+            self.events.append((time.time(), "lost", worker_id))
+            if self.generation in self.formed:
+                self._next_generation()
+
+    def started(self, worker_id):
+        """A replacement: it opens the next generation itself once it is ready."""
+        with self._lock:
+            self.live.add(worker_id)
+            self.events.append((time.time(), "started", worker_id))
+
+    def finished(self, worker_id):
+        """A worker ended well: once every member of the running world has, a worker
+        still waiting to join has nothing to join (it is told, and exits)."""
+        with self._lock:
+            self.live.discard(worker_id)
+            self.done.add(worker_id)
+            if self.members <= self.done:
+                self.store.set(KEY_FINISHED, "1")
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def below_minimum(self):
+        """Seconds the job has had fewer live workers than --min-workers (0 when not)."""
+        since = self._below_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    # ---- forming generations -------------------------------------------------------------------
+
+    def _next_generation(self):
+        self.generation += 1
+        self.store.set(key_generation(), str(self.generation))
+
+    def _ready(self, generation, live):
+        return {w for w in live if self.store.check([key_here(generation, w)])}
+
+    def _run(self):
+        while not self._stop.wait(POLL):
+            with self._lock:
+                g, live = self.generation, set(self.live)
+                if g in self.formed:
+                    # a worker saw its world fail before we saw the death, or a new one is ready
+                    if self._ready(g + 1, live) or self._ready(g, live - self.members):
+                        self._next_generation()
+                    continue
+                ready = self._ready(g, live)
+                expected = (self.members & live) | (ready - self.members)
+                if len(expected) < self.min_workers:
+                    self._wait_for_workers(expected)
+                    continue
+                self._below_since = None
+                if expected <= ready:
+                    self._form(g, sorted(expected)[:self.max_workers])
+
+    def _form(self, g, members):
+        ranks = {str(w): r for r, w in enumerate(members)}
+        self.formed[g] = ranks
+        self.members = set(members)
+        self.store.set(key_ranks(g), json.dumps(ranks))
+        if g:
+            self.say(f"paratrain run: elastic: generation {g}: {len(members)} workers (ids {members})")
+
+    def _wait_for_workers(self, workers):
+        now = time.monotonic()
+        if self._below_since is None:
+            self._below_since = now
+            self.say(f"paratrain run: elastic: {len(workers)} workers, below --min-workers "
+                     f"{self.min_workers}; waiting up to {self.timeout:g}s for more")
+        elif now - self._below_since > self.timeout and not self.store.check([KEY_ABORT]):
+            why = (f"the job had {len(workers)} workers, below --min-workers {self.min_workers}, for "
+                   f"{self.timeout:g}s (--elastic-timeout): no replacement came")
+            self.store.set(KEY_ABORT, why)

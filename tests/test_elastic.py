@@ -1,0 +1,99 @@
+"""pt.elastic under `paratrain run --min-workers`: a worker killed mid-run is dropped, the
+others re-form a world and go on from their last commit, and the run ends with the
+parameters of a one-process replay that goes through the same world sizes at the same
+steps (nothing lost, nothing used twice)."""
+import json
+
+import pytest
+import torch
+
+from conftest import launch
+
+BATCH, COMMIT_EVERY, EPOCHS, SAMPLES = 8, 4, 2, 240
+
+
+def data():
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(SAMPLES, 6, generator=g)
+    y = X @ torch.randn(6, 1, generator=g) + 0.1 * torch.randn(SAMPLES, 1, generator=g)
+    return X, y
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def replay(sizes):
+    """One process: each step's gradient is the mean over the ranks of each rank's batch
+    loss, the batches dealt as the ranks' samplers deal them. ``sizes``: {step: world
+    size}; the world changes only at a commit, where the samplers deal the rest anew."""
+    from paratrain.elastic import ElasticSampler
+    X, y = data()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ranks, epoch, step, batches = None, 0, 0, iter(())
+    while True:
+        w = sizes.get(step + 1)
+        if w is None:
+            break
+        if ranks is None or len(ranks) != w:   # a new world: the rest of the epoch dealt over it
+            state = ranks[0].state_dict() if ranks else None
+            ranks = [ElasticSampler(range(SAMPLES), seed=0, batch_size=BATCH, rank=r, num_replicas=w)
+                     for r in range(w)]
+            for s in ranks:
+                s.set_epoch(epoch)
+                if state is not None:
+                    s.load_state_dict(state)
+            batches = zip(*[iter(s) for s in ranks])
+        got = next(batches, None)
+        if got is None:   # the epoch is over
+            epoch += 1
+            for s in ranks:
+                s.set_epoch(epoch)
+            batches = zip(*[iter(s) for s in ranks])
+            continue
+        opt.zero_grad()
+        torch.stack([torch.nn.functional.mse_loss(model(X[b]), y[b]) for b in got]).mean().backward()
+        opt.step()
+        step += 1
+    return model.state_dict(), step
+
+
+def run_and_replay(tmp_path, fail, *launcher_args, n=3, slow_below=0):
+    out = tmp_path / "params.pt"
+    res = launch(n, "elastic_dp.py", launcher_args=launcher_args,
+                 env={"FAIL": fail, "OUT": str(out), "SLOW_BELOW": str(slow_below)})
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-4000:]
+    line = next(x for x in res.stdout.splitlines() if "sizes {" in x)
+    sizes = {int(k): v for k, v in json.loads(line.split("sizes ", 1)[1]).items()}
+    assert sorted(sizes) == list(range(1, len(sizes) + 1)), sizes
+    expected, steps = replay(sizes)
+    assert steps == len(sizes)
+    got = torch.load(out, weights_only=True)
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    return res, sizes
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_is_dropped_and_the_rest_reach_the_replays_parameters(tmp_path):
+    # worker 1 dies as it begins step 7: the survivors go back to the commit at step 4, on 2 workers
+    res, sizes = run_and_replay(tmp_path, "1:7", "--min-workers", "2")
+    text = res.stdout + res.stderr
+    assert "rank 1 was killed by SIGKILL; the job goes on without it" in text, text[-4000:]
+    assert "events [('lost', 4, 3, 2)]" in res.stdout, text[-4000:]
+    assert [sizes[s] for s in (1, 4, 5, len(sizes))] == [3, 3, 2, 2], sizes
+    # epoch 0: 4 steps of 3 x 8, the other 144 samples in steps of 2 x 8; epoch 1: 240 / 16
+    assert len(sizes) == 4 + 9 + 15
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_joins_at_a_commit_and_gets_the_state_from_a_peer(tmp_path):
+    # steps on 2 workers take 0.25 s more, so that the replacement arrives before the end
+    res, sizes = run_and_replay(tmp_path, "1:7", "--min-workers", "2", "--max-restarts", "1", slow_below=3)
+    text = res.stdout + res.stderr
+    assert "started worker 3 in place of rank 1" in text, text[-4000:]
+    assert sizes[len(sizes)] == 3, sizes   # back to 3 workers
+    assert "events [('lost', 4, 3, 2), ('changed'" in res.stdout, text[-4000:]   # on 2 while it started
