@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import launch
+from conftest import ROOT, launch
 
 BATCH, COMMIT_EVERY, EPOCHS, SAMPLES = 8, 4, 2, 240
 
@@ -78,11 +78,12 @@ def run_and_replay(tmp_path, fail, *launcher_args, n=3, slow_below=0):
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_worker_is_dropped_and_the_rest_reach_the_replays_parameters(tmp_path):
-    # worker 1 dies as it begins step 7: the survivors go back to the commit at step 4, on 2 workers
-    res, sizes = run_and_replay(tmp_path, "1:7", "--min-workers", "2")
+def test_a_killed_rank_0_is_dropped_and_the_rest_reach_the_replays_parameters(tmp_path):
+    # worker 0 dies as it begins step 7: the survivors (now ranks 0 and 1) go back to the commit at step 4
+    res, sizes = run_and_replay(tmp_path, "0:7", "--min-workers", "2")
     text = res.stdout + res.stderr
-    assert "rank 1 was killed by SIGKILL; the job goes on without it" in text, text[-4000:]
+    assert "rank 0 was killed by SIGKILL; the job goes on without it" in text, text[-4000:]
+    assert "generation 1: 2 workers (ids [1, 2])" in text, text[-4000:]
     assert "events [('lost', 4, 3, 2)]" in res.stdout, text[-4000:]
     assert [sizes[s] for s in (1, 4, 5, len(sizes))] == [3, 3, 2, 2], sizes
     # epoch 0: 4 steps of 3 x 8, the other 144 samples in steps of 2 x 8; epoch 1: 240 / 16
@@ -97,3 +98,23 @@ def test_a_replacement_joins_at_a_commit_and_gets_the_state_from_a_peer(tmp_path
     assert "started worker 3 in place of rank 1" in text, text[-4000:]
     assert sizes[len(sizes)] == 3, sizes   # back to 3 workers
     assert "events [('lost', 4, 3, 2), ('changed'" in res.stdout, text[-4000:]   # on 2 while it started
+
+
+@pytest.mark.timeout(60)
+def test_below_min_workers_the_job_waits_then_ends_saying_why(tmp_path):
+    res = launch(2, "elastic_dp.py", launcher_args=("--min-workers", "2", "--elastic-timeout", "2"),
+                 env={"FAIL": "1:3", "OUT": str(tmp_path / "never.pt")})
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text[-4000:]
+    assert "below --min-workers 2; waiting up to 2s" in text, text[-4000:]
+    assert "ElasticAbort" in text and "below --min-workers 2, for 2s (--elastic-timeout)" in text, text[-4000:]
+    assert not (tmp_path / "never.pt").exists()
+
+
+def test_elastic_options_are_checked_before_anything_starts(capsys):
+    from paratrain.launch.local import main
+    script = str(ROOT / "tests" / "workers" / "elastic_dp.py")
+    assert main(["-n", "2", "--min-workers", "3", script]) == 2
+    assert "need 1 <= --min-workers (3) <= -n (2)" in capsys.readouterr().err
+    assert main(["-n", "2", "--max-restarts", "1", script]) == 2
+    assert "give --min-workers too" in capsys.readouterr().err
