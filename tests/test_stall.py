@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +44,25 @@ def test_a_late_rank_is_named_with_its_stack_and_the_job_ends_well(tmp_path):
     text = res.stdout + res.stderr
     assert text.count("waiting for ranks [1], which have not made this call yet") == 2
     assert text.count("the late rank's line") >= 2   # rank 1's stack, shown by each waiting rank
+
+
+@pytest.mark.timeout(120)
+def test_under_mpirun_a_late_rank_is_named_too(tmp_path):
+    """The mpi backend has no rendezvous store: rank 0 serves one for the stall inspector."""
+    from test_mpi_backend import MPIRUN, _mpirun_env
+    path = tmp_path / "job.py"
+    path.write_text(LATE)
+    env = _mpirun_env(LATE_S="6", PARATRAIN_TIMEOUT="60", PARATRAIN_STALL_S="2", PARATRAIN_BACKEND="mpi",
+                      PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m",
+                          "mpi4py", str(path)], env=env, capture_output=True, text=True, timeout=90)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-4000:]
+    reports = re.findall(r"stall: rank (\d) has waited ([\d.]+)s in all_reduce \(group world, call #\d+\)", text)
+    assert sorted(r[0] for r in reports) == ["0", "2"], text[-4000:]
+    assert all(2.0 <= float(waited) <= 3.0 for _, waited in reports), reports
+    assert text.count("waiting for ranks [1], which have not made this call yet") == 2, text[-4000:]
+    assert text.count("the late rank's line") >= 2, text[-4000:]
 
 
 NEVER = """\

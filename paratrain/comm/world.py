@@ -79,9 +79,13 @@ def init(backend=None, timeout=None, threads=None):
         from .mpi_backend import mpi_world
         _S.world, _S.backend = mpi_world(timeout), "mpi"
         _S.world.trace_name = "world"
-        from ..trace import flight
-        flight.install(_S.world.rank, _S.world.world_size)   # (no store to ask the others through)
         _start_trace(_S.world, _S.world.rank)
+        _S.store = _side_store(_S.world, timeout)
+        if _S.store is None:
+            from ..trace import flight
+            flight.install(_S.world.rank, _S.world.world_size)
+        else:
+            _S.watchdog = _start_watchdog(_S.store, _S.world.rank, _S.world.world_size)
         return _S.world
 
     e = envmod.read_env()
@@ -110,6 +114,33 @@ def init(backend=None, timeout=None, threads=None):
     _start_trace(_S.world, e.rank)
     _S.watchdog = _start_watchdog(_S.store, e.rank, e.world_size)
     return _S.world
+
+
+def _side_store(world, timeout):
+    """Under mpirun, which gives no store: rank 0 serves one on a free port and tells the
+    others where, in one broadcast over MPI, for the stall inspector. None for a world
+    of one, or (with a note) where the others cannot reach it: the job runs without."""
+    import socket
+
+    from torch.distributed import TCPStore
+    if world.world_size < 2:
+        return None
+    where = torch.zeros(256, dtype=torch.uint8)
+    store = None
+    if world.rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        store = TCPStore(host, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+        text = f"{host} {store.port}".encode()
+        where[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    world.broadcast(where, 0)
+    if store is not None:
+        return store
+    host, port = bytes(where.numpy()).rstrip(b"\0").decode().split()
+    try:
+        return rendezvous.connect_client(host, int(port), min(timeout, 30.0))
+    except rendezvous.RendezvousError as e:
+        print(f"paratrain: rank {world.rank}: no stall inspector: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def _start_watchdog(store, rank, world_size):

@@ -37,6 +37,7 @@ RING = None       # the FlightRecorder, or None when off
 ask_peers = None  # set by the stall watchdog: fn(error, wait) that has the other ranks dump theirs too
 GROUPS = weakref.WeakSet()   # every live group of this process, for the stall inspector's answers
 _dumped = set()
+_dump_numbers = itertools.count()
 
 
 class GroupLog:
@@ -142,7 +143,11 @@ def failed(e):
     """A call raised one of the errors that end a job (comm/ passes its CommError: a
     timeout, a dead peer, a mismatch): dump the ring, and the error says where."""
     if RING is not None:
-        path = dump(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        try:
+            path = dump(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        except OSError as why:   # the error being reported matters more than its dump
+            print(f"paratrain: the flight recorder could not be written: {why}", file=sys.stderr, flush=True)
+            return
         if path and ask_peers is not None:
             ask_peers(e, wait=False)   # (a caught error must not be slowed; an uncaught one waits, below)
         if path and hasattr(e, "add_note") and not getattr(e, "_flight_noted", False):
@@ -189,7 +194,7 @@ def dump(reason):
             "groups": group_progress(), "stacks": stacks}
     os.makedirs(ring.directory, exist_ok=True)
     path = os.path.join(ring.directory, f"rank-{ring.rank}.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{next(_dump_numbers)}.tmp"   # two threads may dump at once: each its own file
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
