@@ -230,13 +230,19 @@ def test_two_launchers_as_two_nodes_meet_and_all_reduce(tmp_path, backend):
         assert torch.equal(x, torch.full((1001,), 10.0)), x[:4]
         print("sum", int(x[0]), "on", g.backend)
     """)
+    traced = tmp_path / "trace"   # shm: both nodes trace into one folder, as a shared file system
     env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_BACKEND=backend,
-               **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {}))
+               **({"PARATRAIN_PRETEND_HOSTS": "2"} if backend == "hierarchical" else {"PARATRAIN_TRACE": str(traced)}))
     nodes = start_two_nodes(s, env, ("2", "2"))
     outs = outputs(nodes, 75)
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert sorted(l for o in outs for l in o.splitlines() if "sum" in l) == \
         [f"[rank {r}] sum 10 on {backend}" for r in range(4)]
+    if backend == "shm":   # node 0 merged every node's ranks; node 1 left it to node 0
+        assert "node 0 merges every node's files" in outs[1] and "trace.json" in outs[0], outs
+        from paratrain.trace import analysis
+        ranks = {e["pid"] for e in analysis.load(str(traced)) if e.get("ph") == "X"}
+        assert ranks == {0, 1, 2, 3}, ranks
 
 
 @pytest.mark.timeout(60)

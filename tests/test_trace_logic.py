@@ -165,6 +165,9 @@ def test_spans_record_only_while_on(tmp_path):
         pass
     lines = (tmp_path / "rank-0.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["role"] == "rank"
-    names = [json.loads(x)[0] for x in lines[1:]]
+    names = [json.loads(x)[0] for x in lines[1:-1]]
     assert names == ["mine", "decorated"]
+    assert json.loads(lines[-1]) == {"end": True}   # stopped: the file is complete
+    from paratrain.trace import chrome
+    assert chrome.finished(str(tmp_path / "rank-0.jsonl"))
     assert json.loads(lines[1])[5] == {"answer": 42}

@@ -18,6 +18,7 @@ from .errors import CommError
 from .rendezvous import RendezvousError
 
 POLL = 0.01
+LAUNCHER_SLACK = 30.0   # past the launcher's own timeout: it says why it gave up, this only if it is gone
 
 
 class ElasticAbort(CommError):
@@ -30,10 +31,11 @@ def current_generation(store):
 
 def join(store, worker_id, last_generation, timeout):
     """Wait to be placed in the generation after ``last_generation`` (-1: a new worker);
-    returns (generation, rank, world size). Raises ElasticAbort if the launcher gives up,
-    and a RendezvousError past ``timeout`` seconds."""
+    returns (generation, rank, world size). Raises ElasticAbort if the launcher gives up
+    (after ``timeout`` seconds below --min-workers), and a RendezvousError if nothing
+    is heard for longer than that (the launcher is gone)."""
     store.set_timeout(timedelta(seconds=max(timeout, 1.0)))
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + LAUNCHER_SLACK
     g = None
     while time.monotonic() < deadline:
         if store.check([KEY_ABORT]):
@@ -51,7 +53,7 @@ def join(store, worker_id, last_generation, timeout):
                 return g, ranks[str(worker_id)], len(ranks)
             # formed before the launcher counted us (a replacement): it opens the next one
         time.sleep(POLL)
-    raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout:g}s of asking to join "
+    raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s of asking to join "
                           f"(generation {g}); is the launcher alive?")
 
 

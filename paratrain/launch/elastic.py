@@ -31,6 +31,9 @@ import threading
 import time
 from datetime import timedelta
 
+from .watch import say
+from .worker import Worker
+
 POLL = 0.01   # seconds between looks at the store
 
 
@@ -150,3 +153,41 @@ class Coordinator:
             why = (f"the job had {len(workers)} workers, below --min-workers {self.min_workers}, for "
                    f"{self.timeout:g}s (--elastic-timeout): no replacement came")
             self.store.set(KEY_ABORT, why)
+
+
+def start_coordinator(args, port, base):
+    """Elastic: the store the workers meet at, hosted here, and the generations formed
+    (elastic.py); every worker is told its id. Returns (coordinator, problem)."""
+    timeout = args.elastic_timeout if args.elastic_timeout is not None else 600.0
+    base["PARATRAIN_ELASTIC_TIMEOUT"] = repr(timeout)
+    try:
+        return Coordinator(args.master_addr, port, range(args.nproc), args.min_workers,
+                           args.max_workers or args.nproc, timeout, say), None
+    except Exception as e:   # torch's store: the port taken between our check and its bind
+        return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
+
+
+class Replacements:
+    """--max-restarts: a new worker, with a new worker id, in place of one that died, at
+    most K times in all; it joins the running job. ``env(local_rank, worker_id)``: its
+    environment."""
+
+    def __init__(self, args, cmd, on_line, cpus, coordinator, env):
+        self.args, self.cmd, self.env = args, cmd, env
+        self.on_line, self.cpus, self.coordinator = on_line, cpus, coordinator
+        self.left = args.max_restarts
+        self.next_id = args.nproc
+
+    def __call__(self, dead):
+        if self.left <= 0 or len(self.coordinator.live) >= (self.args.max_workers or self.args.nproc):
+            return None
+        self.left -= 1
+        wid, self.next_id = self.next_id, self.next_id + 1
+        w = Worker(wid, dead.local_rank, self.cmd, self.env(dead.local_rank, wid), prefix=self.args.prefix,
+                   on_line=self.on_line, cpus=self.cpus[dead.local_rank])
+        w.start()
+        w.start_output()
+        self.coordinator.started(wid)
+        say(f"paratrain run: elastic: started worker {wid} in place of {dead.label} "
+            f"({self.left} restart{'s' if self.left != 1 else ''} left)")
+        return w

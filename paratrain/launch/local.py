@@ -22,7 +22,7 @@ import secrets
 import socket
 import sys
 
-from . import binding
+from . import binding, elastic, trace_files
 from . import servers as ps
 from .watch import LauncherSignals, Policy, say, stop, supervise
 from .worker import Worker
@@ -160,7 +160,12 @@ def split_argv(parser, argv):
     return opts, argv[i], argv[i + 1:]
 
 
-def worker_env(base, args, local_rank, port, job_id):
+def node_ranks(args):
+    """The global ranks of this node's workers."""
+    return range(args.node_rank * args.nproc, (args.node_rank + 1) * args.nproc)
+
+
+def worker_env(base, args, local_rank, port, job_id, worker_id=None):
     """The launcher's environment, with the job's own variables set. What an outer
     torchrun left that this job does not set (ROLE_*, TORCHELASTIC_*) is dropped,
     so a worker never sees another job's values beside this one's."""
@@ -178,8 +183,8 @@ def worker_env(base, args, local_rank, port, job_id):
         "PARATRAIN_THREADS": str(args.threads),
         **binding.interpreter_env(args.threads),
     })
-    if args.min_workers is not None:
-        env["PARATRAIN_ELASTIC"] = str(args.node_rank * args.nproc + local_rank)   # its worker id, for life
+    if args.min_workers is not None:   # its worker id, for life (a replacement's is new)
+        env["PARATRAIN_ELASTIC"] = str(args.node_rank * args.nproc + local_rank if worker_id is None else worker_id)
     if args.timeout is not None:
         env["PARATRAIN_TIMEOUT"] = f"{args.timeout:g}"
     return env
@@ -328,14 +333,14 @@ def main(argv=None, on_line=None):
         base["PARATRAIN_FLIGHT_DIR"] = args.flight_dir
     if trace_dir:
         trace_dir = base["PARATRAIN_TRACE"] = os.path.abspath(trace_dir)
-        remove_old_trace(trace_dir)
+        trace_files.remove_old(trace_dir, node_ranks(args), args.nnodes * args.nproc)
     addrs = ps.parse_addrs(args.ps_addrs)[0] if args.ps_addrs is not None else server_addresses(args)
     if addrs:
         base["PARATRAIN_PS_ADDRS"] = ",".join(addrs)
     cpus = worker_cpus(args)
     coordinator = None
     if args.min_workers is not None:
-        coordinator, problem = start_coordinator(args, port, base)
+        coordinator, problem = elastic.start_coordinator(args, port, base)
         if problem:
             say(f"paratrain run: error: {problem}")
             return 2
@@ -351,12 +356,14 @@ def main(argv=None, on_line=None):
         servers = ps.make_servers(addrs, base, job_id, checkpoints.path, args.timeout, args.prefix)
     policy = _policy(args, addrs, coordinator)
     if coordinator is not None and args.max_restarts:
-        policy.replace_worker = Replacements(args, cmd, base, port, job_id, on_line, cpus, coordinator)
+        policy.replace_worker = elastic.Replacements(
+            args, cmd, on_line, cpus, coordinator, lambda local_rank, wid: worker_env(base, args, local_rank, port,
+                                                                                      job_id, wid))
     rc = 1
     try:
         rc = start_and_watch(workers, servers, policy)
         if trace_dir:
-            merge_trace(trace_dir, args.trace_out)
+            trace_files.merge(trace_dir, args.trace_out, node_ranks(args), args.nnodes * args.nproc)
         return rc
     finally:
         if coordinator is not None:
@@ -364,26 +371,6 @@ def main(argv=None, on_line=None):
         remove_leftover_segments(job_id)
         if checkpoints is not None:
             checkpoints.finish(rc == 0)
-
-
-def remove_old_trace(directory):
-    """A trace folder used before holds the last job's files: remove them, so the merge
-    reads this job's alone."""
-    from ..trace.chrome import process_files
-    for path in process_files(directory):
-        os.remove(path)
-
-
-def merge_trace(directory, out=None):
-    """The workers' trace files into DIR/trace.json (or ``out``); says where, or why not."""
-    from ..trace import chrome
-    try:
-        path = chrome.merge(directory, out)
-    except (OSError, ValueError) as e:
-        say(f"paratrain run: the trace was not merged: {e}")
-        return None
-    say(f"paratrain run: trace: {path} (open it in https://ui.perfetto.dev; `paratrain trace {directory}`)")
-    return path
 
 
 def worker_cpus(args):
@@ -395,46 +382,6 @@ def worker_cpus(args):
         say(f"paratrain run: note: --bind-to {args.bind_to} with {args.nproc} workers x {args.threads} "
             f"thread(s) on {len(available)} CPUs: workers share CPUs ({binding.describe(sets)})")
     return sets
-
-
-def start_coordinator(args, port, base):
-    """Elastic: the store the workers meet at, hosted here, and the generations formed
-    (elastic.py); every worker is told its id. Returns (coordinator, problem)."""
-    from .elastic import Coordinator
-    timeout = args.elastic_timeout if args.elastic_timeout is not None else 600.0
-    base["PARATRAIN_ELASTIC_TIMEOUT"] = repr(timeout)
-    try:
-        return Coordinator(args.master_addr, port, range(args.nproc), args.min_workers,
-                           args.max_workers or args.nproc, timeout, say), None
-    except Exception as e:   # torch's store: the port taken between our check and its bind
-        return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
-
-
-class Replacements:
-    """Elastic --max-restarts: a new worker, with a new worker id, in place of one that
-    died, at most K times in all; it joins the running job (elastic.py)."""
-
-    def __init__(self, args, cmd, base, port, job_id, on_line, cpus, coordinator):
-        self.args, self.cmd, self.base, self.port, self.job_id = args, cmd, base, port, job_id
-        self.on_line, self.cpus, self.coordinator = on_line, cpus, coordinator
-        self.left = args.max_restarts
-        self.next_id = args.nproc
-
-    def __call__(self, dead):
-        if self.left <= 0 or len(self.coordinator.live) >= (self.args.max_workers or self.args.nproc):
-            return None
-        self.left -= 1
-        wid, self.next_id = self.next_id, self.next_id + 1
-        env = dict(worker_env(self.base, self.args, dead.local_rank, self.port, self.job_id),
-                   PARATRAIN_ELASTIC=str(wid))   # (its rank comes from the rendezvous)
-        w = Worker(wid, dead.local_rank, self.cmd, env, prefix=self.args.prefix, on_line=self.on_line,
-                   cpus=self.cpus[dead.local_rank])
-        w.start()
-        w.start_output()
-        self.coordinator.started(wid)
-        say(f"paratrain run: elastic: started worker {wid} in place of {dead.label} "
-            f"({self.left} restart{'s' if self.left != 1 else ''} left)")
-        return w
 
 
 def _policy(args, addrs, coordinator=None):

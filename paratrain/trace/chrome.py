@@ -38,10 +38,29 @@ def read_rank_file(path):
         try:
             name, cat, track, t0, t1, args = json.loads(line)
         except ValueError:
-            break   # the last line of a process killed mid-write
+            break   # END, or the last line of a process killed mid-write
         spans.append({"name": name, "cat": cat, "track": track, "t0": t0 + offset, "t1": t1 + offset,
                       "args": args or {}})
     return header, spans
+
+
+END = {"end": True}   # a process's last line, written as it stops recording (recorder.py)
+
+
+def rank_path(directory, rank):
+    return os.path.join(directory, f"rank-{rank}.jsonl")
+
+
+def finished(path):
+    """Whether a process's file is complete: it stopped recording and wrote END."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64))
+            tail = f.read()
+    except OSError:
+        return False
+    return tail.rstrip().endswith(json.dumps(END).encode())
 
 
 def process_id(header):

@@ -55,6 +55,7 @@ class Recorder:
         self.flush()
         with self._lock:
             if self._file is not None:
+                self._file.write('{"end": true}\n')   # chrome.END: the file is complete
                 self._file.close()
                 self._file = None
 
