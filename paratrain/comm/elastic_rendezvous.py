@@ -53,8 +53,8 @@ def join(store, worker_id, last_generation, timeout):
                 return g, ranks[str(worker_id)], len(ranks)
             # formed before the launcher counted us (a replacement): it opens the next one
         time.sleep(POLL)
-    raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s of asking to join "
-                          f"(generation {g}); is the launcher alive?")
+    raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s of asking "
+                          f"to join (generation {g}); is the launcher alive?")
 
 
 def world_moved(store, generation):

@@ -189,8 +189,8 @@ def dump(reason):
     frames = sys._current_frames()
     stacks = {t.name: "".join(traceback.format_stack(frames[t.ident]))
               for t in threading.enumerate() if t.ident in frames}
-    data = {"rank": ring.rank, "world_size": ring.world_size, "pid": os.getpid(), "host": os.uname().nodename, "reason": reason,
-            "time": time.time(), "size": ring.size, "records": ring.all_records(),
+    data = {"rank": ring.rank, "world_size": ring.world_size, "pid": os.getpid(), "host": os.uname().nodename,
+            "reason": reason, "time": time.time(), "size": ring.size, "records": ring.all_records(),
             "groups": group_progress(), "stacks": stacks}
     os.makedirs(ring.directory, exist_ok=True)
     path = os.path.join(ring.directory, f"rank-{ring.rank}.json")
