@@ -62,7 +62,7 @@ def main(argv=None):
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
                    "pipeline": "pipeline", "tensor": "tensor", "zero": "zero",
-                   "compression": "compression", "trace": "trace"}
+                   "compression": "compression", "trace": "trace", "elastic": "elastic"}
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2

@@ -118,3 +118,22 @@ def test_elastic_options_are_checked_before_anything_starts(capsys):
     assert "need 1 <= --min-workers (3) <= -n (2)" in capsys.readouterr().err
     assert main(["-n", "2", "--max-restarts", "1", script]) == 2
     assert "give --min-workers too" in capsys.readouterr().err
+
+
+def test_the_benchmarks_figures_come_from_the_workers_timestamps():
+    """paratrain bench elastic's arithmetic on a made-up round: worker 1 killed at t=10.0,
+    the survivors' errors reach pt.elastic at 10.2 and 10.3, the next step at 10.9, the
+    replacement (worker 4) starts at 11.0 and the world is back to 4 at 13.0."""
+    from paratrain.bench.elastic import measure
+    rows = [{"kind": "step", "worker": 0, "t": 9.0 + 0.1 * i, "step": 16 + i, "world": 4} for i in range(10)]
+    rows += [{"kind": "commit", "worker": 0, "t": 9.45, "seconds": 0.01},
+             {"kind": "kill", "worker": 1, "t": 10.0, "step": 26},
+             {"kind": "changed", "worker": 0, "event": "lost", "step": 20, "caught_at": 10.2},
+             {"kind": "changed", "worker": 2, "event": "lost", "step": 20, "caught_at": 10.3},
+             {"kind": "step", "worker": 0, "t": 10.9, "step": 21, "world": 3},
+             {"kind": "start", "worker": 4, "t": 11.5, "t_process": 11.0},
+             {"kind": "step", "worker": 0, "t": 13.0, "step": 31, "world": 4}]
+    got = measure(rows, 4)
+    assert got["victim"] == 1 and got["redone_steps"] == 25 - 20
+    assert got["detect_s"] == pytest.approx(0.3) and got["resume_s"] == pytest.approx(0.9)
+    assert got["join_s"] == pytest.approx(2.0) and got["commit_share"] == pytest.approx(0.01 / (10 * 0.1))

@@ -53,7 +53,7 @@ def run(fn):
 
 def reform(state, why):
     """Steps 1-4 above; notes what happened in ``state.events``."""
-    t0 = time.monotonic()
+    caught_at, t0 = time.time(), time.monotonic()
     old = comm.world().world_size if comm.is_initialized() else None
     comm.destroy()
     world = comm.init()
@@ -67,7 +67,8 @@ def reform(state, why):
     step = getattr(state, "step", None)
     state.events.append({"kind": "lost" if isinstance(why, comm.CommError) else "changed",
                          "step": step, "world_size": world.world_size, "was": old,
-                         "reform_s": time.monotonic() - t0, "why": str(why).splitlines()[0][:200]})
+                         "caught_at": caught_at, "reform_s": time.monotonic() - t0,
+                         "why": str(why).splitlines()[0][:200]})
     if world.rank == 0:
         print(f"paratrain: elastic: the world is now {world.world_size} workers (was {old}); "
               f"resumed from the commit at step {step} in {time.monotonic() - t0:.2f}s",

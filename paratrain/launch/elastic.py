@@ -27,10 +27,18 @@ then publishes why it gives up; no worker waits forever (Horovod's
 deadlock below min-np, horovod #3494, is the case this closes).
 """
 import json
+import os
+import select
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 
+from .. import config
+from . import forkserver
+from .parent import tie_to_parent
 from .watch import say
 from .worker import Worker
 
@@ -175,8 +183,13 @@ class Replacements:
     def __init__(self, args, cmd, on_line, cpus, coordinator, env):
         self.args, self.cmd, self.env = args, cmd, env
         self.on_line, self.cpus, self.coordinator = on_line, cpus, coordinator
+        self.warm = WarmStart(env(0, 0)) if not config.get("PARATRAIN_FORKSERVER") and args.threads == 1 else None
         self.left = args.max_restarts
         self.next_id = args.nproc
+
+    def stop(self):
+        if self.warm is not None:
+            self.warm.stop()
 
     def __call__(self, dead):
         if self.left <= 0 or len(self.coordinator.live) >= (self.args.max_workers or self.args.nproc):
@@ -185,9 +198,36 @@ class Replacements:
         wid, self.next_id = self.next_id, self.next_id + 1
         w = Worker(wid, dead.local_rank, self.cmd, self.env(dead.local_rank, wid), prefix=self.args.prefix,
                    on_line=self.on_line, cpus=self.cpus[dead.local_rank])
+        if self.warm is not None and self.warm.ready():
+            w.forkserver = self.warm.address
         w.start()
         w.start_output()
         self.coordinator.started(wid)
         say(f"paratrain run: elastic: started worker {wid} in place of {dead.label} "
             f"({self.left} restart{'s' if self.left != 1 else ''} left)")
         return w
+
+
+class WarmStart:
+    """A fork server of the launcher's own, for replacements: started with the job, in
+    the background, it imports torch once, and a replacement forked from it skips the
+    seconds a new interpreter spends importing (forkserver.py). Until it listens, a
+    replacement starts fresh. It dies with the launcher."""
+
+    def __init__(self, env):
+        self.address = forkserver.private_address()
+        self._ready = False
+        e = {k: v for k, v in env.items() if k not in ("PARATRAIN_FORKSERVER", "PARATRAIN_ELASTIC")}
+        self.proc = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, self.address], env=e,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     preexec_fn=tie_to_parent(os.getpid()))
+
+    def ready(self):
+        if not self._ready and self.proc.poll() is None and select.select([self.proc.stdout], [], [], 0)[0]:
+            self._ready = "listening" in self.proc.stdout.readline()
+        return self._ready
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)

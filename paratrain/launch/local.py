@@ -368,6 +368,8 @@ def main(argv=None, on_line=None):
     finally:
         if coordinator is not None:
             coordinator.stop()
+        if policy.replace_worker is not None:
+            policy.replace_worker.stop()
         remove_leftover_segments(job_id)
         if checkpoints is not None:
             checkpoints.finish(rc == 0)

@@ -70,6 +70,7 @@ class Worker:
         self._readers = []
         # on_line(worker, stream_name, text) -> True if it took the line (text: no newline).
         self.on_line = on_line
+        self.forkserver = None  # a fork server of its own to start from (else PARATRAIN_FORKSERVER's, if set)
 
     @property
     def pid(self):
@@ -80,7 +81,7 @@ class Worker:
         start it as a fresh interpreter would (forkserver.py), else a fresh one.
         Output readers are started separately (start_output), after every worker
         is spawned, so no thread is running while we fork."""
-        address = config.get("PARATRAIN_FORKSERVER")
+        address = self.forkserver or config.get("PARATRAIN_FORKSERVER")
         self.proc = self._start_forked(address) if address else None
         if self.proc is None:
             self.proc = subprocess.Popen(

@@ -1,0 +1,115 @@
+"""``paratrain bench elastic``: how fast a job notices a lost worker, goes on, and takes a new one.
+
+    paratrain bench elastic [--rounds 3] [--workers 4] [--steps 60] [--kill-step 25]
+
+Each round runs the gpt task on ``--workers`` local workers under
+``paratrain run --min-workers 2 --max-restarts 1`` (elastic_worker.py), and
+kills one worker with SIGKILL as it begins step ``--kill-step`` (round r
+kills worker r mod W, so rank 0 dies too). From the workers' timestamps
+(one clock, one host) it reports:
+
+- detect: from the kill to the last survivor's broken collective reaching
+  pt.elastic (every survivor knows);
+- resume: from the kill to the first step completed by the re-formed world
+  (on W - 1 workers, or on W where the replacement was ready by then);
+- join: from the replacement's process start to the first step completed by
+  the world back at its size;
+- redone: steps done again (those since the last commit);
+- commits: what committing every 10 steps costs, as a share of the step time
+  (a commit's median seconds over ten steps' median seconds).
+
+Writes benchmarks/results/elastic.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from ..launch import forkserver
+
+COMMIT_EVERY = 10
+
+
+def one_round(args, victim, folder):
+    events = os.path.join(folder, f"events-{victim}.jsonl")
+    cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": victim,
+           "kill_step": args.kill_step}
+    path = os.path.join(folder, f"cfg-{victim}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [sys.executable, "-m", "paratrain.run", "-n", str(args.workers), "--min-workers", "2", "--max-restarts",
+           "1", "-m", "paratrain.bench.elastic_worker", path]
+    res = forkserver.run(cmd, timeout=600)
+    if res.returncode != 0:
+        raise SystemExit(f"the elastic run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    with open(events) as f:
+        return measure([json.loads(line) for line in f], args.workers)
+
+
+def measure(rows, workers):
+    """The round's figures from the workers' event lines (see the module docstring)."""
+    kill = next(r for r in rows if r["kind"] == "kill")
+    victim, t_kill = kill["worker"], kill["t"]
+    lost = [r for r in rows if r["kind"] == "changed" and r["event"] == "lost"]
+    caught = [r["caught_at"] for r in lost]
+    knew = max(caught) if caught else t_kill
+    after = sorted(r["t"] for r in rows if r["kind"] == "step" and r["t"] > knew)   # the re-formed world's
+    joiner = next((r for r in rows if r["kind"] == "start" and r["worker"] >= workers), None)
+    back = sorted(r["t"] for r in rows if r["kind"] == "step" and joiner and r["t"] > joiner["t_process"]
+                  and r["world"] == workers)
+    steps_before = max((r["step"] for r in rows if r["kind"] == "step" and r["t"] < t_kill), default=0)
+    resumed_from = min((r["step"] for r in lost), default=steps_before)
+    commits = [r["seconds"] for r in rows if r["kind"] == "commit"]
+    step_times = step_seconds(rows)
+    return {"victim": victim, "detect_s": max(caught) - t_kill if caught else None,
+            "resume_s": after[0] - t_kill if after else None,
+            "join_s": back[0] - joiner["t_process"] if back else None,
+            "redone_steps": steps_before - resumed_from,
+            "commit_share": statistics.median(commits) / (COMMIT_EVERY * statistics.median(step_times))
+            if commits else None,
+            "step_s": statistics.median(step_times)}
+
+
+def step_seconds(rows):
+    """Worker 0's time between consecutive steps of one world (its own steps only)."""
+    mine = sorted((r["t"], r["step"], r["world"]) for r in rows if r["kind"] == "step" and r["worker"] == 0)
+    return [b[0] - a[0] for a, b in zip(mine, mine[1:]) if b[1] == a[1] + 1 and b[2] == a[2]] or [0.0]
+
+
+def _s(x):
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="paratrain bench elastic", description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--kill-step", type=int, default=25)
+    p.add_argument("--out", default=os.path.join("benchmarks", "results", "elastic.json"))
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(args.rounds):
+            row = one_round(args, r % args.workers, folder)
+            rows.append(row)
+            print(f"round {r + 1}/{args.rounds}: worker {row['victim']} killed; every survivor knew in "
+                  f"{_s(row['detect_s'])}, the next step done in {_s(row['resume_s'])}, back to "
+                  f"{args.workers} {_s(row['join_s'])} after the replacement started; {row['redone_steps']} steps "
+                  f"redone; commits cost {row['commit_share']:.1%} of the step time", flush=True)
+    print(f"\n{'round':>5}  {'killed':>6}  {'detect':>8}  {'resume':>8}  {'join':>8}  {'redone':>6}  commits")
+    for i, row in enumerate(rows):
+        print(f"{i + 1:>5}  {row['victim']:>6}  {_s(row['detect_s']):>8}  {_s(row['resume_s']):>8}  "
+              f"{_s(row['join_s']):>8}  {row['redone_steps']:>6}  {row['commit_share']:.1%}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"workers": args.workers, "steps": args.steps, "kill_step": args.kill_step, "rounds": rows}, f,
+                  indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
