@@ -25,7 +25,8 @@ def main(path):
     import paratrain as pt
     from paratrain.train.tasks import build_task
     cfg = json.loads(open(path).read())
-    me = int(os.environ["PARATRAIN_ELASTIC"])
+    from paratrain import config
+    me = config.get("PARATRAIN_ELASTIC")
     out = open(cfg["events"], "a", buffering=1)
 
     def note(kind, **fields):

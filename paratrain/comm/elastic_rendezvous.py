@@ -2,8 +2,9 @@
 
 In an elastic job (``PARATRAIN_ELASTIC`` holds this worker's id) the launcher
 hosts the store and forms each generation of the world (launch/elastic.py
-has the keys and the rules). ``join`` says this worker is ready for the
-next generation and waits until the launcher has formed it; pt.init() then
+has the rules; the keys, which both sides read, are here). ``join`` says
+this worker is ready for the next generation and waits until the launcher
+has formed it; pt.init() then
 builds the groups of that generation under its own key prefix, so nothing
 of an earlier world's set-up is read again. ``world_moved`` tells a running
 world that the launcher has opened a new generation (a worker was lost or
@@ -13,12 +14,27 @@ import json
 import time
 from datetime import timedelta
 
-from ..launch.elastic import KEY_ABORT, KEY_FINISHED, key_generation, key_here, key_ranks
 from .errors import CommError
 from .rendezvous import RendezvousError
 
 POLL = 0.01
 LAUNCHER_SLACK = 30.0   # past the launcher's own timeout: it says why it gave up, this only if it is gone
+
+
+def key_generation():
+    return "elastic/generation"
+
+
+def key_here(generation, worker_id):
+    return f"elastic/gen{generation}/here/{worker_id}"
+
+
+def key_ranks(generation):
+    return f"elastic/gen{generation}/ranks"
+
+
+KEY_ABORT = "elastic/abort"
+KEY_FINISHED = "elastic/finished"
 
 
 class ElasticAbort(CommError):

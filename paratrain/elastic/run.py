@@ -28,6 +28,8 @@ import functools
 import time
 
 from .. import comm
+from ..comm.elastic_rendezvous import ElasticAbort
+from ..comm.rendezvous import RendezvousError
 from ..comm.world import elastic_generation
 
 
@@ -41,13 +43,19 @@ def run(fn):
         store, _ = elastic_generation()
         if store is None:   # not an elastic job: nothing to re-form
             return fn(state, *args, **kwargs)
-        state.sync(comm.world(), root=0)
-        _rebind(state)
+        why = None   # what broke the last world; None: this one is the first
         while True:
             try:
+                if why is None:
+                    state.sync(comm.world(), root=0)
+                    _rebind(state)
+                else:
+                    reform(state, why)
                 return fn(state, *args, **kwargs)
+            except (ElasticAbort, RendezvousError):
+                raise   # the launcher gave up, or is gone: nothing to re-form with
             except (comm.CommError, WorldChanged) as e:
-                reform(state, e)
+                why = e   # also where the world broke again while re-forming (horovod #2995)
     return wrapper
 
 

@@ -45,28 +45,15 @@ from .worker import Worker
 POLL = 0.01   # seconds between looks at the store
 
 
-def key_generation():
-    return "elastic/generation"
-
-
-def key_here(generation, worker_id):
-    return f"elastic/gen{generation}/here/{worker_id}"
-
-
-def key_ranks(generation):
-    return f"elastic/gen{generation}/ranks"
-
-
-KEY_ABORT = "elastic/abort"
-KEY_FINISHED = "elastic/finished"
-
-
 class Coordinator:
     """Hosts the store at host:port and forms the generations (a thread), from the
     worker ids the launcher reports alive (``started``) and gone (``lost``)."""
 
     def __init__(self, host, port, workers, min_workers, max_workers, timeout, say):
         from torch.distributed import TCPStore
+
+        from ..comm import elastic_rendezvous as keys   # the keys the workers read (here: torch is loaded anyway)
+        self.keys = keys
         self.store = TCPStore(host, port, None, True, timedelta(seconds=max(timeout, 60.0)),
                               wait_for_workers=False)
         self.min_workers, self.max_workers, self.timeout, self.say = min_workers, max_workers, timeout, say
@@ -79,7 +66,7 @@ class Coordinator:
         self._below_since = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.store.set(key_generation(), "0")
+        self.store.set(self.keys.key_generation(), "0")
         self._thread = threading.Thread(target=self._run, name="paratrain-elastic", daemon=True)
         self._thread.start()
 
@@ -105,7 +92,7 @@ class Coordinator:
             self.live.discard(worker_id)
             self.done.add(worker_id)
             if self.members <= self.done:
-                self.store.set(KEY_FINISHED, "1")
+                self.store.set(self.keys.KEY_FINISHED, "1")
 
     def stop(self):
         self._stop.set()
@@ -120,10 +107,10 @@ class Coordinator:
 
     def _next_generation(self):
         self.generation += 1
-        self.store.set(key_generation(), str(self.generation))
+        self.store.set(self.keys.key_generation(), str(self.generation))
 
     def _ready(self, generation, live):
-        return {w for w in live if self.store.check([key_here(generation, w)])}
+        return {w for w in live if self.store.check([self.keys.key_here(generation, w)])}
 
     def _run(self):
         while not self._stop.wait(POLL):
@@ -147,7 +134,7 @@ class Coordinator:
         ranks = {str(w): r for r, w in enumerate(members)}
         self.formed[g] = ranks
         self.members = set(members)
-        self.store.set(key_ranks(g), json.dumps(ranks))
+        self.store.set(self.keys.key_ranks(g), json.dumps(ranks))
         if g:
             self.say(f"paratrain run: elastic: generation {g}: {len(members)} workers (ids {members})")
 
@@ -157,10 +144,10 @@ class Coordinator:
             self._below_since = now
             self.say(f"paratrain run: elastic: {len(workers)} workers, below --min-workers "
                      f"{self.min_workers}; waiting up to {self.timeout:g}s for more")
-        elif now - self._below_since > self.timeout and not self.store.check([KEY_ABORT]):
+        elif now - self._below_since > self.timeout and not self.store.check([self.keys.KEY_ABORT]):
             why = (f"the job had {len(workers)} workers, below --min-workers {self.min_workers}, for "
                    f"{self.timeout:g}s (--elastic-timeout): no replacement came")
-            self.store.set(KEY_ABORT, why)
+            self.store.set(self.keys.KEY_ABORT, why)
 
 
 def start_coordinator(args, port, base):
