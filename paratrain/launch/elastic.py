@@ -49,20 +49,19 @@ class Coordinator:
     """Hosts the store at host:port and forms the generations (a thread), from the
     worker ids the launcher reports alive (``started``) and gone (``lost``)."""
 
-    def __init__(self, host, port, workers, min_workers, max_workers, timeout, say):
+    def __init__(self, host, port, workers, min_workers, max_workers, timeout):
         from torch.distributed import TCPStore
 
         from ..comm import elastic_rendezvous as keys   # the keys the workers read (here: torch is loaded anyway)
         self.keys = keys
         self.store = TCPStore(host, port, None, True, timedelta(seconds=max(timeout, 60.0)),
                               wait_for_workers=False)
-        self.min_workers, self.max_workers, self.timeout, self.say = min_workers, max_workers, timeout, say
+        self.min_workers, self.max_workers, self.timeout = min_workers, max_workers, timeout
         self.live = set(workers)
         self.members = set(workers)   # the last formed generation's workers (first: the ones started)
         self.generation = 0
         self.formed = {}        # generation -> {worker id: rank}
         self.done = set()       # workers that ended well
-        self.events = []        # (time, what, worker ids) for the summary
         self._below_since = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -75,7 +74,6 @@ class Coordinator:
     def lost(self, worker_id):
         with self._lock:
             self.live.discard(worker_id)
-            self.events.append((time.time(), "lost", worker_id))
             if self.generation in self.formed:
                 self._next_generation()
 
@@ -83,7 +81,6 @@ class Coordinator:
         """A replacement: it opens the next generation itself once it is ready."""
         with self._lock:
             self.live.add(worker_id)
-            self.events.append((time.time(), "started", worker_id))
 
     def finished(self, worker_id):
         """A worker ended well: once every member of the running world has, a worker
@@ -97,11 +94,6 @@ class Coordinator:
     def stop(self):
         self._stop.set()
         self._thread.join(timeout=5)
-
-    def below_minimum(self):
-        """Seconds the job has had fewer live workers than --min-workers (0 when not)."""
-        since = self._below_since
-        return 0.0 if since is None else time.monotonic() - since
 
     # ---- forming generations -------------------------------------------------------------------
 
@@ -136,13 +128,13 @@ class Coordinator:
         self.members = set(members)
         self.store.set(self.keys.key_ranks(g), json.dumps(ranks))
         if g:
-            self.say(f"paratrain run: elastic: generation {g}: {len(members)} workers (ids {members})")
+            say(f"paratrain run: elastic: generation {g}: {len(members)} workers (ids {members})")
 
     def _wait_for_workers(self, workers):
         now = time.monotonic()
         if self._below_since is None:
             self._below_since = now
-            self.say(f"paratrain run: elastic: {len(workers)} workers, below --min-workers "
+            say(f"paratrain run: elastic: {len(workers)} workers, below --min-workers "
                      f"{self.min_workers}; waiting up to {self.timeout:g}s for more")
         elif now - self._below_since > self.timeout and not self.store.check([self.keys.KEY_ABORT]):
             why = (f"the job had {len(workers)} workers, below --min-workers {self.min_workers}, for "
@@ -157,7 +149,7 @@ def start_coordinator(args, port, base):
     base["PARATRAIN_ELASTIC_TIMEOUT"] = repr(timeout)
     try:
         return Coordinator(args.master_addr, port, range(args.nproc), args.min_workers,
-                           args.max_workers or args.nproc, timeout, say), None
+                           args.max_workers or args.nproc, timeout), None
     except Exception as e:   # torch's store: the port taken between our check and its bind
         return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
 
