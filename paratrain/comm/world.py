@@ -125,22 +125,36 @@ def _side_store(world, timeout):
     from torch.distributed import TCPStore
     if world.world_size < 2:
         return None
-    where = torch.zeros(256, dtype=torch.uint8)
-    store = None
+    store = where = None
     if world.rank == 0:
         host = os.environ.get("MASTER_ADDR") or socket.gethostname()
         store = TCPStore(host, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-        text = f"{host} {store.port}".encode()
-        where[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    world.broadcast(where, 0)
+        where = f"{host} {store.port}"
+    where = broadcast_text(world, where, 0)
     if store is not None:
         return store
-    host, port = bytes(where.numpy()).rstrip(b"\0").decode().split()
+    host, port = where.split()
     try:
         return rendezvous.connect_client(host, int(port), min(timeout, 30.0))
     except rendezvous.RendezvousError as e:
         print(f"paratrain: rank {world.rank}: no stall inspector: {e}", file=sys.stderr, flush=True)
         return None
+
+
+def broadcast_text(group, text, root=0):
+    """``text`` from ``root`` to every rank of ``group`` (collective; the others pass None):
+    its length, then its UTF-8 bytes, each by broadcast. Nothing is unpickled."""
+    if group.rank == root:
+        raw = bytearray(text.encode())
+        data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(size, root)
+    if group.rank != root:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.broadcast(data, root)
+    return text if group.rank == root else bytes(data.numpy()).decode()
 
 
 def _start_watchdog(store, rank, world_size):

@@ -108,18 +108,13 @@ class State:
 
     def sync(self, group, root=0):
         """Make ``root``'s last commit every rank's (collective), then restore it."""
+        from ..comm.world import broadcast_text
+        meta = tensors = None
         if group.rank == root:
             meta, tensors = _flatten(self._saved)
-            blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-            size = torch.tensor([blob.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        group.broadcast(size, root)
+        description = broadcast_text(group, json.dumps(meta) if group.rank == root else None, root)
         if group.rank != root:
-            blob = torch.empty(int(size.item()), dtype=torch.uint8)
-        group.broadcast(blob, root)
-        if group.rank != root:
-            meta = json.loads(bytes(blob.numpy()).decode())
+            meta = json.loads(description)
             tensors = [torch.empty(shape, dtype=_DTYPES[dtype]) for shape, dtype in meta["tensors"]]
         for t in tensors:
             wire = t.view(torch.uint8) if t.dtype == torch.bool else t

@@ -123,6 +123,7 @@ def next_message(key):
 
 
 _LABELS = threading.local()
+_UNSET = object()
 
 
 def current_label():
@@ -144,6 +145,7 @@ class label:
 
     def __init__(self, name):
         self.name = name
+        self.prev = _UNSET
 
     def __enter__(self):
         if ON:
@@ -152,10 +154,8 @@ class label:
         return self
 
     def __exit__(self, *exc):
-        try:
+        if self.prev is not _UNSET:   # (entered while traced)
             _LABELS.name = self.prev
-        except AttributeError:   # entered untraced
-            pass
         return False
 
 

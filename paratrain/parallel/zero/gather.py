@@ -209,7 +209,7 @@ class Gathering:
         if not u.gathered:
             return
         self._live.pop(_storage(u.flat), None)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if trace.ON else 0.0
         u.flat.untyped_storage().resize_(0)
         u.gathered = False
         if trace.ON:
