@@ -7,11 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paratrain.elastic import ElasticSampler
-from paratrain.elastic.sampler import batch_plan
+from paratrain.elastic.sampler import batch_plan, step_plan
 
 
-def world(size, w, batch_size=None, seed=3, state=None):
-    ranks = [ElasticSampler(range(size), seed=seed, batch_size=batch_size, rank=r, num_replicas=w) for r in range(w)]
+def world(size, w, batch_size=None, seed=3, state=None, global_batch=None):
+    ranks = [ElasticSampler(range(size), seed=seed, batch_size=batch_size, rank=r, num_replicas=w,
+                            global_batch=global_batch) for r in range(w)]
     for s in ranks:
         s.set_epoch(1)
         if state is not None:
@@ -21,7 +22,7 @@ def world(size, w, batch_size=None, seed=3, state=None):
 
 def batches_of(sampler, b):
     """What a DataLoader of num_workers=0 hands the training loop, one batch at a time."""
-    if sampler.batch_size is not None:
+    if sampler.batched:
         yield from iter(sampler)   # given as batch_sampler=
         return
     batch = []
@@ -35,13 +36,15 @@ def batches_of(sampler, b):
 
 
 @settings(max_examples=150, deadline=None)
-@given(size=st.integers(1, 300), b=st.integers(1, 9), batched=st.booleans(),
+@given(size=st.integers(1, 300), b=st.integers(1, 9), deal=st.sampled_from(["samples", "batches", "global"]),
        worlds=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 12)), min_size=1, max_size=5))
-def test_every_sample_once_through_any_sequence_of_world_sizes(size, b, batched, worlds):
-    """worlds: (ranks, steps before the next change); the last world runs to the end."""
+def test_every_sample_once_through_any_sequence_of_world_sizes(size, b, deal, worlds):
+    """worlds: (ranks, steps before the next change); the last world runs to the end.
+    deal: sample by sample, batches of b per rank, or a global batch of 6 + b a step."""
     used, state = [], None
     for n, (w, steps) in enumerate(worlds):
-        ranks = world(size, w, b if batched else None, state=state)
+        ranks = world(size, w, b if deal == "batches" else None, state=state,
+                      global_batch=6 + b if deal == "global" else None)
         streams = [batches_of(s, b) for s in ranks]
         last = n == len(worlds) - 1
         step = 0
@@ -58,6 +61,25 @@ def test_every_sample_once_through_any_sequence_of_world_sizes(size, b, batched,
         order = ranks[0].permutation().tolist()
         assert sorted(used) == sorted(order[:state["start"]]), "a commit's count is a prefix of the order"
     assert sorted(used) == list(range(size))    # each sample exactly once: none repeated, none skipped
+
+
+@pytest.mark.parametrize("rest,w,g", [(24, 3, 8), (25, 3, 8), (26, 4, 8), (2, 3, 8), (0, 2, 4), (13, 4, 4)])
+def test_a_global_batch_is_the_same_whatever_the_world_size(rest, w, g):
+    """Each step takes g samples (the last step of the epoch what is left, or, when that
+    is fewer than the ranks, the step before takes it too), cut in shares that differ by
+    one at most; every rank takes part in every step."""
+    plan = step_plan(rest, w, g)
+    steps = list(zip(*plan))
+    assert sum(map(sum, steps)) == rest
+    if rest % g == 0 or rest % g >= w:
+        assert [sum(s) for s in steps] == [sum(s) for s in zip(*step_plan(rest, 1, g))]
+    for s in steps:
+        assert max(s) - min(s) <= 1 and (min(s) >= 1 or rest < w), plan
+
+
+def test_a_global_batch_smaller_than_the_world_is_refused():
+    with pytest.raises(ValueError, match="at least the world size"):
+        ElasticSampler(range(10), global_batch=2, rank=0, num_replicas=3)
 
 
 @pytest.mark.parametrize("rest,w,b", [(20, 3, 4), (25, 3, 4), (26, 3, 4), (2, 3, 4), (0, 2, 4), (13, 4, 1)])

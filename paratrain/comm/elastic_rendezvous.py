@@ -9,8 +9,17 @@ builds the groups of that generation under its own key prefix, so nothing
 of an earlier world's set-up is read again. ``world_moved`` tells a running
 world that the launcher has opened a new generation (a worker was lost or
 a replacement started), which pt.elastic checks at each commit.
+
+A ``Heartbeat`` thread says every so often that this worker's process still
+runs (``elastic/beat/<id>``: a count and the pid), on a store connection of its
+own. A worker that hangs (stopped, or stuck holding the interpreter) stops
+beating, and the launcher declares it dead and kills it, which the others
+then see as the death of a peer: a hang becomes a failure in seconds, not a
+wait for the collective's timeout (pytorch #123678).
 """
 import json
+import os
+import threading
 import time
 from datetime import timedelta
 
@@ -31,6 +40,14 @@ def key_here(generation, worker_id):
 
 def key_ranks(generation):
     return f"elastic/gen{generation}/ranks"
+
+
+def key_changes(generation):
+    return f"elastic/gen{generation}/changes"
+
+
+def key_beat(worker_id):
+    return f"elastic/beat/{worker_id}"
 
 
 KEY_ABORT = "elastic/abort"
@@ -76,3 +93,44 @@ def join(store, worker_id, last_generation, timeout):
 def world_moved(store, generation):
     """Has the launcher opened a generation after ``generation``?"""
     return current_generation(store) > generation
+
+
+def changes(store, generation):
+    """What the launcher saw change before forming ``generation``: {"lost": [{"id", "rank",
+    "at"}], "joined": [{"id", "at"}]}, "at" in seconds since the epoch (time.time())."""
+    if not store.check([key_changes(generation)]):
+        return {"lost": [], "joined": []}
+    return json.loads(store.get(key_changes(generation)).decode())
+
+
+class Heartbeat:
+    """Beats ``elastic/beat/<id>`` every ``period`` seconds from a daemon thread, over the
+    store client ``connect()`` makes (its own: the main thread's may be inside a long wait)."""
+
+    def __init__(self, connect, worker_id, period):
+        self.connect, self.key, self.period = connect, key_beat(worker_id), period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            store, count, pid = self.connect(), 0, os.getpid()
+            while not self._stop.is_set():
+                count += 1
+                store.set(self.key, f"{count} {pid}")
+                self._stop.wait(self.period)
+        except Exception:   # the launcher is gone: the main thread learns it from its own waits
+            return
+
+    def stop(self):
+        self._stop.set()
+
+
+def read_beat(store, worker_id):
+    """(count, pid) of a worker's last heartbeat, or None before its first."""
+    key = key_beat(worker_id)
+    if not store.check([key]):
+        return None
+    count, pid = store.get(key).decode().split()
+    return int(count), int(pid)

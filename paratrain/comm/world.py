@@ -214,6 +214,9 @@ def _elastic_world(e, worker_id, timeout):
     client = _ELASTIC["store"]
     if client is None:
         client = _ELASTIC["store"] = rendezvous.connect_client(e.master_addr, e.master_port, timeout)
+        beat_s = config.get("PARATRAIN_ELASTIC_HEARTBEAT") / 5   # several beats in the launcher's limit
+        elastic_rendezvous.Heartbeat(lambda: rendezvous.connect_client(e.master_addr, e.master_port, timeout),
+                                     worker_id, beat_s)
     g, rank, world_size = elastic_rendezvous.join(client, worker_id, _ELASTIC["generation"],
                                                   config.get("PARATRAIN_ELASTIC_TIMEOUT"))
     _ELASTIC["generation"] = g
@@ -357,6 +360,11 @@ def world():
     if _S.world is None:
         raise CommError("paratrain is not initialized: call pt.init() first")
     return _S.world
+
+
+def world_backend():
+    """The backend the world was made with ("shm", "torch", ...; None before pt.init())."""
+    return _S.backend if _S.world is not None else None
 
 
 def new_group(ranks, backend=None):

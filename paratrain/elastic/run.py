@@ -20,6 +20,9 @@ lost or one joined, seen at ``state.commit()``), every worker:
 4. deals the rest of the epoch out anew (the sampler), calls the
    ``on_reset`` callbacks, and calls the function again.
 
+A worker that joins a running world calls the ``on_reset`` callbacks too,
+after it has the state, as the others do then: a callback may be collective.
+
 As Horovod's ``hvd.elastic.run`` (horovod/common/elastic.py), with the
 world formed by the launcher, which outlives any worker, instead of a
 driver on rank 0.
@@ -30,7 +33,7 @@ import time
 from .. import comm
 from ..comm.elastic_rendezvous import ElasticAbort
 from ..comm.rendezvous import RendezvousError
-from ..comm.world import elastic_generation
+from ..comm.world import elastic_generation, world_backend
 
 
 class WorldChanged(Exception):
@@ -40,7 +43,7 @@ class WorldChanged(Exception):
 def run(fn):
     @functools.wraps(fn)
     def wrapper(state, *args, **kwargs):
-        store, _ = elastic_generation()
+        store, generation = elastic_generation()
         if store is None:   # not an elastic job: nothing to re-form
             return fn(state, *args, **kwargs)
         why = None   # what broke the last world; None: this one is the first
@@ -49,6 +52,8 @@ def run(fn):
                 if why is None:
                     state.sync(comm.world(), root=0)
                     _rebind(state)
+                    if generation > 0:   # joined a running world: the others are re-forming
+                        state.reset_callbacks()
                 else:
                     reform(state, why)
                 return fn(state, *args, **kwargs)
@@ -63,20 +68,22 @@ def reform(state, why):
     """Steps 1-4 above; notes what happened in ``state.events``."""
     caught_at, t0 = time.time(), time.monotonic()
     old = comm.world().world_size if comm.is_initialized() else None
+    backend = world_backend()
+    at_step = getattr(state, "step", None)   # before the restore: where this worker was
     comm.destroy()
-    world = comm.init()
+    world = comm.init(backend=backend)
     model = state.model
     if model is not None and hasattr(model, "regroup"):
         model.regroup(world)
     state.restore()
     state.sync(world, root=0)
     _rebind(state)
-    state.reset_callbacks()
     step = getattr(state, "step", None)
     state.events.append({"kind": "lost" if isinstance(why, comm.CommError) else "changed",
-                         "step": step, "world_size": world.world_size, "was": old,
+                         "step": step, "at_step": at_step, "world_size": world.world_size, "was": old,
                          "caught_at": caught_at, "reform_s": time.monotonic() - t0,
                          "why": str(why).splitlines()[0][:200]})
+    state.reset_callbacks()
     if world.rank == 0:
         print(f"paratrain: elastic: the world is now {world.world_size} workers (was {old}); "
               f"resumed from the commit at step {step} in {time.monotonic() - t0:.2f}s",

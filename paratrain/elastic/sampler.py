@@ -26,17 +26,28 @@ to the loader as ``DataLoader(dataset, batch_sampler=sampler)``: every rank
 then gets the same number of batches, the last round split evenly, or,
 where it holds fewer samples than ranks, added to the round before (a few
 batches of B + 1).
+
+With ``global_batch=G`` the world takes G samples a step whatever its size:
+each step's G are the next G of the permutation, cut into W nearly equal
+shares, rank by rank (``step_plan``). A job that must follow the same
+trajectory of global batches when a worker is lost (each rank then weighs
+its share's loss by its size) deals this way.
 """
 
 import torch
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    def __init__(self, dataset, shuffle=True, seed=0, batch_size=None, rank=None, num_replicas=None):
+    def __init__(self, dataset, shuffle=True, seed=0, batch_size=None, rank=None, num_replicas=None,
+                 global_batch=None):
         self.size = len(dataset)
-        self.shuffle, self.seed, self.batch_size = bool(shuffle), int(seed), batch_size
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"ElasticSampler: batch_size must be at least 1, got {batch_size}")
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.batch_size, self.global_batch = batch_size, global_batch
+        if batch_size is not None and global_batch is not None:
+            raise ValueError("ElasticSampler: give batch_size (samples per rank) or global_batch (per step), not both")
+        for name, value in (("batch_size", batch_size), ("global_batch", global_batch)):
+            if value is not None and value < 1:
+                raise ValueError(f"ElasticSampler: {name} must be at least 1, got {value}")
         if rank is None or num_replicas is None:
             from ..comm import world
             g = world()
@@ -53,6 +64,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         """A new world (after a commit's restore): deal out the rest of the epoch anew."""
         if not 0 <= rank < num_replicas:
             raise ValueError(f"ElasticSampler: rank {rank} is not in a world of {num_replicas}")
+        if self.global_batch is not None and self.global_batch < num_replicas:
+            raise ValueError(f"ElasticSampler: a global batch of {self.global_batch} cannot give each of "
+                             f"{num_replicas} ranks a sample; make it at least the world size")
         self.rank, self.num_replicas = int(rank), int(num_replicas)
         self.handed_out, self._recorded = 0, None
 
@@ -74,11 +88,11 @@ class ElasticSampler(torch.utils.data.Sampler):
         batch_size), or as many samples, capped at each rank's share (without: rank 0's
         share is the largest, so its count is the world's at the end of an uneven epoch)."""
         mine = self.handed_out if self._recorded is None else self._recorded
-        if self.batch_size is None:
+        if not self.batched:
             return min(self.size, self.start + self._taken(mine))
-        plan = batch_plan(self.size - self.start, self.num_replicas, self.batch_size)
+        plan = self._plan(self.size - self.start)
         sizes, k = plan[self.rank], 0
-        while k < len(sizes) and sum(sizes[:k + 1]) <= mine:
+        while k < len(sizes) and sizes[k] and sum(sizes[:k + 1]) <= mine:
             k += 1   # whole batches this rank used; in lockstep every rank used as many
         return self.start + sum(sum(p[:k]) for p in plan)
 
@@ -104,12 +118,27 @@ class ElasticSampler(torch.utils.data.Sampler):
         g.manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self.size, generator=g)
 
+    @property
+    def batched(self):
+        """Dealt in batches (batch_size or global_batch): given to a loader as batch_sampler=."""
+        return self.batch_size is not None or self.global_batch is not None
+
+    def _plan(self, rest):
+        """Each rank's batch sizes for the ``rest`` samples of the epoch."""
+        if self.global_batch is not None:
+            return step_plan(rest, self.num_replicas, self.global_batch)
+        return batch_plan(rest, self.num_replicas, self.batch_size)
+
+    def plan(self):
+        """Batched: each rank's batch sizes for the rest of the epoch, [rank][batch]."""
+        return self._plan(self.size - self.start)
+
     def _counts(self):
         """How many of the rest of the epoch each rank takes."""
         rest, w = self.size - self.start, self.num_replicas
-        if self.batch_size is None:
+        if not self.batched:
             return [len(range(r, rest, w)) for r in range(w)]
-        return [sum(sizes) for sizes in batch_plan(rest, w, self.batch_size)]
+        return [sum(sizes) for sizes in self._plan(rest)]
 
     def _taken(self, mine):
         """The world's use when every rank has used ``mine`` (its own count, capped at its share)."""
@@ -117,14 +146,14 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def my_indices(self):
         """This rank's indices for the rest of the epoch, in the order it uses them."""
-        if self.batch_size is not None:
+        if self.batched:
             return [i for batch in self.my_batches() for i in batch]
         return self.permutation()[self.start:].tolist()[self.rank::self.num_replicas]
 
     def my_batches(self):
-        """With batch_size: this rank's batches for the rest of the epoch."""
+        """Batched: this rank's batches for the rest of the epoch."""
         rest = self.permutation()[self.start:].tolist()
-        plan = batch_plan(len(rest), self.num_replicas, self.batch_size)
+        plan = self._plan(len(rest))
         out, at = [], 0
         for k in range(max(map(len, plan))):   # round by round, rank by rank: each round a prefix of the rest
             for r, sizes in enumerate(plan):
@@ -135,7 +164,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         return out
 
     def __iter__(self):
-        if self.batch_size is None:
+        if not self.batched:
             for index in self.my_indices()[self.handed_out:]:
                 self.handed_out += 1
                 yield index
@@ -150,9 +179,9 @@ class ElasticSampler(torch.utils.data.Sampler):
             yield batch
 
     def __len__(self):
-        if self.batch_size is None:
+        if not self.batched:
             return self._counts()[self.rank]
-        return len(batch_plan(self.size - self.start, self.num_replicas, self.batch_size)[self.rank])
+        return len(self._plan(self.size - self.start)[self.rank])
 
 
 def batch_plan(rest, w, b):
@@ -173,3 +202,16 @@ def batch_plan(rest, w, b):
         for r in range(left):
             plan[r][-1] += 1
     return plan
+
+
+def step_plan(rest, w, g):
+    """The share of each of ``w`` ranks in each step of ``g`` samples over the ``rest``
+    samples of an epoch: a step's g cut into w shares that differ by one at most. A
+    last step of fewer than w samples joins the step before (one of g + left)."""
+    steps, left = divmod(rest, g)
+    sizes = [g] * steps
+    if left and (left >= w or not steps):
+        sizes.append(left)
+    elif left:
+        sizes[-1] += left
+    return [[n // w + (1 if r < n % w else 0) for n in sizes] for r in range(w)]

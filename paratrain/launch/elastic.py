@@ -9,6 +9,9 @@ the world formed after the last change:
     elastic/generation          the generation being formed or running
     elastic/gen<g>/here/<id>    worker <id> is ready to join generation g
     elastic/gen<g>/ranks        generation g's world, {"<id>": rank}, once formed
+    elastic/gen<g>/changes      what changed since the generation before: the workers lost
+                                (their rank there, when the launcher saw them die) and
+                                those started since (when), as JSON
     elastic/abort               why the job cannot go on (fewer than M workers too long)
     elastic/finished            the running world finished: a worker still waiting to join leaves
 
@@ -30,6 +33,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -49,7 +53,7 @@ class Coordinator:
     """Hosts the store at host:port and forms the generations (a thread), from the
     worker ids the launcher reports alive (``started``) and gone (``lost``)."""
 
-    def __init__(self, host, port, workers, min_workers, max_workers, timeout):
+    def __init__(self, host, port, workers, min_workers, max_workers, timeout, heartbeat=5.0):
         from torch.distributed import TCPStore
 
         from ..comm import elastic_rendezvous as keys   # the keys the workers read (here: torch is loaded anyway)
@@ -62,7 +66,12 @@ class Coordinator:
         self.generation = 0
         self.formed = {}        # generation -> {worker id: rank}
         self.done = set()       # workers that ended well
+        self.changes = {"lost": [], "joined": []}   # since the last formed generation (elastic/gen<g>/changes)
         self._below_since = None
+        self.heartbeat = heartbeat   # seconds of silence after which a worker is declared dead
+        self._beats = {}             # worker id -> (its last beat's count, when we saw it change)
+        self._silenced = set()
+        self._next_beat_check = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.store.set(self.keys.key_generation(), "0")
@@ -74,6 +83,8 @@ class Coordinator:
     def lost(self, worker_id):
         with self._lock:
             self.live.discard(worker_id)
+            rank = self.formed.get(max(self.formed, default=-1), {}).get(str(worker_id))
+            self.changes["lost"].append({"id": worker_id, "rank": rank, "at": time.time()})
             if self.generation in self.formed:
                 self._next_generation()
 
@@ -81,6 +92,7 @@ class Coordinator:
         """A replacement: it opens the next generation itself once it is ready."""
         with self._lock:
             self.live.add(worker_id)
+            self.changes["joined"].append({"id": worker_id, "at": time.time()})
 
     def finished(self, worker_id):
         """A worker ended well: once every member of the running world has, a worker
@@ -107,6 +119,7 @@ class Coordinator:
     def _run(self):
         while not self._stop.wait(POLL):
             with self._lock:
+                self._check_beats(time.monotonic())
                 g, live = self.generation, set(self.live)
                 if g in self.formed:
                     # a worker saw its world fail before we saw the death, or a new one is ready
@@ -122,10 +135,38 @@ class Coordinator:
                 if expected <= ready:
                     self._form(g, sorted(expected)[:self.max_workers])
 
+    def _check_beats(self, now):
+        """A live worker whose heartbeat has not moved for ``heartbeat`` seconds hangs: it is
+        killed, and its death is then handled as any other (the launcher sees it exit).
+        Its silence is timed by this process's clock, from when the beat last changed."""
+        if now < self._next_beat_check:
+            return
+        self._next_beat_check = now + min(0.25, self.heartbeat / 10)
+        for w in self.live - self._silenced:
+            beat = self.keys.read_beat(self.store, w)
+            if beat is None:
+                continue   # not connected yet: its start-up is not timed here
+            seen = self._beats.get(w)
+            if seen is None or seen[0] != beat[0]:
+                self._beats[w] = (beat[0], now)
+            elif now - seen[1] > self.heartbeat:
+                self._silenced.add(w)
+                say(f"paratrain run: elastic: worker {w} sent no heartbeat for {now - seen[1]:.1f}s "
+                    f"(more than {self.heartbeat:g}s): declared dead, and killed")
+                try:
+                    os.kill(beat[1], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def _form(self, g, members):
         ranks = {str(w): r for r, w in enumerate(members)}
         self.formed[g] = ranks
         self.members = set(members)
+        changes = {"lost": self.changes["lost"],
+                   "joined": [{**j, "rank": ranks[str(j["id"])]} for j in self.changes["joined"]
+                              if j["id"] in self.members]}
+        self.changes = {"lost": [], "joined": [j for j in self.changes["joined"] if j["id"] not in self.members]}
+        self.store.set(self.keys.key_changes(g), json.dumps(changes))
         self.store.set(self.keys.key_ranks(g), json.dumps(ranks))
         if g:
             say(f"paratrain run: elastic: generation {g}: {len(members)} workers (ids {members})")
@@ -142,14 +183,44 @@ class Coordinator:
             self.store.set(self.keys.KEY_ABORT, why)
 
 
+def add_options(parser, workers_flag):
+    """The elastic flags ``paratrain run`` and ``paratrain train`` share (checked by check_sizes)."""
+    parser.add_argument("--min-workers", type=int, default=None, metavar="M",
+                        help="elastic training (pt.elastic): the job goes on while at least M workers live, the "
+                             "world re-formed without a worker that died; the launcher hosts the rendezvous")
+    parser.add_argument("--max-workers", type=int, default=None, metavar="N",
+                        help=f"elastic: at most N workers (default {workers_flag})")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="elastic: start a replacement for a worker that dies, at most K times in all; it joins "
+                             "the running job at its next commit and takes the state from a live worker (default 0)")
+    parser.add_argument("--elastic-timeout", type=float, default=None, metavar="S",
+                        help="elastic: seconds to wait for at least --min-workers workers before the job ends "
+                             "with an error (PARATRAIN_ELASTIC_TIMEOUT, default 600)")
+
+
+def check_sizes(min_workers, workers, max_workers, max_restarts, timeout, workers_flag):
+    """A message for elastic sizes that cannot work, or None (``paratrain run`` and ``train``)."""
+    top = workers if max_workers is None else max_workers
+    if not 1 <= min_workers <= workers <= top:
+        return (f"elastic: need 1 <= --min-workers ({min_workers}) <= {workers_flag} ({workers}) <= --max-workers "
+                f"({top})")
+    if max_restarts < 0:
+        return f"--max-restarts must be 0 or more, got {max_restarts}"
+    if timeout is not None and not timeout > 0:
+        return f"--elastic-timeout must be a positive number of seconds, got {timeout:g}"
+    return None
+
+
 def start_coordinator(args, port, base):
     """Elastic: the store the workers meet at, hosted here, and the generations formed
     (elastic.py); every worker is told its id. Returns (coordinator, problem)."""
     timeout = args.elastic_timeout if args.elastic_timeout is not None else 600.0
+    heartbeat = config.get("PARATRAIN_ELASTIC_HEARTBEAT")
     base["PARATRAIN_ELASTIC_TIMEOUT"] = repr(timeout)
+    base["PARATRAIN_ELASTIC_HEARTBEAT"] = repr(heartbeat)
     try:
         return Coordinator(args.master_addr, port, range(args.nproc), args.min_workers,
-                           args.max_workers or args.nproc, timeout), None
+                           args.max_workers or args.nproc, timeout, heartbeat), None
     except Exception as e:   # torch's store: the port taken between our check and its bind
         return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
 

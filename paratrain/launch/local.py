@@ -99,17 +99,7 @@ def build_parser():
     p.add_argument("--worker-failure", choices=("stop", "continue"), default="stop",
                    help="when a worker dies: stop the job (default), or go on without it and tell the "
                         "parameter servers it left (asynchronous training: ASP, SSP)")
-    p.add_argument("--min-workers", type=int, default=None, metavar="M",
-                   help="elastic training (pt.elastic): the job goes on while at least M workers live, the "
-                        "world re-formed without a worker that died; the launcher hosts the rendezvous")
-    p.add_argument("--max-workers", type=int, default=None, metavar="N",
-                   help="elastic: at most N workers (default -n)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="elastic: start a replacement for a worker that dies, at most K times in all; it joins "
-                        "the running job at its next commit (default 0)")
-    p.add_argument("--elastic-timeout", type=float, default=None, metavar="S",
-                   help="elastic: seconds to wait for at least --min-workers workers before the job ends "
-                        "with an error (PARATRAIN_ELASTIC_TIMEOUT, default 600)")
+    elastic.add_options(p, "-n")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any wait in paratrain.comm may take (exported as PARATRAIN_TIMEOUT)")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -231,19 +221,15 @@ def _check_elastic(args):
         if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts:
             return "--max-workers, --max-restarts and --elastic-timeout are for an elastic job: give --min-workers too"
         return None
-    top = args.nproc if args.max_workers is None else args.max_workers
-    if not 1 <= args.min_workers <= args.nproc <= top:
-        return (f"elastic: need 1 <= --min-workers ({args.min_workers}) <= -n ({args.nproc}) <= --max-workers "
-                f"({top})")
+    problem = elastic.check_sizes(args.min_workers, args.nproc, args.max_workers, args.max_restarts,
+                                  args.elastic_timeout, "-n")
+    if problem:
+        return problem
     if args.nnodes > 1:
         return "elastic training runs on one machine for now: --min-workers with --nnodes 1"
     if args.servers or args.ps_addrs:
         return "--min-workers is for synchronous training; the parameter server takes lost workers with " \
                "--worker-failure continue"
-    if args.max_restarts < 0:
-        return f"--max-restarts must be 0 or more, got {args.max_restarts}"
-    if args.elastic_timeout is not None and not args.elastic_timeout > 0:
-        return f"--elastic-timeout must be a positive number of seconds, got {args.elastic_timeout:g}"
     return None
 
 

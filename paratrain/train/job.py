@@ -12,7 +12,7 @@ import sys
 import time
 
 from .. import config
-from . import layout, options, strategies
+from . import elastic_options, layout, options, strategies
 
 
 def new_run_dir(root, model):
@@ -70,7 +70,7 @@ def main(argv=None):
     if not config.get("PARATRAIN_FLIGHT_DIR"):
         tracing += ["--flight-dir", os.path.join(os.path.abspath(run_dir), "flight")]
     launcher = ["-n", str(args.workers), "--threads", str(args.threads), "--bind-to", args.bind_to, *tracing,
-                *strategies.STRATEGIES[args.strategy].launcher_args(args),
+                *strategies.STRATEGIES[args.strategy].launcher_args(args), *elastic_options.launcher_args(args),
                 "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
           flush=True)

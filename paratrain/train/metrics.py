@@ -19,6 +19,8 @@ import os
 import warnings
 
 from rich.console import Console
+
+from .elastic_events import describe as describe_event
 from rich.table import Table
 
 METRICS_FILE = "metrics.jsonl"
@@ -98,6 +100,21 @@ def _drop_unfinished_line(path):
         f.seek(0)
         data = f.read()
         f.truncate(data.rfind(b"\n") + 1)  # 0 when the whole file is one unfinished line
+
+
+def drop_rows_after(path, step):
+    """Keep only the rows of steps up to ``step`` (and a cut last line goes): an elastic
+    run that went back to its commit at ``step`` logs the steps after it again. The file
+    is replaced whole (written beside it, then renamed)."""
+    if not os.path.exists(path):
+        return
+    _drop_unfinished_line(path)
+    with open(path, encoding="utf-8") as f:
+        kept = [line for line in f if json.loads(line).get("step", 0) <= step]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def read_metrics(path):
@@ -249,6 +266,11 @@ ROWS = {
     "algorithm": ("algorithm", None),
     "compression": ("gradient compression", None),
     "workers": ("workers", None),
+    "workers_at_start": ("workers at the start", None),
+    "elastic": ("elastic", lambda v, s: f"at least {v['min_workers']}, at most {v['max_workers']} workers; a "
+                                        f"commit every {v['commit_every']} steps ({v['commits']} in all); global "
+                                        f"batch {v['global_batch']} ({v['batch']})"),
+    "elastic_events": ("elastic events", lambda v, s: "\n".join(describe_event(e) for e in v)),
     "tensor_parallel": ("tensor-parallel size", None),
     "sequence_parallel": ("sequence parallelism", None),
     "parameter_bytes_per_worker": ("parameters per worker", lambda v, s: format_bytes(v)),

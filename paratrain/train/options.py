@@ -8,7 +8,7 @@ and each strategy adds its own (strategies/, one argument group each);
 import argparse
 
 from ..launch import binding
-from . import compression, layout, optimizer, strategies
+from . import compression, elastic_options, layout, optimizer, strategies
 from .argtypes import positive_float, positive_int
 from .fail import fail_spec
 from .slowdown import jitter_spec, straggler_spec
@@ -41,7 +41,8 @@ def build_parser():
                         "hiccups), drawn from a generator seeded by --seed and the rank")
     p.add_argument("--fail", type=fail_spec, action="append", default=[], metavar="RANK:STEP",
                    help="kill worker RANK with SIGKILL as it begins step STEP, to see what the job does with a "
-                        "lost worker (repeat for more)")
+                        "lost worker (repeat for more; elastic: RANK:STEP:commit or RANK:STEP:reform die in a "
+                        "commit or a re-form)")
     p.add_argument("--target-loss", type=positive_float, default=None, metavar="X",
                    help="report in the summary when the loss first reached X (time to a fixed loss)")
     p.add_argument("--backend", default=None, choices=("shm", "torch"),
@@ -69,6 +70,7 @@ def build_parser():
     p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
     layout.add_options(p)
+    elastic_options.add_options(p)
     for module in strategies.modules():   # each strategy's own flags, in a group of its own after these
         module.add_options(p)
     return p
@@ -77,5 +79,5 @@ def build_parser():
 def check(args):
     """A message for what is wrong in the options, or None: the chosen strategy
     first, then the options every strategy shares, then the other strategies."""
-    return strategies.check(args, shared=(compression.check, layout.check))
+    return strategies.check(args, shared=(compression.check, layout.check, elastic_options.check))
 

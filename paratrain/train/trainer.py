@@ -29,7 +29,7 @@ import paratrain as pt
 
 from ..trace import recorder as trace
 from . import checkpoint as ckpt
-from . import strategies
+from . import elastic_options, strategies
 from .fail import die_if_due
 from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
 from .progress import ProgressReporter
@@ -113,6 +113,10 @@ class TrainingRun:
         self.t_start = None
         self.failures = set(getattr(args, "fail", None) or ())   # --fail RANK:STEP
         self.every_other = getattr(args, "trace_every_other", False)   # bench trace: traced and untraced steps
+        self.elastic = None   # --min-workers: the elastic loop (elastic_loop.py)
+        if elastic_options.given(args):
+            from .elastic_loop import ElasticLoop
+            self.elastic = ElasticLoop(self)
 
     def _resume(self):
         """Load the checkpoint into the model and the strategy; returns the step it was at."""
@@ -142,6 +146,11 @@ class TrainingRun:
     def train(self):
         """The loop: while the pool gives this worker a batch, a step, rank 0's line in
         the log and the progress bar, an evaluation and a checkpoint when they are due."""
+        if self.elastic is not None:   # its first step meets the others (a joiner's state comes from them)
+            self.t_start = time.perf_counter()
+            self.elastic.run()
+            self.loop_seconds = time.perf_counter() - self.t_start
+            return
         s, strategy, stats = self.settings, self.strategy, self.strategy.stats
         sampler = pt.DistributedSampler(self.task.train_set, num_replicas=strategy.data_replicas,
                                         rank=strategy.data_rank, seed=self.args.seed, drop_last=True)
@@ -189,8 +198,9 @@ class TrainingRun:
         self.loss = strategy.logged_loss(loss)
         return time.perf_counter() - t0, compute, slept
 
-    def _record(self, done, dt, compute, slept, wait, sent, evaluation):
-        """Rank 0: the step's line in metrics.jsonl, and the progress the front-end draws."""
+    def _record(self, done, dt, compute, slept, wait, sent, evaluation, progress=None):
+        """Rank 0: the step's line in metrics.jsonl, and the progress the front-end draws
+        (``progress``: (step, samples/s), where the caller knows them better than the pool)."""
         pool, s = self.pool, self.settings
         row = {"step": done, "time": round(time.perf_counter() - self.t_start, 4), "loss": self.loss,
                "step_seconds": round(dt, 5), "compute_seconds": round(compute, 5),
@@ -207,10 +217,13 @@ class TrainingRun:
             self.last_eval = evaluation
             row.update(self.last_eval)
         self.log.log(**row)
-        R = self.strategy.data_replicas
-        job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - self.start) * R
-        samples_per_s = job_batches * s.batch_size / (time.perf_counter() - self.t_start)
-        self.progress.update(min(s.steps, self.start + job_batches // R), loss=self.loss, samples_per_s=samples_per_s)
+        if progress is None:
+            R = self.strategy.data_replicas
+            job_batches = min(pool.last_ticket + 1, pool.total) if pool.shared else (done - self.start) * R
+            progress = (min(s.steps, self.start + job_batches // R),
+                        job_batches * s.batch_size / (time.perf_counter() - self.t_start))
+        samples_per_s = progress[1]
+        self.progress.update(progress[0], loss=self.loss, samples_per_s=samples_per_s)
         if self.board_tb is not None:
             self.board_tb.record(done, row, samples_per_s, evaluation)
 
@@ -257,6 +270,8 @@ class TrainingRun:
             **(time_to_target(read_metrics(self.log.path), args.target_loss) if args.target_loss else {}),
             "run_dir": run_dir, "plot": plot, "checkpoint": os.path.join(run_dir, "checkpoint.pt"),
         }
+        if self.elastic is not None:
+            summary.update(self.elastic.summary_fields())
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(jsonable(summary), f, indent=1)
         return summary

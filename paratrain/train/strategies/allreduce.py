@@ -20,6 +20,7 @@ HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduc
 SPARSE = False
 CUTS = {"allreduce": ("tp",)}   # DataParallel's replicas may each be cut across --tp; the naive one's not
 COMPRESSES = {"allreduce": "gradient buckets"}
+ELASTIC = ("allreduce", "allreduce-naive")   # --min-workers: the wrappers re-form over a new world
 ALGORITHMS = ("direct", "ring", "tree", "naive")
 
 
@@ -94,6 +95,19 @@ class AllReduceStep(GroupStep):
 
     def before_step(self):
         self.traffic.start()
+
+    # ---- elastic (--min-workers): what a commit holds, and going on in a new world ----
+
+    def elastic_parts(self):
+        """(model, optimizer) for pt.elastic.State: the wrapper, which re-forms over a new world."""
+        return self.model, self.opt
+
+    def regrouped(self, group):
+        """pt.elastic moved the wrapper to ``group`` (a worker lost or joined): go on in it."""
+        self.group, self.rank, self.world_size = group, group.rank, group.world_size
+
+    def zero_grad(self):
+        self.opt.zero_grad()
 
     def after_backward(self):
         self.traffic.stop()

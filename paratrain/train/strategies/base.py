@@ -29,17 +29,22 @@ class ReplicaStep:
         """Which shard this worker reads."""
         return self.rank
 
+    loss_weight = 1.0   # elastic, a share of a step's global batch: its weight in the workers' mean
+
     def forward_backward(self, task, batch):
-        """The batch's loss, with its gradients accumulated into the model."""
+        """The batch's loss (times ``loss_weight``), with its gradients accumulated into the model."""
         if getattr(self.model, "traces_its_passes", False):   # pt.DataParallel
-            loss = task.loss(self.model, batch)
+            loss = self._weighted(task.loss(self.model, batch))
             loss.backward()
             return loss
         with trace.span("forward", "compute"):
-            loss = task.loss(self.model, batch)
+            loss = self._weighted(task.loss(self.model, batch))
         with trace.span("backward", "compute"):
             loss.backward()
         return loss
+
+    def _weighted(self, loss):
+        return loss if self.loss_weight == 1.0 else loss * self.loss_weight
 
     def evaluate(self, task):
         """The task's evaluation, on rank 0 (the others return None). Every worker calls it."""

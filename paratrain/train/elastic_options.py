@@ -1,0 +1,69 @@
+"""The options that make ``paratrain train`` elastic: a worker that dies is dropped, a
+replacement joins, and the run goes on from its last in-memory commit (pt.elastic).
+
+They go to the launcher as they are (``paratrain run --min-workers ...``), which hosts
+the rendezvous and forms each world; the trainer's elastic loop (elastic_loop.py)
+commits every ``--commit-every`` steps and deals each step's samples over the world
+it is in. Only the strategies whose module says so (``ELASTIC``) can be elastic."""
+from . import strategies
+from .argtypes import positive_int
+
+BATCH_MODES = ("keep", "shrink")
+
+
+def add_options(parser):
+    g = parser.add_argument_group("elastic training")
+    from ..launch.elastic import add_options as add_launcher_options
+    add_launcher_options(g, "--workers")
+    g.add_argument("--elastic-batch", choices=BATCH_MODES, default="keep",
+                   help="elastic, when the world shrinks: keep the global batch (each worker takes a larger share; "
+                        "the default: the run follows the same trajectory), or shrink it (each worker keeps "
+                        "--batch-size and the learning rate is scaled by the workers left)")
+    g.add_argument("--commit-every", type=positive_int, default=10, metavar="N",
+                   help="elastic: commit the state in memory every N steps, the point a failure goes back to "
+                        "(default 10)")
+
+
+def given(args):
+    return args.min_workers is not None
+
+
+def check(args):
+    """A message for what is wrong in the elastic options, or None."""
+    if not given(args):
+        if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts:
+            return "--max-workers, --max-restarts and --elastic-timeout are for an elastic job: give --min-workers too"
+        if any(when != "step" for _, _, when in args.fail):
+            return "--fail RANK:STEP:WHEN is for an elastic job (--min-workers); give RANK:STEP"
+        return None
+    from ..launch.elastic import check_sizes
+    problem = check_sizes(args.min_workers, args.workers, args.max_workers, args.max_restarts,
+                          args.elastic_timeout, "--workers")
+    if problem:
+        return problem
+    module = strategies.STRATEGIES[args.strategy]
+    if args.strategy not in getattr(module, "ELASTIC", ()):
+        able = ", ".join(n for n, m in strategies.STRATEGIES.items() if n in getattr(m, "ELASTIC", ()))
+        return (f"--strategy {args.strategy} is not elastic; --min-workers works with {able}"
+                + (" (the parameter server under --consistency asp or ssp goes on without a lost worker "
+                   "by itself)" if args.strategy == "ps" else ""))
+    if (args.tp or 1) > 1 or (args.pp or 1) > 1:
+        return "--min-workers works with data parallelism alone for now: drop --tp and --pp"
+    top = args.max_workers or args.workers
+    if args.batch_size is not None and args.elastic_batch == "keep" and args.batch_size * args.workers < top:
+        return (f"--elastic-batch keep: a global batch of {args.batch_size * args.workers} cannot give each of "
+                f"{top} workers a sample; raise --batch-size")
+    return None
+
+
+def launcher_args(args):
+    """The launcher's words for an elastic job (none otherwise)."""
+    if not given(args):
+        return []
+    words = ["--min-workers", str(args.min_workers), "--max-restarts", str(args.max_restarts)]
+    if args.max_workers is not None:
+        words += ["--max-workers", str(args.max_workers)]
+    if args.elastic_timeout is not None:
+        words += ["--elastic-timeout", repr(args.elastic_timeout)]
+    return words
+
