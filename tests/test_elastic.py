@@ -137,3 +137,20 @@ def test_the_benchmarks_figures_come_from_the_workers_timestamps():
     assert got["victim"] == 1 and got["redone_steps"] == 25 - 20
     assert got["detect_s"] == pytest.approx(0.3) and got["resume_s"] == pytest.approx(0.9)
     assert got["join_s"] == pytest.approx(2.0) and got["commit_share"] == pytest.approx(0.01 / (10 * 0.1))
+
+
+def test_torchruns_figures_come_from_its_workers_timestamps():
+    """torchrun restarts every worker from its checkpoint: worker 2 killed at t=10.0 (step 26),
+    the agent stops the survivors at 10.15 and 10.2, the checkpoint was at step 20, and
+    the new attempt's first step (21) is done at 14.5."""
+    from paratrain.bench.elastic import measure_torchrun
+    rows = [{"kind": "step", "worker": 0, "attempt": 0, "t": 9.0 + 0.1 * i, "step": 16 + i} for i in range(10)]
+    rows += [{"kind": "commit", "worker": 0, "attempt": 0, "t": 9.45, "seconds": 0.05},
+             {"kind": "kill", "worker": 2, "attempt": 0, "t": 10.0, "step": 26},
+             {"kind": "stopped", "worker": 0, "attempt": 0, "t": 10.15},
+             {"kind": "stopped", "worker": 1, "attempt": 0, "t": 10.2},
+             {"kind": "step", "worker": 1, "attempt": 1, "t": 14.6, "step": 21},
+             {"kind": "step", "worker": 0, "attempt": 1, "t": 14.5, "step": 21}]
+    got = measure_torchrun(rows)
+    assert got["detect_s"] == pytest.approx(0.15) and got["resume_s"] == pytest.approx(4.5)
+    assert got["redone_steps"] == 25 - 20 and got["commit_share"] == pytest.approx(0.05 / (10 * 0.1))

@@ -15,10 +15,18 @@ WORKERS, BATCH, STEPS, COMMIT_EVERY = 4, 16, 60, 5
 COMMON = ("--steps", STEPS, "--eval-every", STEPS, "--commit-every", COMMIT_EVERY)
 
 
+# ZeRO: three deaths in each run, at 4, 3 and 2 workers; among them and the runs above
+# every rank is lost at each size (worker ids: a worker's rank is its place among those left)
+ZERO_KILLS = {"zero1": ("1:8", "3:20", "2:35"),    # ranks 1 at 4, 2 at 3, 1 at 2
+              "zero2": ("0:8", "1:20", "2:35"),    # rank 0 each time: the writer moves
+              "zero3": ("3:8", "1:20", "0:35")}    # ranks 3 at 4, 1 at 3, 0 at 2
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two elastic runs and the reference, launched two at a time."""
-    paths = {name: tmp_path_factory.mktemp(name) for name in ("reference", "lost_and_joined", "below_min")}
+    names = ("reference", "lost_and_joined", "below_min", *ZERO_KILLS)
+    paths = {name: tmp_path_factory.mktemp(name) for name in names}
     jobs = {
         "reference": ("--workers", 1, "--min-workers", 1, "--batch-size", BATCH * WORKERS),
         # rank 0 at 4 workers (rank 0's log and progress move to a survivor); a replacement
@@ -31,7 +39,10 @@ def runs(tmp_path_factory):
                       "--elastic-timeout", 60, "--fail", "1:8", "--fail", "2:8", "--fail", "0:10:reform",
                       "--fail", "3:40:hang"),
     }
-    order = ["lost_and_joined", "reference", "below_min"]
+    for name, kills in ZERO_KILLS.items():
+        jobs[name] = ("--strategy", "zero", "--stage", name[-1], "--workers", WORKERS, "--min-workers", 1,
+                      "--batch-size", BATCH, *[w for k in kills for w in ("--fail", k)])
+    order = ["lost_and_joined", "reference", "below_min", *ZERO_KILLS]
     results = side_by_side(*[(paths[name], *jobs[name], *COMMON) for name in order])
     return {name: (res, run_dirs(paths[name])[0]) for name, res in zip(order, results)}
 
@@ -67,7 +78,9 @@ def test_lost_ranks_and_a_joiner_end_with_the_parameters_of_a_run_that_lost_noth
     lost = [e for e in events if e["kind"] == "lost"]
     assert lost[0]["ranks"] == [0] and lost[0]["world_size"] == WORKERS - 1 and lost[0]["step"] == 11, events
     assert any(e["kind"] == "joined" for e in events), events
-    assert any(e["workers"] == [3] and e["commit_step"] == 30 for e in lost), events   # died in the commit
+    # died in the commit at step 30: the others had not agreed on it, and went back to the one before
+    assert any(e["workers"] == [3] and e["step"] == 30 and e["commit_step"] == 30 - COMMIT_EVERY
+               for e in lost), events
     assert "rank 0 lost at step 11; resumed on 3 workers" in res.stdout
     assert summary["workers_at_start"] == WORKERS
 
@@ -94,3 +107,14 @@ def test_elastic_options_are_checked_before_anything_starts(tmp_path):
     ]:
         res = front_end(tmp_path, *args)
         assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", ZERO_KILLS)
+def test_zero_shards_come_back_from_the_survivors_copies(runs, stage):
+    """A dead rank's shard (parameters and optimizer state) comes from its buddy's copy,
+    re-cut for the smaller world: the run still ends with the reference's parameters."""
+    res, summary = check_run(runs, stage)
+    lost = [e for e in summary["elastic_events"] if e["kind"] == "lost"]
+    assert [e["world_size"] for e in lost] == [3, 2, 1], lost
+    assert [e["workers"] for e in lost] == [[int(k.split(":")[0])] for k in ZERO_KILLS[stage]], lost

@@ -1,6 +1,6 @@
 """``paratrain bench elastic``: how fast a job notices a lost worker, goes on, and takes a new one.
 
-    paratrain bench elastic [--rounds 3] [--workers 4] [--steps 60] [--kill-step 25]
+    paratrain bench elastic [--rounds 3] [--workers 4] [--steps 60] [--kill-step 25] [--zero STAGE] [--no-torchrun]
 
 Each round runs the gpt task on ``--workers`` local workers under
 ``paratrain run --min-workers 2 --max-restarts 1`` (elastic_worker.py), and
@@ -18,12 +18,21 @@ kills worker r mod W, so rank 0 dies too). From the workers' timestamps
 - commits: what committing every 10 steps costs, as a share of the step time
   (a commit's median seconds over ten steps' median seconds).
 
+The same round then runs under torchrun (elastic_torchrun_worker.py: PyTorch DDP
+over Gloo, ``--max-restarts 1``, a disk checkpoint every 10 steps, with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which its restarted workers
+fail to meet, pytorch #135712), killed at the same step: detect is when its
+agent told the first survivor to stop, resume the first step of the restarted
+job (every worker new), redone the steps since its checkpoint, and commits
+the checkpoint's cost. A ratio column gives torchrun's resume over ours.
+
 Writes benchmarks/results/elastic.json.
 """
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -35,7 +44,7 @@ COMMIT_EVERY = 10
 def one_round(args, victim, folder):
     events = os.path.join(folder, f"events-{victim}.jsonl")
     cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": victim,
-           "kill_step": args.kill_step}
+           "kill_step": args.kill_step, "zero": args.zero}
     path = os.path.join(folder, f"cfg-{victim}.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -46,6 +55,41 @@ def one_round(args, victim, folder):
         raise SystemExit(f"the elastic run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     with open(events) as f:
         return measure([json.loads(line) for line in f], args.workers)
+
+
+def torchrun_round(args, victim, folder):
+    events = os.path.join(folder, f"torchrun-events-{victim}.jsonl")
+    cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": victim,
+           "kill_step": args.kill_step, "checkpoint": os.path.join(folder, f"torchrun-{victim}.pt")}
+    path = os.path.join(folder, f"torchrun-cfg-{victim}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
+           "--max-restarts", "1", "-m", "paratrain.bench.elastic_torchrun_worker", path]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise SystemExit(f"the torchrun run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    with open(events) as f:
+        return measure_torchrun([json.loads(line) for line in f])
+
+
+def measure_torchrun(rows):
+    """torchrun's figures: it restarts every worker, so a survivor knows when it is stopped."""
+    kill = next(r for r in rows if r["kind"] == "kill")
+    t_kill = kill["t"]
+    stopped = [r["t"] for r in rows if r["kind"] == "stopped"]
+    again = sorted((r["t"], r["step"]) for r in rows if r["kind"] == "step" and r["attempt"] > 0)
+    steps_before = max((r["step"] for r in rows if r["kind"] == "step" and r["t"] < t_kill), default=0)
+    commits = [r["seconds"] for r in rows if r["kind"] == "commit"]
+    mine = sorted((r["t"], r["step"]) for r in rows if r["kind"] == "step" and r["worker"] == 0 and r["attempt"] == 0)
+    step_times = [b[0] - a[0] for a, b in zip(mine, mine[1:]) if b[1] == a[1] + 1] or [0.0]
+    return {"detect_s": min(stopped) - t_kill if stopped else None,
+            "resume_s": again[0][0] - t_kill if again else None,
+            "redone_steps": steps_before - (again[0][1] - 1) if again else None,
+            "commit_share": statistics.median(commits) / (COMMIT_EVERY * statistics.median(step_times))
+            if commits else None,
+            "step_s": statistics.median(step_times)}
 
 
 def measure(rows, workers):
@@ -82,31 +126,46 @@ def _s(x):
     return "-" if x is None else f"{x:.2f} s"
 
 
+def _share(x):
+    return "-" if x is None else f"{x:.1%}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="paratrain bench elastic", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=25)
+    p.add_argument("--no-torchrun", action="store_true", help="leave out torchrun's rounds")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
+                   help="pt.ZeRO at this stage instead of pt.DataParallel (torchrun's side stays DDP)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "elastic.json"))
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for r in range(args.rounds):
             row = one_round(args, r % args.workers, folder)
+            if not args.no_torchrun:
+                row["torchrun"] = torchrun_round(args, r % args.workers, folder)
             rows.append(row)
             print(f"round {r + 1}/{args.rounds}: worker {row['victim']} killed; every survivor knew in "
                   f"{_s(row['detect_s'])}, the next step done in {_s(row['resume_s'])}, back to "
                   f"{args.workers} {_s(row['join_s'])} after the replacement started; {row['redone_steps']} steps "
                   f"redone; commits cost {row['commit_share']:.1%} of the step time", flush=True)
-    print(f"\n{'round':>5}  {'killed':>6}  {'detect':>8}  {'resume':>8}  {'join':>8}  {'redone':>6}  commits")
+    print(f"\n{'':>14}{'paratrain':^52}{'torchrun':^40}")
+    print(f"{'round':>5}  {'killed':>6}  {'detect':>8}  {'resume':>8}  {'join':>8}  {'redone':>6}  {'commits':>7}  "
+          f"{'detect':>8}  {'resume':>8}  {'redone':>6}  {'commits':>7}  {'resume ratio':>12}")
     for i, row in enumerate(rows):
+        t = row.get("torchrun") or {}
+        ratio = (f"{t['resume_s'] / row['resume_s']:.1f}x" if t.get("resume_s") and row["resume_s"] else "-")
         print(f"{i + 1:>5}  {row['victim']:>6}  {_s(row['detect_s']):>8}  {_s(row['resume_s']):>8}  "
-              f"{_s(row['join_s']):>8}  {row['redone_steps']:>6}  {row['commit_share']:.1%}")
+              f"{_s(row['join_s']):>8}  {row['redone_steps']:>6}  {row['commit_share']:>7.1%}  "
+              f"{_s(t.get('detect_s')):>8}  {_s(t.get('resume_s')):>8}  {t.get('redone_steps', '-')!s:>6}  "
+              f"{_share(t.get('commit_share')):>7}  {ratio:>12}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"workers": args.workers, "steps": args.steps, "kill_step": args.kill_step, "rounds": rows}, f,
-                  indent=1)
+        json.dump({"workers": args.workers, "steps": args.steps, "kill_step": args.kill_step, "zero": args.zero,
+                   "rounds": rows}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,4 +1,5 @@
-"""One worker of ``paratrain bench elastic``: the gpt task under pt.elastic and pt.DataParallel.
+"""One worker of ``paratrain bench elastic``: the gpt task under pt.elastic and pt.DataParallel
+(or pt.ZeRO, with ``zero`` in the config).
 
     paratrain run -n 4 --min-workers 2 [--max-restarts 1] -m paratrain.bench.elastic_worker CONFIG.json
 
@@ -36,10 +37,14 @@ def main(path):
     note("built")
     pt.init()
     note("joined")
-    model = pt.DataParallel(task.model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = pt.elastic.ElasticSampler(task.train_set, shuffle=True, seed=0, batch_size=cfg["batch"])
-    state = pt.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
+    if cfg.get("zero"):   # the shards and their optimizer state, each with a copy on the next rank
+        model = opt = pt.ZeRO(task.model, torch.optim.Adam, stage=cfg["zero"], lr=1e-3)
+        state = pt.elastic.State(model=model, sampler=sampler, epoch=0, step=0)
+    else:
+        model = pt.DataParallel(task.model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        state = pt.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
     kill = (cfg["kill_worker"], cfg["kill_step"])
 
     @pt.elastic.run

@@ -76,15 +76,16 @@ def join(store, worker_id, last_generation, timeout):
         if store.check([KEY_FINISHED]):   # the job ended while this worker was on its way: nothing to do
             print(f"paratrain: elastic: worker {worker_id}: the job finished before it could join", flush=True)
             raise SystemExit(0)
+        if g is not None and store.check([key_ranks(g)]):
+            ranks = json.loads(store.get(key_ranks(g)).decode())
+            if str(worker_id) in ranks:   # ours, even if a later one is open already: the others are in it
+                return g, ranks[str(worker_id)], len(ranks)
+            # formed before the launcher counted us (a replacement): it opens the next one
         newest = max(current_generation(store), last_generation + 1)
         if newest != g:
             g = newest
             store.set(key_here(g, worker_id), "1")
-        if store.check([key_ranks(g)]):
-            ranks = json.loads(store.get(key_ranks(g)).decode())
-            if str(worker_id) in ranks:
-                return g, ranks[str(worker_id)], len(ranks)
-            # formed before the launcher counted us (a replacement): it opens the next one
+            continue
         time.sleep(POLL)
     raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s of asking "
                           f"to join (generation {g}); is the launcher alive?")

@@ -18,6 +18,14 @@ that committed a step later than the others, ends up where everyone is.
 values), then each tensor's bytes, each by broadcast: nothing is pickled,
 and a rank whose optimizer has no state yet (Adam before its first step)
 learns its shapes from the description.
+
+A commit counts only once the world has agreed on it (the one-number
+all-reduce that also asks whether the world moved): a rank that dies in the
+middle of a commit leaves the others on the commit before. A model whose
+ranks hold different parts (pt.ZeRO: ``elastic_commits()``) keeps its own
+commits: each rank's part and a copy of its neighbour's (``snapshot``,
+``replicate``), put back together for a new world in ``sync``; its optimizer
+is its own, so give no ``optimizer=``.
 """
 import copy
 import json
@@ -39,7 +47,7 @@ class State:
         object.__setattr__(self, "_saved", None)
         object.__setattr__(self, "commits", 0)
         object.__setattr__(self, "events", [])   # what pt.elastic.run did: worlds lost and re-formed
-        self._snapshot()
+        object.__setattr__(self, "_saved", self._take(1))
 
     # ---- the plain values: state.epoch, state.step, ... ----------------------------------
 
@@ -63,25 +71,40 @@ class State:
         """Copy everything into this process's memory: the point the run goes back to.
         In an elastic job, then ask whether the launcher has opened a new world (a worker
         lost or one joined): every rank learns it at the same commit (a one-number
-        all-reduce) and raises WorldChanged, which pt.elastic.run answers."""
-        self._snapshot()
-        _check_world()
+        all-reduce, which is also where the world agrees on the commit) and raises
+        WorldChanged, which pt.elastic.run answers."""
+        pending = self._take(self._saved["commit_id"] + 1)
+        if self._sharded():
+            self.model.elastic_commits().replicate(pending["commit_id"])
+        moved = _world_moved()
+        object.__setattr__(self, "_saved", pending)
+        if moved:
+            from .run import WorldChanged
+            raise WorldChanged(moved)
 
-    def _snapshot(self):
-        saved = {"values": copy.deepcopy(self._values)}
-        if self.model is not None:
+    def _sharded(self):
+        return hasattr(self.model, "elastic_commits")
+
+    def _take(self, commit_id):
+        saved = {"values": copy.deepcopy(self._values), "commit_id": commit_id}
+        if self._sharded():
+            self.model.elastic_commits().snapshot(commit_id)
+        elif self.model is not None:
             saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.optimizer is not None:
             saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         if self.sampler is not None:
             saved["sampler"] = self.sampler.state_dict()
-        object.__setattr__(self, "_saved", saved)
         object.__setattr__(self, "commits", self.commits + 1)
+        return saved
 
     def restore(self):
-        """Put the last commit back into the model, the optimizer, the sampler and the values."""
+        """Put the last commit back into the model, the optimizer, the sampler and the values
+        (a sharded model's parts come back in ``sync``)."""
         saved = self._saved
-        if self.model is not None:
+        if self._sharded():
+            self.model.elastic_commits().restore(saved["commit_id"])
+        elif self.model is not None:
             self.model.load_state_dict(saved["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
@@ -122,20 +145,22 @@ class State:
         if group.rank != root:
             object.__setattr__(self, "_saved", _unflatten(meta, tensors))
         self.restore()
+        if self._sharded():
+            self.model.elastic_commits().sync(group, root, self._saved["commit_id"])
 
 
-def _check_world():
+def _world_moved():
+    """Why the world moved since this generation (the launcher opened another), or None;
+    the same answer on every rank (collective in an elastic job)."""
     from ..comm import elastic_rendezvous
     from ..comm.world import elastic_generation, world
     store, generation = elastic_generation()
     if store is None:
-        return
+        return None
     group = world()
     moved = torch.tensor([int(group.rank == 0 and elastic_rendezvous.world_moved(store, generation))])
     group.all_reduce(moved, op="max")
-    if moved.item():
-        from .run import WorldChanged
-        raise WorldChanged(f"the launcher opened a world after generation {generation}")
+    return f"the launcher opened a world after generation {generation}" if moved.item() else None
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64,

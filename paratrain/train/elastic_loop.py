@@ -49,17 +49,18 @@ class ElasticLoop:
         self.shrink = args.elastic_batch == "shrink"
         self.commit_every = args.commit_every
         self.worker_id = config.get("PARATRAIN_ELASTIC")
-        model, self.optimizer = strategy.elastic_parts()
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        model, optimizer = strategy.elastic_parts()
+        self.base_lrs = [g["lr"] for g in strategy.param_groups()]
         W = strategy.world_size
         self.sampler = ElasticSampler(job.task.train_set, seed=args.seed, global_batch=self._global_batch(W),
                                       rank=strategy.rank, num_replicas=W)
-        self.state = State(model=model, optimizer=self.optimizer, sampler=self.sampler,
+        self.state = State(model=model, optimizer=optimizer, sampler=self.sampler,
                            step=job.start, epoch=0, samples=0)
         self.state.on_reset(self._on_reset)
         self.events = []        # the run's elastic_events, the same on every rank
         self._pending = []      # events whose resume time the next step gives
         self._seen = 0          # state.events already taken into account
+        self._generation = elastic_generation()[1]   # the last world whose changes are in self.events
 
     def _die_if_due(self, step, when):
         if self.job.failures:   # --fail RANK:STEP[:WHEN], RANK the worker id
@@ -81,7 +82,7 @@ class ElasticLoop:
             loader = torch.utils.data.DataLoader(self.job.task.train_set, batch_sampler=self.sampler)
             for mine, total, batch in zip(plan[self.sampler.rank], map(sum, zip(*plan)), loader):
                 self._step(state, batch, mine, total)
-                if state.step % self.commit_every == 0 or state.step >= steps:
+                if state.step % self.commit_every == 0 and state.step < steps:   # (the end: none, a joiner leaves)
                     self._die_if_due(state.step, "commit")
                     state.commit()
                 if state.step >= steps:
@@ -128,7 +129,7 @@ class ElasticLoop:
         W = group.world_size
         if self.shrink:   # each worker keeps its batch: the step takes less, at a learning rate scaled to it
             self.sampler.global_batch = self._global_batch(W)
-            for g, lr in zip(self.optimizer.param_groups, self.base_lrs):
+            for g, lr in zip(job.strategy.param_groups(), self.base_lrs):
                 g["lr"] = lr * W / self.asked
         mine = state.events[-1] if len(state.events) > self._seen else None
         self._seen = len(state.events)
@@ -137,12 +138,19 @@ class ElasticLoop:
                                mine["at_step"] if mine and mine["at_step"] is not None else -1.0],
                               dtype=torch.float64)
         group.all_reduce(agreed, op="max")
-        self.events = json.loads(broadcast_text(group, json.dumps(self.events) if group.rank == 0 else None, 0))
         store, generation = elastic_generation()
-        self._pending = elastic_events.from_changes(elastic_rendezvous.changes(store, generation),
-                                                    caught_at=float(agreed[0]), first_caught=-float(agreed[1]),
-                                                    at_step=int(agreed[2]), commit_step=state.step, world_size=W)
-        self.events += self._pending
+        changes = {"lost": [], "joined": []}   # every world formed since ours (one may come and go unjoined)
+        for g in range(self._generation + 1, generation + 1):
+            for kind, who in elastic_rendezvous.changes(store, g).items():
+                changes[kind] += who
+        self._generation = generation
+        new = elastic_events.from_changes(changes, caught_at=float(agreed[0]), first_caught=-float(agreed[1]),
+                                          at_step=int(agreed[2]), commit_step=state.step, world_size=W)
+        # rank 0's history and new events for everyone (a joiner has neither, and may write one day)
+        said = json.dumps({"events": self.events + new, "new": len(new)}) if group.rank == 0 else None
+        told = json.loads(broadcast_text(group, said, 0))
+        self.events = told["events"]
+        self._pending = self.events[len(self.events) - told["new"]:]
         self._take_over_the_log(state.step, group.rank == 0)
 
     def _take_over_the_log(self, commit_step, lead):

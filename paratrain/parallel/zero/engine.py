@@ -81,6 +81,8 @@ class ZeRO:
             raise ValueError(f"ZeRO: units= is for stage 3 (the modules gathered around their forward); stage {stage} "
                              "cuts the parameters in buckets of bucket_mb instead")
         self.module, self.stage = model, stage
+        self._made_with = dict(optimizer_class=optimizer_class, stage=stage, bucket_mb=bucket_mb, prefetch=prefetch,
+                               units=units, **optimizer_kwargs)
         self.group = group or world()
         self.world_size, self.rank = self.group.world_size, self.group.rank
         self.units = (layer_units(model, self.world_size, units) if stage == 3
@@ -92,12 +94,44 @@ class ZeRO:
         self.optimizer = optimizer_class([u.shard for u in self.units], **optimizer_kwargs)
         self._round_reset()
         self._stage1_reduced = False
+        self._commits = None   # pt.elastic's, made when a State first commits this engine
+        self._hooks = []
         if stage >= 2:
             for u in self.units:
                 for _, p in u.params:
-                    p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u)))
         self.gathering = (Gathering(self.units, self.group, prefetch, self._backward_started) if stage == 3
                           else None)
+
+    def regroup(self, group):
+        """Go on over ``group``, a world of another size that pt.elastic formed: this engine
+        is laid out anew in place (the same collectives a worker joining the group makes
+        in its constructor, from rank 0's values; a new optimizer over the new shards).
+        What it should then hold comes from the last commit (``elastic_commits().sync``)."""
+        commits = self._commits
+        self.close()
+        if self.stage == 3:   # the parameters are freed between uses: give them their shapes back
+            for u in self.units:
+                for _, p in u.params:
+                    p.data = torch.zeros(p.shape, dtype=p.dtype)
+        self.__init__(self.module, group=group, **self._made_with)
+        self._commits = commits
+
+    def elastic_commits(self):
+        """pt.elastic.State's commits of this engine's shards, each with a copy on the next
+        rank (zero/elastic.py)."""
+        if self._commits is None:
+            from .elastic import Commits
+            self._commits = Commits(self)
+        return self._commits
+
+    def close(self):
+        """Take this engine's hooks off the model's parameters and modules."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.gathering:
+            self.gathering.close()
 
     @property
     def prefetched(self):
@@ -125,7 +159,8 @@ class ZeRO:
         if self.gathering:
             self.gathering.gather(u)
 
-    def _free(self, u):
+    def free(self, u):
+        """Stage 3: let the unit's gathered parameters go (after its state changed under them)."""
         if self.gathering:
             self.gathering.free(u)
 
@@ -171,7 +206,7 @@ class ZeRO:
             u.shard.grad.add_(mine)
         for _, p in u.params:
             p.grad = None
-        self._free(u)
+        self.free(u)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -225,7 +260,7 @@ class ZeRO:
             self._gather(u)
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         for u in self.units:
-            self._free(u)
+            self.free(u)
         return state
 
     def load_full_state_dict(self, state):
@@ -243,7 +278,7 @@ class ZeRO:
                 u.shard.copy_(flat[self.rank * u.chunk:(self.rank + 1) * u.chunk])
                 if self.stage < 3:
                     u.flat.copy_(flat)
-            self._free(u)   # stage 3: a unit gathered now (the root, between forward and backward) is stale
+            self.free(u)   # stage 3: a unit gathered now (the root, between forward and backward) is stale
         buffers = {k: v for k, v in state.items() if k in dict(self.module.named_buffers())}
         self.module.load_state_dict(buffers, strict=False)
 
@@ -332,7 +367,7 @@ class ZeRO:
                 u.shard.copy_(shard)
                 if self.stage < 3:
                     self.group.all_gather(u.flat, u.shard.detach().clone())
-                self._free(u)
+                self.free(u)
         self.module.load_state_dict(state.get("buffers", {}), strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
 

@@ -138,14 +138,22 @@ class Gathering:
         self._scopes = []          # per hook pair running: ((module, unit), saved-tensor hooks entered, its data)
         self._backward_seen = set()
         self.prefetched = 0        # gathers started ahead of their unit (for tests and the curious)
+        self.hooks = []            # the module hooks' handles (close() removes them)
         for u in units:
             self._live[_storage(u.flat)] = u
             self.free(u)
-            u.module.register_forward_pre_hook(partial(self._before_forward, u), with_kwargs=True)
-            u.module.register_forward_hook(partial(self._after_forward, u), with_kwargs=True, always_call=True)
+            self.hooks += [
+                u.module.register_forward_pre_hook(partial(self._before_forward, u), with_kwargs=True),
+                u.module.register_forward_hook(partial(self._after_forward, u), with_kwargs=True, always_call=True)]
             for holder in self._holders(u):
-                holder.register_forward_pre_hook(partial(self._before_holder, u))
-                holder.register_forward_hook(partial(self._after_holder, u), always_call=True)
+                self.hooks += [holder.register_forward_pre_hook(partial(self._before_holder, u)),
+                               holder.register_forward_hook(partial(self._after_holder, u), always_call=True)]
+
+    def close(self):
+        """Take the hooks off the modules (an engine over a new group replaces this one)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
     @staticmethod
     def _holders(u):
@@ -168,8 +176,9 @@ class Gathering:
             try:
                 with trace.label(u.name):
                     self.group.all_gather(untracked(u.flat), u.shard.detach())
-            except Exception as e:
-                raise RuntimeError(f"ZeRO stage 3: gathering unit {u.name}'s parameters failed: {e}") from e
+            except Exception as e:   # the same error (a CommError stays one: pt.elastic answers it), told where
+                e.add_note(f"ZeRO stage 3: while gathering unit {u.name}'s parameters")
+                raise
             u.gathered = True
         if step > 0 and not self.order_known and torch.is_grad_enabled() and id(u) not in self._position:
             self._position[id(u)] = len(self._order)
@@ -201,7 +210,8 @@ class Gathering:
             try:
                 work.wait()
             except Exception as e:
-                raise RuntimeError(f"ZeRO stage 3: gathering unit {u.name}'s parameters failed: {e}") from e
+                e.add_note(f"ZeRO stage 3: while gathering unit {u.name}'s parameters (prefetched)")
+                raise
             u.gathered = True
 
     def free(self, u):

@@ -102,6 +102,9 @@ class AllReduceStep(GroupStep):
         """(model, optimizer) for pt.elastic.State: the wrapper, which re-forms over a new world."""
         return self.model, self.opt
 
+    def param_groups(self):
+        return self.opt.param_groups
+
     def regrouped(self, group):
         """pt.elastic moved the wrapper to ``group`` (a worker lost or joined): go on in it."""
         self.group, self.rank, self.world_size = group, group.rank, group.world_size

@@ -35,6 +35,7 @@ HELP = ("zero: data parallelism with the optimizer state (--stage 1), the gradie
         "(3) cut among the workers (pt.ZeRO)")
 SPARSE = False
 DEFAULT_STAGE = 2   # the paper's P_os+g: a quarter of the memory at DP's communication volume
+ELASTIC = ("zero",)   # --min-workers: each shard committed with a copy on the next worker (zero/elastic.py)
 
 
 def add_options(parser):
@@ -92,6 +93,22 @@ class ZeroStep(GroupStep):
     def after_backward(self):
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
         self.engine.step()
+        self.engine.zero_grad()
+
+    # ---- elastic (--min-workers) ----
+
+    def elastic_parts(self):
+        """(model, optimizer) for pt.elastic.State: the engine commits its shards and their
+        optimizer state itself, and is laid out anew over each new world."""
+        return self.engine, None
+
+    def param_groups(self):
+        return self.engine.optimizer.param_groups
+
+    def regrouped(self, group):
+        self.group, self.rank, self.world_size = group, group.rank, group.world_size
+
+    def zero_grad(self):
         self.engine.zero_grad()
 
     def evaluate(self, task):
