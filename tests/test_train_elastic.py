@@ -25,7 +25,7 @@ ZERO_KILLS = {"zero1": ("1:8", "3:20", "2:35"),    # ranks 1 at 4, 2 at 3, 1 at 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two elastic runs and the reference, launched two at a time."""
-    names = ("reference", "lost_and_joined", "below_min", *ZERO_KILLS)
+    names = ("reference", "lost_and_joined", "below_min", "shrink", *ZERO_KILLS)
     paths = {name: tmp_path_factory.mktemp(name) for name in names}
     jobs = {
         "reference": ("--workers", 1, "--min-workers", 1, "--batch-size", BATCH * WORKERS),
@@ -39,10 +39,13 @@ def runs(tmp_path_factory):
                       "--elastic-timeout", 60, "--fail", "1:8", "--fail", "2:8", "--fail", "0:10:reform",
                       "--fail", "3:40:hang"),
     }
+    # --elastic-batch shrink: each worker keeps its batch, the learning rate follows the world
+    jobs["shrink"] = ("--workers", 2, "--min-workers", 1, "--batch-size", BATCH, "--elastic-batch", "shrink",
+                      "--lr", 0.04, "--fail", "1:10")
     for name, kills in ZERO_KILLS.items():
         jobs[name] = ("--strategy", "zero", "--stage", name[-1], "--workers", WORKERS, "--min-workers", 1,
                       "--batch-size", BATCH, *[w for k in kills for w in ("--fail", k)])
-    order = ["lost_and_joined", "reference", "below_min", *ZERO_KILLS]
+    order = ["lost_and_joined", "reference", "below_min", "shrink", *ZERO_KILLS]
     results = side_by_side(*[(paths[name], *jobs[name], *COMMON) for name in order])
     return {name: (res, run_dirs(paths[name])[0]) for name, res in zip(order, results)}
 
@@ -97,6 +100,18 @@ def test_below_min_workers_two_at_once_a_failed_recovery_and_a_hang(runs):
     assert summary["workers"] >= 3
 
 
+def test_shrink_keeps_each_workers_batch_and_scales_the_learning_rate(runs):
+    res, run_dir = runs["shrink"]
+    ok(res)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["elastic"]["batch"] == "shrink" and summary["elastic"]["global_batch"] == BATCH   # 1 worker left
+    assert [e["world_size"] for e in summary["elastic_events"]] == [1]
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.04 / 2)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+
+
 def test_elastic_options_are_checked_before_anything_starts(tmp_path):
     for args, message in [
         (("--min-workers", 3, "--workers", 2), "--min-workers (3) <= --workers (2)"),
@@ -104,6 +119,7 @@ def test_elastic_options_are_checked_before_anything_starts(tmp_path):
         (("--max-restarts", 2), "give --min-workers too"),
         (("--fail", "1:3:commit"), "is for an elastic job"),
         (("--fail", "1:3:later", "--min-workers", 1), "WHEN is one of"),
+        (("--min-workers", 1, "--resume", "runs/x/checkpoint.pt"), "--resume with --min-workers"),
     ]:
         res = front_end(tmp_path, *args)
         assert res.returncode == 2 and message in res.stderr, (args, res.stderr)

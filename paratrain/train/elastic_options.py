@@ -47,6 +47,9 @@ def check(args):
         return (f"--strategy {args.strategy} is not elastic; --min-workers works with {able}"
                 + (" (the parameter server under --consistency asp or ssp goes on without a lost worker "
                    "by itself)" if args.strategy == "ps" else ""))
+    if args.resume:
+        return ("--resume with --min-workers: an elastic run starts from the beginning of its data order; resume "
+                "without --min-workers")
     if (args.tp or 1) > 1 or (args.pp or 1) > 1:
         return "--min-workers works with data parallelism alone for now: drop --tp and --pp"
     top = args.max_workers or args.workers
