@@ -154,3 +154,23 @@ def test_torchruns_figures_come_from_its_workers_timestamps():
     got = measure_torchrun(rows)
     assert got["detect_s"] == pytest.approx(0.15) and got["resume_s"] == pytest.approx(4.5)
     assert got["redone_steps"] == 25 - 20 and got["commit_share"] == pytest.approx(0.05 / (10 * 0.1))
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_ranks_compressor_residual_comes_back_from_its_buddy(tmp_path):
+    """Error feedback: what the ranks still owe the model is the mean of their residuals.
+    Worker 1 dies after the commit at step 4; each survivor must start again from the
+    mean of the three workers' committed states, worker 1's included (its neighbour's copy)."""
+    res = launch(3, "elastic_residuals.py", launcher_args=("--min-workers", "2"), env={"DIR": str(tmp_path)})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    committed = [torch.load(tmp_path / f"c4-w{w}.pt", weights_only=True) for w in range(3)]
+    residuals = [k for k in committed[0] if k.startswith("residual/")]
+    assert residuals and all(float(committed[1][k].abs().sum()) > 0 for k in residuals)
+    for w in (0, 2):
+        after = torch.load(tmp_path / f"after-w{w}.pt", weights_only=True)
+        assert sorted(after) == sorted(committed[0])
+        for k, v in after.items():
+            if k in residuals:
+                torch.testing.assert_close(v, torch.stack([c[k] for c in committed]).mean(0), msg=k)
+            else:   # the same on every rank (the generator's state, the step count): the new rank 0's
+                assert torch.equal(v, committed[0][k]) if torch.is_tensor(v) else v == committed[0][k], k

@@ -22,10 +22,11 @@ learns its shapes from the description.
 A commit counts only once the world has agreed on it (the one-number
 all-reduce that also asks whether the world moved): a rank that dies in the
 middle of a commit leaves the others on the commit before. A model whose
-ranks hold different parts (pt.ZeRO: ``elastic_commits()``) keeps its own
-commits: each rank's part and a copy of its neighbour's (``snapshot``,
-``replicate``), put back together for a new world in ``sync``; its optimizer
-is its own, so give no ``optimizer=``.
+ranks hold different state (``elastic_commits()``: pt.ZeRO's shards, a
+pt.DataParallel compressor's residuals) commits that part itself: each
+rank's own and a copy of its neighbour's (``snapshot``, ``replicate``), put
+back together for a new world in ``sync``. pt.ZeRO is all such state
+(``elastic_sharded``); its optimizer is its own, so give no ``optimizer=``.
 """
 import copy
 import json
@@ -74,22 +75,27 @@ class State:
         all-reduce, which is also where the world agrees on the commit) and raises
         WorldChanged, which pt.elastic.run answers."""
         pending = self._take(self._saved["commit_id"] + 1)
-        if self._sharded():
-            self.model.elastic_commits().replicate(pending["commit_id"])
+        if self._per_rank() is not None:
+            self._per_rank().replicate(pending["commit_id"])
         moved = _world_moved()
         object.__setattr__(self, "_saved", pending)
         if moved:
             from .run import WorldChanged
             raise WorldChanged(moved)
 
+    def _per_rank(self):
+        """The model's commits of what differs between ranks (a ZeRO shard, a compressor's
+        residuals), or None."""
+        return self.model.elastic_commits() if hasattr(self.model, "elastic_commits") else None
+
     def _sharded(self):
-        return hasattr(self.model, "elastic_commits")
+        return getattr(self.model, "elastic_sharded", False)
 
     def _take(self, commit_id):
         saved = {"values": copy.deepcopy(self._values), "commit_id": commit_id}
-        if self._sharded():
-            self.model.elastic_commits().snapshot(commit_id)
-        elif self.model is not None:
+        if self._per_rank() is not None:
+            self._per_rank().snapshot(commit_id)
+        if self.model is not None and not self._sharded():
             saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.optimizer is not None:
             saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
@@ -102,9 +108,9 @@ class State:
         """Put the last commit back into the model, the optimizer, the sampler and the values
         (a sharded model's parts come back in ``sync``)."""
         saved = self._saved
-        if self._sharded():
-            self.model.elastic_commits().restore(saved["commit_id"])
-        elif self.model is not None:
+        if self._per_rank() is not None:
+            self._per_rank().restore(saved["commit_id"])
+        if self.model is not None and not self._sharded():
             self.model.load_state_dict(saved["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
@@ -145,8 +151,8 @@ class State:
         if group.rank != root:
             object.__setattr__(self, "_saved", _unflatten(meta, tensors))
         self.restore()
-        if self._sharded():
-            self.model.elastic_commits().sync(group, root, self._saved["commit_id"])
+        if self._per_rank() is not None:
+            self._per_rank().sync(group, root, self._saved["commit_id"])
 
 
 def _world_moved():

@@ -301,6 +301,17 @@ class DataParallel(_DataParallelBase):
         self._make_buckets()
         self._reset_backward()
 
+    def elastic_commits(self):
+        """pt.elastic.State's commits of what differs between ranks here: a compressor's
+        residuals (compression/elastic.py), each with a copy on the next rank; None
+        without a compressor that keeps state."""
+        if not getattr(self.hook, "STATE", ()):
+            return None
+        if getattr(self, "_elastic_commits", None) is None:
+            from .compression.elastic import Commits
+            self._elastic_commits = Commits(self.hook, lambda: self.group)
+        return self._elastic_commits
+
     def _reset_backward(self):
         self._fired = set()
         self._ready = [False] * len(self.buckets)

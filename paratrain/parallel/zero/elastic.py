@@ -5,26 +5,19 @@ and re-cut for a new world from what the survivors hold.
 
 Under ZeRO no rank holds the whole model or optimizer: rank r owns chunk r of every
 unit (layout.py). A commit that kept only its own chunks would lose a dead rank's
-for good, so each commit also sends them to the next rank, (r + 1) mod W, its buddy
-(one ring shift: 1/W of the model and optimizer state moved per rank), as Gemini
-keeps in-memory checkpoint replicas on peers (Wang et al., SOSP 2023) and as the
-issue's "a shard lives on its owner and on one buddy" asks. The loss of any one
-rank, or of several that are not neighbours in the ring, loses nothing.
+for good, so each commit also sends them to the next rank (rank_copies.py). The loss
+of any one rank, or of several that are not neighbours in the ring, loses nothing.
 
 After a change of the world, every rank lays its engine out anew over the new world
 (``ZeRO.regroup``: the same collectives a joining worker's constructor makes), then
 ``sync`` rebuilds each unit's whole vector of parameters and optimizer state: each
 chunk comes from its owner if it lives, else from its buddy's copy, summed into
 place by one all-reduce (a rank that holds nothing, a joiner, adds zeros), and the
-new engine takes its chunks of it. Every rank keeps the last two commits' chunks:
-a rank that died inside a commit leaves some survivors agreed on the new one and
-some still on the one before, and the new rank 0's decides (pt.elastic.State).
+new engine takes its chunks of it.
 """
-import json
-
 import torch
 
-KEEP = 2   # commits kept: the last agreed one, and the one a failure may have interrupted
+from ..rank_copies import RankCopies
 
 
 class ShardsLost(RuntimeError):
@@ -37,34 +30,18 @@ class Commits:
 
     def __init__(self, engine):
         self.engine = engine
-        self.kept = {}   # commit id -> {"rank", "world", "own": [tensors], "buddy": [tensors] or None, "meta"}
-
-    # ---- commit ---------------------------------------------------------------------------
+        self.copies = RankCopies()
 
     def snapshot(self, commit_id):
         """This rank's chunks (parameters, then each optimizer state tensor) and the rest of the
         optimizer's state (scalars, hyper-parameters), copied under ``commit_id``."""
         e = self.engine
         tensors, meta = _chunks(e)
-        self.kept[commit_id] = {"rank": e.rank, "world": e.world_size, "own": [t.clone() for t in tensors],
-                                "buddy": None, "meta": meta}
-        for old in sorted(self.kept)[:-KEEP]:
-            del self.kept[old]
+        self.copies.snapshot(commit_id, e.rank, e.world_size, tensors, meta)
 
     def replicate(self, commit_id):
         """Send this commit's chunks to the next rank and keep the previous rank's (collective)."""
-        e, mine = self.engine, self.kept[commit_id]
-        if e.world_size == 1:
-            return
-        out = torch.cat([t.reshape(-1).to(torch.float32) for t in mine["own"]])
-        into = torch.empty_like(out)
-        recv = e.group.irecv(into, (e.rank - 1) % e.world_size)
-        send = e.group.isend(out, (e.rank + 1) % e.world_size)
-        send.wait()
-        recv.wait()
-        mine["buddy"] = _split(into, mine["own"])
-
-    # ---- restore, regroup, sync -----------------------------------------------------------------
+        self.copies.replicate(self.engine.group, commit_id)
 
     def restore(self, commit_id):
         """Nothing here: a rank's chunks alone do not make its parameters (below stage 3 each
@@ -72,36 +49,23 @@ class Commits:
 
     def sync(self, group, root, commit_id):
         """Every rank's chunks of ``root``'s commit ``commit_id``, re-cut for ``group``."""
-        from ...comm.world import broadcast_text
-        kept = self.kept.get(commit_id)
-        said = json.dumps(dict(kept["meta"], world=kept["world"])) if group.rank == root else None
-        meta = json.loads(broadcast_text(group, said, root))
-        old_world = meta["world"]   # the commit's world (a joiner's own first commit is of another)
-        mine = torch.tensor([kept["rank"] if kept and kept["world"] == old_world else -1], dtype=torch.int64)
-        table = torch.empty(group.world_size, dtype=torch.int64)
-        group.all_gather(table, mine)
-        held = {int(r): g for g, r in enumerate(table.tolist()) if r >= 0}
+        meta, brings, lost = self.copies.sources(group, root, commit_id)
+        old_world = meta["world"]
+        if lost:
+            c = lost[0]
+            raise ShardsLost(f"ZeRO elastic: the shard of rank {c} is lost: it and the rank after it in the ring "
+                             f"({(c + 1) % old_world}) both died between two commits; the run survives the loss "
+                             "of any one rank, or of ranks that are not neighbours")
         e = self.engine
         whole = [torch.zeros(u.numel * (1 + len(meta["keys"][k])), dtype=torch.float32)
                  for k, u in enumerate(e.units)]
-        for c in range(old_world):
-            if c in held:
-                holder, source = held[c], "own"
-            elif (c + 1) % old_world in held:
-                holder, source = held[(c + 1) % old_world], "buddy"
-            else:
-                raise ShardsLost(f"ZeRO elastic: the shard of rank {c} is lost: it and the rank after it in the ring "
-                                 f"({(c + 1) % old_world}) both died between two commits; the run survives the loss "
-                                 "of any one rank, or of ranks that are not neighbours")
-            if holder == group.rank:
-                _add_chunk(whole, e.units, kept[source], meta, c, old_world)
+        for c, tensors in brings.items():
+            _add_chunk(whole, e.units, tensors, meta, c, old_world)
         for w in whole:
             group.all_reduce(w, op="sum")
         _load(e, whole, meta)
-        self.kept = {}   # the chunks in this world's layout, and their copies, from here on
-        self.snapshot(commit_id)
+        self.snapshot(commit_id)   # the chunks in this world's layout, and their copies, from here on
         self.replicate(commit_id)
-
 
 def _chunks(e):
     """(tensors: each unit's parameter chunk then its optimizer tensors, in key order;
@@ -118,14 +82,6 @@ def _chunks(e):
         scalars.append({key: float(v) for key, v in state.items() if key not in tensor_keys})
     group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
     return tensors, {"keys": keys, "scalars": scalars, "group": group}
-
-
-def _split(flat, like):
-    out, at = [], 0
-    for t in like:
-        out.append(flat[at:at + t.numel()].view_as(t).to(t.dtype))
-        at += t.numel()
-    return out
 
 
 def _add_chunk(whole, units, tensors, meta, c, old_world):

@@ -67,6 +67,8 @@ class ZeRO:
     model's repeated blocks, or block classes, qualified module names, or a
     predicate ``(name, module) -> bool``."""
 
+    elastic_sharded = True   # pt.elastic.State: the ranks hold different parts, committed by elastic_commits()
+
     def __init__(self, model, optimizer_class, stage=1, group=None, bucket_mb=25.0, prefetch=True, units=None,
                  **optimizer_kwargs):
         from ...comm import world
