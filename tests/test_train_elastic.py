@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from test_train import front_end, ok, run_dirs, side_by_side
+from test_train import front_end, ok, run_dirs, side_by_side, train
 
 WORKERS, BATCH, STEPS, COMMIT_EVERY = 4, 16, 60, 5
 COMMON = ("--steps", STEPS, "--eval-every", STEPS, "--commit-every", COMMIT_EVERY)
@@ -112,6 +112,26 @@ def test_shrink_keeps_each_workers_batch_and_scales_the_learning_rate(runs):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.timeout(240)
+def test_an_elastic_run_resumes_from_its_checkpoint_where_its_data_order_was(runs, tmp_path):
+    """30 steps, then --resume to 60 with a worker lost on the way: the reference's parameters.
+    The checkpoint is an elastic run's: a run without --min-workers refuses it, saying why."""
+    first = train(tmp_path / "first", "--workers", 2, "--min-workers", 1, "--batch-size", 2 * BATCH, "--steps", 30,
+                  "--eval-every", 30, "--commit-every", COMMIT_EVERY)
+    ok(first)
+    checkpoint = run_dirs(tmp_path / "first")[0] / "checkpoint.pt"
+    res = front_end(tmp_path, "--resume", checkpoint, "--steps", STEPS)
+    assert res.returncode == 2 and "resume it with --min-workers" in res.stderr, res.stderr
+    second = train(tmp_path / "second", "--workers", 2, "--min-workers", 1, "--batch-size", 2 * BATCH,
+                   "--resume", checkpoint, "--fail", "1:40", *COMMON)
+    ok(second)
+    run_dir = run_dirs(tmp_path / "second")[0]
+    for k, v in parameters(runs["reference"][1]).items():
+        torch.testing.assert_close(parameters(run_dir)[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(31, STEPS + 1))
+
+
 def test_elastic_options_are_checked_before_anything_starts(tmp_path):
     for args, message in [
         (("--min-workers", 3, "--workers", 2), "--min-workers (3) <= --workers (2)"),
@@ -119,7 +139,6 @@ def test_elastic_options_are_checked_before_anything_starts(tmp_path):
         (("--max-restarts", 2), "give --min-workers too"),
         (("--fail", "1:3:commit"), "is for an elastic job"),
         (("--fail", "1:3:later", "--min-workers", 1), "WHEN is one of"),
-        (("--min-workers", 1, "--resume", "runs/x/checkpoint.pt"), "--resume with --min-workers"),
     ]:
         res = front_end(tmp_path, *args)
         assert res.returncode == 2 and message in res.stderr, (args, res.stderr)

@@ -54,8 +54,11 @@ class ElasticLoop:
         W = strategy.world_size
         self.sampler = ElasticSampler(job.task.train_set, seed=args.seed, global_batch=self._global_batch(W),
                                       rank=strategy.rank, num_replicas=W)
+        resumed = getattr(job, "resumed", None) or {}
+        if "elastic_sampler" in resumed:   # --resume: where the data order was, and the samples so far
+            self.sampler.load_state_dict(resumed["elastic_sampler"])
         self.state = State(model=model, optimizer=optimizer, sampler=self.sampler,
-                           step=job.start, epoch=0, samples=0)
+                           step=job.start, epoch=self.sampler.epoch, samples=int(resumed.get("elastic_samples", 0)))
         self.state.on_reset(self._on_reset)
         self.events = []        # the run's elastic_events, the same on every rank
         self._pending = []      # events whose resume time the next step gives
@@ -163,6 +166,10 @@ class ElasticLoop:
             drop_rows_after(f"{job.run_dir}/metrics.jsonl", commit_step)
             job.log = MetricsLog(job.run_dir)
         job.progress = ProgressReporter(job.settings.steps, enabled=lead)
+
+    def checkpoint_fields(self):
+        """What a checkpoint adds for an elastic run: where the data order is (--resume)."""
+        return {"elastic_sampler": self.sampler.state_dict(), "elastic_samples": self.state.samples}
 
     # ---- the summary -------------------------------------------------------------------------
 

@@ -47,9 +47,6 @@ def check(args):
         return (f"--strategy {args.strategy} is not elastic; --min-workers works with {able}"
                 + (" (the parameter server under --consistency asp or ssp goes on without a lost worker "
                    "by itself)" if args.strategy == "ps" else ""))
-    if args.resume:
-        return ("--resume with --min-workers: an elastic run starts from the beginning of its data order; resume "
-                "without --min-workers")
     if (args.tp or 1) > 1 or (args.pp or 1) > 1:
         return "--min-workers works with data parallelism alone for now: drop --tp and --pp"
     top = args.max_workers or args.workers
@@ -70,3 +67,15 @@ def launcher_args(args):
         words += ["--elastic-timeout", repr(args.elastic_timeout)]
     return words
 
+
+
+def resume_problem(args, checkpoint):
+    """Why ``checkpoint`` cannot continue this run, or None: an elastic run deals its data
+    in another order (ElasticSampler) than a run without --min-workers (DistributedSampler),
+    and keeps its position in the checkpoint; each resumes only its own kind exactly."""
+    if given(args) and "elastic_sampler" not in checkpoint:
+        return (f"{args.resume} was written by a run without --min-workers, whose data order an elastic run "
+                "does not follow; resume it without --min-workers")
+    if not given(args) and "elastic_sampler" in checkpoint:
+        return f"{args.resume} was written by an elastic run (--min-workers); resume it with --min-workers"
+    return None

@@ -43,7 +43,7 @@ def check(args):
         from .tasks import build_task
         try:
             task = build_task(args.model, seed=args.seed, sparse=strategies.STRATEGIES[args.strategy].SPARSE)
-            load_checkpoint(args.resume, expect_config=task.config)
+            return elastic_options.resume_problem(args, load_checkpoint(args.resume, expect_config=task.config))
         except (FileNotFoundError, ValueError) as e:
             return str(e)
     return None

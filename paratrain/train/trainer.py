@@ -123,6 +123,10 @@ class TrainingRun:
         args, strategy = self.args, self.strategy
         path = strategy.checkpoint_path(args.resume, writing=False)
         state = ckpt.load_checkpoint(path, expect_config=self.task.config)
+        problem = elastic_options.resume_problem(args, state)
+        if problem:
+            raise ValueError(problem)
+        self.resumed = state   # (the elastic loop takes its data position from it)
         strategy.load_model_state(self.task, state["model"])
         strategy.load_state_dict(state)
         start = int(state["step"])
@@ -136,6 +140,8 @@ class TrainingRun:
         (and its optimizer's state) is collective; written by those the strategy names."""
         model_state = self.strategy.model_state(self.task)
         extra = self.strategy.state_dict()
+        if self.elastic is not None:
+            extra.update(self.elastic.checkpoint_fields())
         path = self.strategy.checkpoint_path(os.path.join(self.run_dir, "checkpoint.pt"), writing=True)
         if path:
             with trace.span("checkpoint", "checkpoint", step=step):
