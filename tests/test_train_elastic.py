@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
         # rank 0 at 4 workers (rank 0's log and progress move to a survivor); a replacement
         # joins while worker 1 is slow (horovod #2652); worker 3 dies inside a commit
         "lost_and_joined": ("--workers", WORKERS, "--min-workers", 2, "--max-restarts", 1, "--batch-size", BATCH,
-                            "--fail", "0:12", "--fail", "3:30:commit", "--straggler", "1:3"),
+                            "--fail", "0:12", "--fail", "3:30:commit", "--straggler", "1:3", "--trace"),
         # two at once, below --min-workers until two replacements come (horovod #3494); one
         # dies in the middle of the next recovery (horovod #2995); one hangs (pytorch #123678)
         "below_min": ("--workers", WORKERS, "--min-workers", 3, "--max-restarts", 4, "--batch-size", BATCH,
@@ -86,6 +86,9 @@ def test_lost_ranks_and_a_joiner_end_with_the_parameters_of_a_run_that_lost_noth
                for e in lost), events
     assert "rank 0 lost at step 11; resumed on 3 workers" in res.stdout
     assert summary["workers_at_start"] == WORKERS
+    # traced: each worker's file is named by its id (ranks move); the killed one's was left empty
+    trace = json.loads((runs["lost_and_joined"][1] / "trace.json").read_text())
+    assert {1, 2, 4} <= {c["index"] for c in trace["otherData"]["clocks"]}, trace["otherData"]
 
 
 @pytest.mark.timeout(240)

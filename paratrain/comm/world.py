@@ -172,10 +172,15 @@ def _start_trace(world, rank):
     with rank 0 over the world group), then record from here on (trace/). Once per
     process: a later pt.init() goes on recording into the same file."""
     from .. import trace
-    if config.get("PARATRAIN_TRACE") and not trace.enabled():
+    worker_id = config.get("PARATRAIN_ELASTIC")
+    # An elastic world is re-formed with workers that record already and one that joins:
+    # every rank then measures (the estimate is collective), and a file is named by the
+    # worker's id, which it keeps for life, not by its rank, which moves.
+    if config.get("PARATRAIN_TRACE") and (not trace.enabled() or worker_id is not None):
         from ..trace import clock
         offset, uncertainty = clock.estimate(world)
-        trace.start_from_env("rank", rank, offset, uncertainty, world_size=world.world_size, backend=_S.backend)
+        trace.start_from_env("rank", rank if worker_id is None else worker_id, offset, uncertainty,
+                             world_size=world.world_size, backend=_S.backend)
 
 
 _STORES = {}   # (addr, port, rank, world size) -> [the rendezvous store, inits over it so far]

@@ -48,7 +48,7 @@ def merge(directory, out, ranks, world_size):
             say(f"paratrain run: trace: ranks {missing} did not finish their files within "
                 f"{WAIT_FOR_OTHER_NODES:g}s; merging what there is")
     try:
-        path = chrome.merge(directory, out)
+        path = chrome.merge(directory, out, on_skip=lambda why: say(f"paratrain run: trace: left out {why}"))
     except (OSError, ValueError) as e:
         say(f"paratrain run: the trace was not merged: {e}")
         return None

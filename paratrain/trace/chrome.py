@@ -111,14 +111,25 @@ def process_files(directory):
         sorted(glob.glob(os.path.join(directory, "server-*.jsonl")))
 
 
-def merge(directory, out=None, gzip_above=GZIP_ABOVE):
+def merge(directory, out=None, gzip_above=GZIP_ABOVE, on_skip=None):
     """Merge ``directory``'s rank-*.jsonl and server-*.jsonl into one Chrome trace;
-    returns its path (``directory/trace.json``, or ``.json.gz`` when large)."""
+    returns its path (``directory/trace.json``, or ``.json.gz`` when large). With
+    ``on_skip(why)``, a file that cannot be read (a process killed before it wrote
+    anything) is left out and said, instead of failing the merge."""
     files = process_files(directory)
     if not files:
         raise FileNotFoundError(f"no rank-*.jsonl in {directory}: was the job run with --trace "
                                 "(or PARATRAIN_TRACE) and did its ranks call pt.init()?")
-    processes = [read_rank_file(f) for f in files]
+    processes = []
+    for f in files:
+        try:
+            processes.append(read_rank_file(f))
+        except ValueError as e:
+            if on_skip is None:
+                raise
+            on_skip(str(e))
+    if not processes:
+        raise ValueError(f"no trace file in {directory} could be read")
     calls = split_waits(processes)
     events = chrome_events(processes, calls)
     data = json.dumps({"traceEvents": events, "displayTimeUnit": "ms",

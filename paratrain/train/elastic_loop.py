@@ -31,6 +31,7 @@ from ..comm import elastic_rendezvous
 from ..comm.world import broadcast_text, elastic_generation, world
 from ..elastic import ElasticSampler, State
 from ..elastic import run as elastic_run
+from ..trace import recorder as trace
 from . import elastic_events
 from .coordination import GroupBoard
 from .fail import die_if_due
@@ -98,7 +99,8 @@ class ElasticLoop:
         strategy.loss_weight = mine * strategy.world_size / total   # the share's weight in the step's mean
         stats = strategy.stats
         wait0, bytes0 = stats.wait_seconds, stats.bytes
-        dt, compute, slept = job._step(batch)
+        t0 = time.perf_counter()
+        dt, compute, slept = job.run_step(batch)
         state.step += 1
         state.samples += total
         job.pool.taken += 1
@@ -110,11 +112,13 @@ class ElasticLoop:
                     print(f"paratrain train: elastic: {elastic_events.describe(e)}", flush=True)
             self._pending = []
         done = state.step
+        if trace.ON:
+            trace.add("step", "step", "compute", t0, time.perf_counter(), {"step": done})
         s = job.settings
         evaluation = strategy.evaluate(job.task) if done % s.eval_every == 0 or done == s.steps else None
         if job.lead:
             seconds = time.perf_counter() - job.t_start
-            job._record(done, dt, compute, slept, stats.wait_seconds - wait0, stats.bytes - bytes0, evaluation,
+            job.record_step(done, dt, compute, slept, stats.wait_seconds - wait0, stats.bytes - bytes0, evaluation,
                         progress=(done, state.samples / seconds if seconds > 0 else 0.0))
         if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
             job.save(done)

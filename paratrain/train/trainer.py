@@ -172,7 +172,7 @@ class TrainingRun:
                 trace.pause(step % 2 == 0)
             if trace.ON:
                 trace.add("data", "data", "data", fetched, time.perf_counter())
-            dt, compute, slept = self._step(batch)
+            dt, compute, slept = self.run_step(batch)
             if self.board_tb is not None:
                 self.board_tb.step(step + 1, dt)
             if trace.ON:
@@ -185,13 +185,13 @@ class TrainingRun:
             with trace.span("evaluate", "compute", track="compute"):
                 evaluation = strategy.evaluate(self.task) if done % s.eval_every == 0 or done == s.steps else None
             if self.lead:
-                self._record(done, dt, compute, slept, wait, sent, evaluation)
+                self.record_step(done, dt, compute, slept, wait, sent, evaluation)
             if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
                 self.save(done)
             fetched = time.perf_counter()
         self.loop_seconds = time.perf_counter() - self.t_start
 
-    def _step(self, batch):
+    def run_step(self, batch):
         """One training step; returns its seconds, the compute's, and the slowdown's."""
         strategy = self.strategy
         t0 = time.perf_counter()
@@ -204,7 +204,7 @@ class TrainingRun:
         self.loss = strategy.logged_loss(loss)
         return time.perf_counter() - t0, compute, slept
 
-    def _record(self, done, dt, compute, slept, wait, sent, evaluation, progress=None):
+    def record_step(self, done, dt, compute, slept, wait, sent, evaluation, progress=None):
         """Rank 0: the step's line in metrics.jsonl, and the progress the front-end draws
         (``progress``: (step, samples/s), where the caller knows them better than the pool)."""
         pool, s = self.pool, self.settings
