@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
     }
     # --elastic-batch shrink: each worker keeps its batch, the learning rate follows the world
     jobs["shrink"] = ("--workers", 2, "--min-workers", 1, "--batch-size", BATCH, "--elastic-batch", "shrink",
-                      "--lr", 0.04, "--fail", "0:10")   # rank 0 at 2 workers
+                      "--lr", 0.04, "--fail", "0:10", "--tensorboard")   # rank 0 at 2 workers
     for name, kills in ZERO_KILLS.items():
         jobs[name] = ("--strategy", "zero", "--stage", name[-1], "--workers", WORKERS, "--min-workers", 1,
                       "--batch-size", BATCH, *[w for k in kills for w in ("--fail", k)])
@@ -113,6 +113,12 @@ def test_shrink_keeps_each_workers_batch_and_scales_the_learning_rate(runs):
     assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.04 / 2)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # rank 0 was lost: its successor writes the job's TensorBoard scalars from the commit on
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    job = EventAccumulator(str(run_dir / "tb" / "job"))
+    job.Reload()
+    assert sorted({e.step for e in job.Scalars("loss")}) == list(range(1, STEPS + 1))
+    assert all((run_dir / "tb" / f"rank-{w}").is_dir() for w in (0, 1))   # by worker id
 
 
 @pytest.mark.timeout(240)

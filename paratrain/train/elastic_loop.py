@@ -114,6 +114,8 @@ class ElasticLoop:
         done = state.step
         if trace.ON:
             trace.add("step", "step", "compute", t0, time.perf_counter(), {"step": done})
+        if job.board_tb is not None:
+            job.board_tb.step(done, dt)
         s = job.settings
         evaluation = strategy.evaluate(job.task) if done % s.eval_every == 0 or done == s.steps else None
         if job.lead:
@@ -169,6 +171,8 @@ class ElasticLoop:
         if lead:
             drop_rows_after(f"{job.run_dir}/metrics.jsonl", commit_step)
             job.log = MetricsLog(job.run_dir)
+            if job.board_tb is not None:
+                job.board_tb.take_lead()
         job.progress = ProgressReporter(job.settings.steps, enabled=lead)
 
     def checkpoint_fields(self):

@@ -32,9 +32,15 @@ class Board:
 
     def __init__(self, run_dir, rank, lead):
         from torch.utils.tensorboard import SummaryWriter
-        root = os.path.join(run_dir, "tb")
-        self.mine = SummaryWriter(os.path.join(root, f"rank-{rank}"))
-        self.job = SummaryWriter(os.path.join(root, "job")) if lead else None
+        self.root = os.path.join(run_dir, "tb")
+        self.mine = SummaryWriter(os.path.join(self.root, f"rank-{rank}"))
+        self.job = SummaryWriter(os.path.join(self.root, "job")) if lead else None
+
+    def take_lead(self):
+        """This worker is rank 0 now (an elastic job lost its rank 0): it writes the job's scalars."""
+        if self.job is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.job = SummaryWriter(os.path.join(self.root, "job"))
 
     def step(self, step, seconds):
         self.mine.add_scalar("step_time_s", seconds, step)

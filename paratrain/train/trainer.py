@@ -27,6 +27,7 @@ import torch
 
 import paratrain as pt
 
+from .. import config
 from ..trace import recorder as trace
 from . import checkpoint as ckpt
 from . import elastic_options, strategies
@@ -106,7 +107,9 @@ class TrainingRun:
         self.run_dir = args.run_dir
         self.log = MetricsLog(self.run_dir) if self.lead else None
         self.progress = ProgressReporter(self.settings.steps, enabled=self.lead)
-        self.board_tb = Board(self.run_dir, self.strategy.rank, self.lead) if args.tensorboard else None
+        worker = config.get("PARATRAIN_ELASTIC")   # elastic: a worker's id, for life (its rank moves)
+        self.board_tb = Board(self.run_dir, self.strategy.rank if worker is None else worker, self.lead) \
+            if args.tensorboard else None
         self.loss = float("nan")   # the last step's logged loss
         self.last_eval = {}
         self.train_seconds = self.loop_seconds = 0.0
