@@ -62,6 +62,9 @@ class RankCopies:
         ranks lost). Then this rank's copies are dropped: they were of another layout."""
         from ..comm.world import broadcast_text
         kept = self.kept.get(commit_id)
+        if group.rank == root and kept is None:
+            raise RuntimeError(f"elastic: rank {root} leads the new world but holds no copy of commit {commit_id} "
+                               f"(it holds {sorted(self.kept)})")
         said = json.dumps(dict(kept["meta"], world=kept["world"])) if group.rank == root else None
         meta = json.loads(broadcast_text(group, said, root))
         old_world = meta["world"]   # a joiner's own first commit is of another world: not a holder
