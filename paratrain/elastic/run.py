@@ -84,7 +84,7 @@ def reform(state, why):
                          "caught_at": caught_at, "reform_s": time.monotonic() - t0,
                          "why": str(why).splitlines()[0][:200]})
     state.reset_callbacks()
-    if world.rank == 0:
+    if world.rank == 0 and state.report:
         print(f"paratrain: elastic: the world is now {world.world_size} workers (was {old}); "
               f"resumed from the commit at step {step} in {time.monotonic() - t0:.2f}s",
               flush=True)

@@ -37,13 +37,17 @@ _VALUE_TYPES = (bool, int, float, str, type(None))
 
 
 class State:
-    def __init__(self, model=None, optimizer=None, sampler=None, **values):
+    """``report=False``: pt.elastic.run does not print its line on a change (the caller
+    says what happened itself, as paratrain train does)."""
+
+    def __init__(self, model=None, optimizer=None, sampler=None, report=True, **values):
         for name, value in values.items():
             _check_value(name, value)
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "sampler", sampler)
+        object.__setattr__(self, "report", bool(report))
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_saved", None)
         object.__setattr__(self, "commits", 0)
@@ -60,7 +64,7 @@ class State:
                              "give it as State(..., name=value))")
 
     def __setattr__(self, name, value):
-        if name in ("model", "optimizer", "sampler"):
+        if name in ("model", "optimizer", "sampler", "report"):
             object.__setattr__(self, name, value)
             return
         _check_value(name, value)

@@ -58,7 +58,7 @@ class ElasticLoop:
         resumed = getattr(job, "resumed", None) or {}
         if "elastic_sampler" in resumed:   # --resume: where the data order was, and the samples so far
             self.sampler.load_state_dict(resumed["elastic_sampler"])
-        self.state = State(model=model, optimizer=optimizer, sampler=self.sampler,
+        self.state = State(model=model, optimizer=optimizer, sampler=self.sampler, report=False,
                            step=job.start, epoch=self.sampler.epoch, samples=int(resumed.get("elastic_samples", 0)))
         self.state.on_reset(self._on_reset)
         self.events = []        # the run's elastic_events, the same on every rank
