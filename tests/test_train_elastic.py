@@ -25,7 +25,7 @@ ZERO_KILLS = {"zero1": ("1:8", "3:20", "2:35"),    # ranks 1 at 4, 2 at 3, 1 at 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two elastic runs and the reference, launched two at a time."""
-    names = ("reference", "lost_and_joined", "below_min", "shrink", *ZERO_KILLS)
+    names = ("reference", "lost_and_joined", "below_min", "shrink", "zero_join", *ZERO_KILLS)
     paths = {name: tmp_path_factory.mktemp(name) for name in names}
     jobs = {
         "reference": ("--workers", 1, "--min-workers", 1, "--batch-size", BATCH * WORKERS),
@@ -42,10 +42,14 @@ def runs(tmp_path_factory):
     # --elastic-batch shrink: each worker keeps its batch, the learning rate follows the world
     jobs["shrink"] = ("--workers", 2, "--min-workers", 1, "--batch-size", BATCH, "--elastic-batch", "shrink",
                       "--lr", 0.04, "--fail", "0:10", "--tensorboard")   # rank 0 at 2 workers
+    # below --min-workers before any commit: the replacement joins a world of the same size, and
+    # its own first commit (taken there) must not pass for the dead worker's shard
+    jobs["zero_join"] = ("--strategy", "zero", "--stage", 2, "--workers", WORKERS, "--min-workers", WORKERS,
+                         "--max-restarts", 1, "--batch-size", BATCH, "--fail", "1:3")
     for name, kills in ZERO_KILLS.items():
         jobs[name] = ("--strategy", "zero", "--stage", name[-1], "--workers", WORKERS, "--min-workers", 1,
                       "--batch-size", BATCH, *[w for k in kills for w in ("--fail", k)])
-    order = ["lost_and_joined", "reference", "below_min", "shrink", *ZERO_KILLS]
+    order = ["lost_and_joined", "reference", "below_min", "shrink", "zero_join", *ZERO_KILLS]
     results = side_by_side(*[(paths[name], *jobs[name], *COMMON) for name in order])
     return {name: (res, run_dirs(paths[name])[0]) for name, res in zip(order, results)}
 
@@ -151,6 +155,13 @@ def test_elastic_options_are_checked_before_anything_starts(tmp_path):
     ]:
         res = front_end(tmp_path, *args)
         assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
+
+
+@pytest.mark.timeout(240)
+def test_a_zero_replacement_before_the_first_commit_takes_the_dead_workers_shard_from_its_buddy(runs):
+    res, summary = check_run(runs, "zero_join")
+    kinds = [(e["kind"], e["commit_step"], e["world_size"]) for e in summary["elastic_events"]]
+    assert kinds == [("lost", 0, WORKERS), ("joined", 0, WORKERS)], kinds
 
 
 @pytest.mark.timeout(240)

@@ -40,13 +40,14 @@ class RankCopies:
     """The commits of one rank's tensors and of its left neighbour's."""
 
     def __init__(self):
-        self.kept = {}   # commit id -> {"rank", "world", "own": [tensors], "buddy": [tensors] or None, "meta"}
+        self.kept = {}   # commit id -> {"rank", "world", "generation", "own", "buddy", "meta"}
 
     def snapshot(self, commit_id, rank, world, tensors, meta):
         """Keep copies of ``tensors`` (and ``meta``, JSON: what the rank 0 of a new world
         tells everyone) under ``commit_id``."""
-        self.kept[commit_id] = {"rank": rank, "world": world, "own": [t.detach().clone() for t in tensors],
-                                "buddy": None, "meta": meta}
+        from ..comm.world import elastic_generation
+        self.kept[commit_id] = {"rank": rank, "world": world, "generation": elastic_generation()[1],
+                                "own": [t.detach().clone() for t in tensors], "buddy": None, "meta": meta}
         for old in sorted(self.kept)[:-KEEP]:
             del self.kept[old]
 
@@ -59,16 +60,21 @@ class RankCopies:
     def sources(self, group, root, commit_id):
         """After a change of the world (collective): (root's meta with the commit's old world
         size as ``meta["world"]``, {old rank: its tensors} for those this rank brings, the old
-        ranks lost). Then this rank's copies are dropped: they were of another layout."""
+        ranks lost). A holder is a rank whose copy was taken in the commit's world (its size
+        and generation); the caller then commits again, in the new world's layout."""
         from ..comm.world import broadcast_text
         kept = self.kept.get(commit_id)
         if group.rank == root and kept is None:
             raise RuntimeError(f"elastic: rank {root} leads the new world but holds no copy of commit {commit_id} "
                                f"(it holds {sorted(self.kept)})")
-        said = json.dumps(dict(kept["meta"], world=kept["world"])) if group.rank == root else None
+        said = json.dumps(dict(kept["meta"], world=kept["world"], generation=kept["generation"])) \
+            if group.rank == root else None
         meta = json.loads(broadcast_text(group, said, root))
-        old_world = meta["world"]   # a joiner's own first commit is of another world: not a holder
-        mine = torch.tensor([kept["rank"] if kept and kept["world"] == old_world else -1], dtype=torch.int64)
+        old_world = meta["world"]
+        # a holder's copy is of the commit's world: a joiner's own first commit is of another
+        # (same id, taken in the world it joined), whatever its size
+        ours = kept and kept["world"] == old_world and kept["generation"] == meta["generation"]
+        mine = torch.tensor([kept["rank"] if ours else -1], dtype=torch.int64)
         table = torch.empty(group.world_size, dtype=torch.int64)
         group.all_gather(table, mine)
         held = {int(r): g for g, r in enumerate(table.tolist()) if r >= 0}
@@ -83,5 +89,4 @@ class RankCopies:
                 continue
             if holder == group.rank:
                 brings[c] = kept[source]
-        self.kept = {}
         return meta, brings, lost
