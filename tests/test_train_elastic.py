@@ -150,6 +150,7 @@ def test_elastic_options_are_checked_before_anything_starts(tmp_path):
         (("--min-workers", 3, "--workers", 2), "--min-workers (3) <= --workers (2)"),
         (("--min-workers", 1, "--strategy", "pipeline", "--model", "gpt"), "--strategy pipeline is not elastic"),
         (("--max-restarts", 2), "give --min-workers too"),
+        (("--elastic-batch", "shrink"), "are for an elastic job"),
         (("--fail", "1:3:commit"), "is for an elastic job"),
         (("--fail", "1:3:later", "--min-workers", 1), "WHEN is one of"),
     ]:

@@ -110,22 +110,18 @@ class Heartbeat:
 
     def __init__(self, connect, worker_id, period):
         self.connect, self.key, self.period = connect, key_beat(worker_id), period
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True).start()
 
     def _run(self):
+        """Beats for the life of the process (it ends with it: a daemon thread)."""
         try:
             store, count, pid = self.connect(), 0, os.getpid()
-            while not self._stop.is_set():
+            while True:
                 count += 1
                 store.set(self.key, f"{count} {pid}")
-                self._stop.wait(self.period)
+                time.sleep(self.period)
         except Exception:   # the launcher is gone: the main thread learns it from its own waits
             return
-
-    def stop(self):
-        self._stop.set()
 
 
 def read_beat(store, worker_id):

@@ -22,6 +22,7 @@ next commit. This loop adds what a training job needs around that:
   started and when, and what the workers agree at the re-form.
 """
 import json
+import os
 import time
 
 import torch
@@ -32,10 +33,10 @@ from ..comm.world import broadcast_text, elastic_generation, world
 from ..elastic import ElasticSampler, State
 from ..elastic import run as elastic_run
 from ..trace import recorder as trace
-from . import elastic_events
+from . import elastic_events, elastic_options
 from .coordination import GroupBoard
 from .fail import die_if_due
-from .metrics import MetricsLog, drop_rows_after
+from .metrics import METRICS_FILE, MetricsLog, drop_rows_after
 from .progress import ProgressReporter
 
 
@@ -47,8 +48,8 @@ class ElasticLoop:
         self.job = job
         args, strategy = job.args, job.strategy
         self.asked, self.batch = args.workers, job.settings.batch_size
-        self.shrink = args.elastic_batch == "shrink"
-        self.commit_every = args.commit_every
+        self.shrink = elastic_options.batch_mode(args) == "shrink"
+        self.commit_every = elastic_options.commit_every(args)
         self.worker_id = config.get("PARATRAIN_ELASTIC")
         model, optimizer = strategy.elastic_parts()
         self.base_lrs = [g["lr"] for g in strategy.param_groups()]
@@ -169,7 +170,7 @@ class ElasticLoop:
             job.log = None
         job.lead = lead
         if lead:
-            drop_rows_after(f"{job.run_dir}/metrics.jsonl", commit_step)
+            drop_rows_after(os.path.join(job.run_dir, METRICS_FILE), commit_step)
             job.log = MetricsLog(job.run_dir)
             if job.board_tb is not None:
                 job.board_tb.take_lead()

@@ -15,11 +15,11 @@ def add_options(parser):
     g = parser.add_argument_group("elastic training")
     from ..launch.elastic import add_options as add_launcher_options
     add_launcher_options(g, "--workers")
-    g.add_argument("--elastic-batch", choices=BATCH_MODES, default="keep",
+    g.add_argument("--elastic-batch", choices=BATCH_MODES, default=None,
                    help="elastic, when the world shrinks: keep the global batch (each worker takes a larger share; "
                         "the default: the run follows the same trajectory), or shrink it (each worker keeps "
                         "--batch-size and the learning rate is scaled by the workers left)")
-    g.add_argument("--commit-every", type=positive_int, default=10, metavar="N",
+    g.add_argument("--commit-every", type=positive_int, default=None, metavar="N",
                    help="elastic: commit the state in memory every N steps, the point a failure goes back to "
                         "(default 10)")
 
@@ -33,6 +33,8 @@ def check(args):
     if not given(args):
         if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts:
             return "--max-workers, --max-restarts and --elastic-timeout are for an elastic job: give --min-workers too"
+        if args.elastic_batch is not None or args.commit_every is not None:
+            return "--elastic-batch and --commit-every are for an elastic job: give --min-workers too"
         if any(when != "step" for _, _, when in args.fail):
             return "--fail RANK:STEP:WHEN is for an elastic job (--min-workers); give RANK:STEP"
         return None
@@ -50,7 +52,7 @@ def check(args):
     if (args.tp or 1) > 1 or (args.pp or 1) > 1:
         return "--min-workers works with data parallelism alone for now: drop --tp and --pp"
     top = args.max_workers or args.workers
-    if args.batch_size is not None and args.elastic_batch == "keep" and args.batch_size * args.workers < top:
+    if args.batch_size is not None and batch_mode(args) == "keep" and args.batch_size * args.workers < top:
         return (f"--elastic-batch keep: a global batch of {args.batch_size * args.workers} cannot give each of "
                 f"{top} workers a sample; raise --batch-size")
     return None
@@ -67,6 +69,13 @@ def launcher_args(args):
         words += ["--elastic-timeout", repr(args.elastic_timeout)]
     return words
 
+
+def batch_mode(args):
+    return args.elastic_batch or "keep"
+
+
+def commit_every(args):
+    return args.commit_every or 10
 
 
 def resume_problem(args, checkpoint):

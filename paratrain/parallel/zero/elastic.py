@@ -67,6 +67,7 @@ class Commits:
         self.snapshot(commit_id)   # the chunks in this world's layout, and their copies, from here on
         self.replicate(commit_id)
 
+
 def _chunks(e):
     """(tensors: each unit's parameter chunk then its optimizer tensors, in key order;
     meta: the keys, the scalars and the hyper-parameters, as JSON)."""
@@ -109,7 +110,7 @@ def _load(e, whole, meta):
             u.shard.copy_(padded[e.rank * u.chunk:(e.rank + 1) * u.chunk])
             if e.stage < 3:
                 u.flat.copy_(padded)
-            state[k] = {key: float_or_tensor(value) for key, value in meta["scalars"][k].items()}
+            state[k] = {key: torch.tensor(value) for key, value in meta["scalars"][k].items()}   # Adam's step
             for j, key in enumerate(meta["keys"][k], 1):
                 padded = torch.zeros(u.padded, dtype=u.shard.dtype)
                 padded[:u.numel] = parts[j]
@@ -118,7 +119,3 @@ def _load(e, whole, meta):
     group = dict(meta["group"], params=list(range(len(e.units))))
     e.optimizer.load_state_dict({"state": {k: v for k, v in state.items() if v}, "param_groups": [group]})
 
-
-def float_or_tensor(value):
-    """Adam's step is a tensor in torch's state dicts; a scalar state goes back as one."""
-    return torch.tensor(value)
