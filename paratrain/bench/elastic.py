@@ -81,15 +81,10 @@ def measure_torchrun(rows):
     stopped = [r["t"] for r in rows if r["kind"] == "stopped"]
     again = sorted((r["t"], r["step"]) for r in rows if r["kind"] == "step" and r["attempt"] > 0)
     steps_before = max((r["step"] for r in rows if r["kind"] == "step" and r["t"] < t_kill), default=0)
-    commits = [r["seconds"] for r in rows if r["kind"] == "commit"]
-    mine = sorted((r["t"], r["step"]) for r in rows if r["kind"] == "step" and r["worker"] == 0 and r["attempt"] == 0)
-    step_times = [b[0] - a[0] for a, b in zip(mine, mine[1:]) if b[1] == a[1] + 1] or [0.0]
     return {"detect_s": min(stopped) - t_kill if stopped else None,
             "resume_s": again[0][0] - t_kill if again else None,
             "redone_steps": steps_before - (again[0][1] - 1) if again else None,
-            "commit_share": statistics.median(commits) / (COMMIT_EVERY * statistics.median(step_times))
-            if commits else None,
-            "step_s": statistics.median(step_times)}
+            **pace(rows, step_seconds([r for r in rows if r.get("attempt") == 0]))}
 
 
 def measure(rows, workers):
@@ -105,20 +100,25 @@ def measure(rows, workers):
                   and r["world"] == workers)
     steps_before = max((r["step"] for r in rows if r["kind"] == "step" and r["t"] < t_kill), default=0)
     resumed_from = min((r["step"] for r in lost), default=steps_before)
-    commits = [r["seconds"] for r in rows if r["kind"] == "commit"]
-    step_times = step_seconds(rows)
     return {"victim": victim, "detect_s": max(caught) - t_kill if caught else None,
             "resume_s": after[0] - t_kill if after else None,
             "join_s": back[0] - joiner["t_process"] if back else None,
             "redone_steps": steps_before - resumed_from,
-            "commit_share": statistics.median(commits) / (COMMIT_EVERY * statistics.median(step_times))
-            if commits else None,
-            "step_s": statistics.median(step_times)}
+            **pace(rows, step_seconds(rows))}
+
+
+def pace(rows, step_times):
+    """The median step's seconds, and what a commit every COMMIT_EVERY steps costs as a
+    share of them (None without commits)."""
+    commits = [r["seconds"] for r in rows if r["kind"] == "commit"]
+    step_s = statistics.median(step_times)
+    return {"commit_share": statistics.median(commits) / (COMMIT_EVERY * step_s) if commits else None,
+            "step_s": step_s}
 
 
 def step_seconds(rows):
     """Worker 0's time between consecutive steps of one world (its own steps only)."""
-    mine = sorted((r["t"], r["step"], r["world"]) for r in rows if r["kind"] == "step" and r["worker"] == 0)
+    mine = sorted((r["t"], r["step"], r.get("world")) for r in rows if r["kind"] == "step" and r["worker"] == 0)
     return [b[0] - a[0] for a, b in zip(mine, mine[1:]) if b[1] == a[1] + 1 and b[2] == a[2]] or [0.0]
 
 
