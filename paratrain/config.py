@@ -92,9 +92,9 @@ SETTINGS = {s.name: s for s in (
             "launcher's rendezvous"),
     Setting("PARATRAIN_ELASTIC_TIMEOUT", 600.0, positive_seconds, "seconds an elastic job waits for a world "
             "of at least --min-workers before it gives up (`paratrain run --elastic-timeout`)"),
-    Setting("PARATRAIN_ELASTIC_HEARTBEAT", 5.0, positive_seconds, "seconds an elastic job's worker may go without "
-            "a heartbeat before the launcher declares it dead (a hung process: it is killed, and the others go on "
-            "without it)"),
+    Setting("PARATRAIN_ELASTIC_HEARTBEAT", 4.0, positive_seconds, "seconds an elastic job's worker may go without "
+            "a heartbeat before the launcher declares it dead (a hung process or host: the others go on without it, "
+            "and it is killed)"),
     Setting("PARATRAIN_JOB_ID", None, str, "names the job's shared-memory segments (set by `paratrain run`)"),
     Setting("PARATRAIN_PS_SHM", True, flag, "0: parameter-server tensors over TCP even on the same host"),
     Setting("PARATRAIN_PS_BELLS", True, flag, "0: same-host steps, dense pushes and pulls, and clocks through "

@@ -2,12 +2,17 @@
 others re-form a world and go on from their last commit, and the run ends with the
 parameters of a one-process replay that goes through the same world sizes at the same
 steps (nothing lost, nothing used twice)."""
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, launch
+from conftest import ROOT, WORKERS, launch
 
 BATCH, COMMIT_EVERY, EPOCHS, SAMPLES = 8, 4, 2, 240
 
@@ -66,7 +71,13 @@ def run_and_replay(tmp_path, fail, *launcher_args, n=3, slow_below=0):
                  env={"FAIL": fail, "OUT": str(out), "SLOW_BELOW": str(slow_below)})
     text = res.stdout + res.stderr
     assert res.returncode == 0, text[-4000:]
-    line = next(x for x in res.stdout.splitlines() if "sizes {" in x)
+    return res, check_replay(res.stdout, out)
+
+
+def check_replay(stdout, out):
+    """The world sizes rank 0 printed, once the saved parameters in ``out`` were found equal
+    to the replay's."""
+    line = next(x for x in stdout.splitlines() if "sizes {" in x)
     sizes = {int(k): v for k, v in json.loads(line.split("sizes ", 1)[1]).items()}
     assert sorted(sizes) == list(range(1, len(sizes) + 1)), sizes
     expected, steps = replay(sizes)
@@ -74,7 +85,7 @@ def run_and_replay(tmp_path, fail, *launcher_args, n=3, slow_below=0):
     got = torch.load(out, weights_only=True)
     for k, v in expected.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
-    return res, sizes
+    return sizes
 
 
 @pytest.mark.timeout(120)
@@ -109,6 +120,42 @@ def test_below_min_workers_the_job_waits_then_ends_saying_why(tmp_path):
     assert "below --min-workers 2; waiting up to 2s" in text, text[-4000:]
     assert "ElasticAbort" in text and "below --min-workers 2, for 2s (--elastic-timeout)" in text, text[-4000:]
     assert not (tmp_path / "never.pt").exists()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["torch", "shm"])
+def test_a_host_that_hangs_is_declared_dead_by_its_heartbeat_and_the_other_goes_on(tmp_path, backend):
+    """Two launchers as two hosts (--nnodes 2), a worker each. As it begins step 7, host 1
+    hangs whole: its launcher and its worker are stopped (SIGSTOP), so no socket closes and
+    nobody reports a death. The first host's launcher declares worker 1 dead when its
+    heartbeat stops; worker 0, waiting for it in Gloo (torch) or in shared memory (shm),
+    gives up on the world, and goes on alone from the commit at step 4 - long before the
+    collective's 30 s timeout."""
+    from paratrain.launch.local import free_port
+    port, out, pid_file = free_port(), tmp_path / "params.pt", tmp_path / "host1.pid"
+    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_ELASTIC_HEARTBEAT="2", PARATRAIN_BACKEND=backend,
+               FAIL="1:7:host", OUT=str(out), HOST_PID=str(pid_file))
+    hosts = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(h),
+                               "--master-port", str(port), "-n", "1", "--min-workers", "1",
+                               str(WORKERS / "elastic_dp.py")], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for h in (0, 1)]
+    pid_file.write_text(str(hosts[1].pid))
+    try:
+        text = hosts[0].communicate(timeout=80)[0]
+    finally:
+        for p in hosts:
+            p.kill()
+        worker = tmp_path / "host1.pid.worker"   # the stopped worker wrote its pid there
+        if worker.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(worker.read_text()), signal.SIGKILL)
+        hosts[1].wait()
+    assert hosts[0].returncode == 0, text[-4000:]
+    assert "worker 1 sent no heartbeat for" in text and "declared dead" in text, text[-4000:]
+    assert "events [('lost', 4, 2, 1)]" in text, text[-4000:]
+    assert "worker 1 (rank 1) was declared dead by the launcher: no heartbeat" in text, text[-4000:]
+    sizes = check_replay(text, out)
+    assert [sizes[s] for s in (1, 4, 5, len(sizes))] == [2, 2, 1, 1], sizes
 
 
 def test_elastic_options_are_checked_before_anything_starts(capsys):

@@ -12,10 +12,12 @@ a replacement started), which pt.elastic checks at each commit.
 
 A ``Heartbeat`` thread says every so often that this worker's process still
 runs (``elastic/beat/<id>``: a count and the pid), on a store connection of its
-own. A worker that hangs (stopped, or stuck holding the interpreter) stops
-beating, and the launcher declares it dead and kills it, which the others
-then see as the death of a peer: a hang becomes a failure in seconds, not a
-wait for the collective's timeout (pytorch #123678).
+own. A worker that hangs (stopped, stuck holding the interpreter, or on a host
+whose link is cut) stops beating, and the launcher declares it dead: a hang
+becomes a failure in seconds, not a wait for the collective's timeout (pytorch
+#123678). The same thread reads the declarations (``elastic/declared``) and
+hands them to the worker (comm/abandon.py: it gives up on a world that holds
+a declared worker, whose sockets may never close).
 """
 import json
 import os
@@ -50,8 +52,35 @@ def key_beat(worker_id):
     return f"elastic/beat/{worker_id}"
 
 
+def key_hosts(generation):
+    return f"elastic/gen{generation}/hosts"
+
+
 KEY_ABORT = "elastic/abort"
 KEY_FINISHED = "elastic/finished"
+# Append-only logs, a JSON object per line (Lines reads them):
+KEY_REPORTS = "elastic/reports"     # other hosts' launchers: {"kind": "lost"|"started"|"finished", "id", "at"}
+KEY_KILL = "elastic/kill"           # the coordinator to those launchers: {"id"}, a worker to kill
+KEY_DECLARED = "elastic/declared"   # the coordinator to the workers: {"id", "why"}, declared dead
+KEY_NEXT_ID = "elastic/next_id"     # a counter: the ids of replacements, unique over all hosts
+
+
+def append_line(store, key, record):
+    store.append(key, json.dumps(record) + "\n")
+
+
+class Lines:
+    """A reader of an append-only log: each call returns the records added since the last."""
+
+    def __init__(self, key):
+        self.key, self.offset = key, 0
+
+    def new(self, store):
+        if not store.check([self.key]):
+            return []
+        text = store.get(self.key).decode()
+        fresh, self.offset = text[self.offset:], len(text)
+        return [json.loads(line) for line in fresh.splitlines() if line]
 
 
 class ElasticAbort(CommError):
@@ -62,9 +91,10 @@ def current_generation(store):
     return int(store.get(key_generation()).decode())
 
 
-def join(store, worker_id, last_generation, timeout):
+def join(store, worker_id, last_generation, timeout, host=""):
     """Wait to be placed in the generation after ``last_generation`` (-1: a new worker);
-    returns (generation, rank, world size). Raises ElasticAbort if the launcher gives up
+    returns (generation, {worker id: rank}, {worker id: host}), ids as strings; ``host``
+    is this worker's (comm/env.host_id). Raises ElasticAbort if the launcher gives up
     (after ``timeout`` seconds below --min-workers), and a RendezvousError if nothing
     is heard for longer than that (the launcher is gone)."""
     store.set_timeout(timedelta(seconds=max(timeout, 1.0)))
@@ -79,12 +109,12 @@ def join(store, worker_id, last_generation, timeout):
         if g is not None and store.check([key_ranks(g)]):
             ranks = json.loads(store.get(key_ranks(g)).decode())
             if str(worker_id) in ranks:   # ours, even if a later one is open already: the others are in it
-                return g, ranks[str(worker_id)], len(ranks)
+                return g, ranks, json.loads(store.get(key_hosts(g)).decode())
             # formed before the launcher counted us (a replacement): it opens the next one
         newest = max(current_generation(store), last_generation + 1)
         if newest != g:
             g = newest
-            store.set(key_here(g, worker_id), "1")
+            store.set(key_here(g, worker_id), host)
             continue
         time.sleep(POLL)
     raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s of asking "
@@ -106,19 +136,24 @@ def changes(store, generation):
 
 class Heartbeat:
     """Beats ``elastic/beat/<id>`` every ``period`` seconds from a daemon thread, over the
-    store client ``connect()`` makes (its own: the main thread's may be inside a long wait)."""
+    store client ``connect()`` makes (its own: the main thread's may be inside a long wait),
+    and passes each worker the launcher declares dead to ``on_declared(record)``."""
 
-    def __init__(self, connect, worker_id, period):
+    def __init__(self, connect, worker_id, period, on_declared):
         self.connect, self.key, self.period = connect, key_beat(worker_id), period
+        self.on_declared = on_declared
         threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True).start()
 
     def _run(self):
         """Beats for the life of the process (it ends with it: a daemon thread)."""
         try:
             store, count, pid = self.connect(), 0, os.getpid()
+            declared = Lines(KEY_DECLARED)
             while True:
                 count += 1
                 store.set(self.key, f"{count} {pid}")
+                for record in declared.new(store):
+                    self.on_declared(record)
                 time.sleep(self.period)
         except Exception:   # the launcher is gone: the main thread learns it from its own waits
             return

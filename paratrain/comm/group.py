@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import config
 from ..trace import calls as trace_calls, flight, recorder as trace
-from . import envelopes, ops
+from . import abandon, envelopes, ops
 from .algorithms import TAG as INTERNAL_TAG, naive, ring, tree
 from .errors import CommError, MismatchError
 from .transport import Transport
@@ -158,6 +158,7 @@ class ProcessGroup:
         if self._destroyed:
             raise CommError(f"{what} on {self!r}, which was destroyed (pt.destroy() or group.destroy()): "
                             "its peers may be gone; call pt.init() again and use the group it returns")
+        abandon.check()   # an elastic job's launcher declared a member of this world dead
 
     def _check_peer(self, peer, what):
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:

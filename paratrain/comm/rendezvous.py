@@ -10,8 +10,6 @@ rank 0 is unreachable or something else holds its port, some ranks never came
 or left after coming (wait_keys), or ranks disagree on the world size or the
 backend (agree).
 """
-import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -20,6 +18,7 @@ from torch.distributed import HashStore, TCPStore
 
 from .errors import CommError, first_line
 from .liveness import dead_local_peers
+from .sockets import shut_down, socket_fds
 
 
 class RendezvousError(CommError):
@@ -72,7 +71,7 @@ def _client(addr, port, world_size, timeout):
     its socket is connected, we shut that socket down: the helper's read returns,
     TCPStore raises there, and we raise our own error here. This takes /proc to
     find the socket; elsewhere the wait is TCPStore's own."""
-    box, before = {}, _socket_fds()
+    box, before = {}, socket_fds()
 
     def make():
         try:
@@ -90,7 +89,7 @@ def _client(addr, port, world_size, timeout):
     while helper.is_alive():
         helper.join(0.25)
         if helper.is_alive() and time.monotonic() > answered_by \
-                and _shut_down_connections(_socket_fds() - before, port):   # it raises and ends
+                and shut_down(socket_fds() - before, lambda own, peer: peer == port):   # it raises and ends
             helper.join(5.0)
             raise RendezvousError(
                 f"the rendezvous at {addr}:{port} took the connection but did not answer within {timeout:g}s: "
@@ -99,38 +98,6 @@ def _client(addr, port, world_size, timeout):
     if "error" in box:
         raise box["error"]
     return box["store"]
-
-
-def _socket_fds():
-    """This process's open sockets (Linux's /proc; empty elsewhere)."""
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return set()
-    out = set()
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                out.add(int(fd))
-        except OSError:   # the listing's own descriptor, closed by now
-            pass
-    return out
-
-
-def _shut_down_connections(fds, port):
-    """Shut down those of ``fds`` connected to ``port`` (a read blocked on them
-    returns); how many there were. A socket still connecting has no peer: left alone."""
-    shut = 0
-    for fd in fds:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:   # a duplicate: shutdown reaches the socket itself
-                peer = s.getpeername()
-                if len(peer) >= 2 and peer[1] == port:
-                    s.shutdown(socket.SHUT_RDWR)
-                    shut += 1
-        except OSError:
-            pass
-    return shut
 
 
 def wait_for_ranks(store, rank, world_size, timeout, prefix="rdzv"):

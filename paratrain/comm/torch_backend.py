@@ -34,7 +34,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import abandon, ops
 from .errors import CommError, PeerError, first_line, peer_died, timed_out
 from .group import ProcessGroup, describe
 from .liveness import dead_local_peers
@@ -80,6 +80,8 @@ class TorchGroup(ProcessGroup):
             raise self._peer_error(what, e, peer) from e
 
     def _peer_error(self, what, e, peer=None):
+        if abandon.reason() is not None:   # our own end was shut down: a member was declared dead
+            return PeerError(f"{what} over {self.engine}: {abandon.reason()}")
         me = self.ranks[self.rank]
         peers = [r for r in self.ranks if r != me] if peer is None else [self._global(peer)]
         reason = first_line(e)

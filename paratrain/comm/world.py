@@ -14,12 +14,14 @@ import dataclasses
 import importlib
 import os
 import sys
+import threading
 from datetime import timedelta
 
 import torch
 from torch.distributed import PrefixStore
 
 from .. import config
+from . import abandon
 from . import env as envmod
 from . import rendezvous
 from .errors import CommError, first_line
@@ -207,30 +209,49 @@ def _job_store(e, timeout):
     return PrefixStore(f"init{entry[1]}", entry[0])
 
 
-_ELASTIC = {"store": None, "generation": -1}   # kept across pt.destroy(): the next init joins the next world
+_ELASTIC = {"store": None, "generation": -1, "members": {}, "port": None}   # kept across pt.destroy()
+_ELASTIC_LOCK = threading.Lock()   # the members, between the main thread and the heartbeat's
 
 
 def _elastic_world(e, worker_id, timeout):
     """An elastic job's rank and world size come from the launcher's rendezvous
     (elastic_rendezvous.py), not from the environment, and the store is the
     launcher's (it outlives any worker); each generation's set-up goes under its
-    own key prefix. One host: the local rank is the rank."""
+    own key prefix. The local rank is the rank among the members on this host."""
     from . import elastic_rendezvous
     client = _ELASTIC["store"]
     if client is None:
         client = _ELASTIC["store"] = rendezvous.connect_client(e.master_addr, e.master_port, timeout)
+        _ELASTIC["port"] = e.master_port
         beat_s = config.get("PARATRAIN_ELASTIC_HEARTBEAT") / 5   # several beats in the launcher's limit
         elastic_rendezvous.Heartbeat(lambda: rendezvous.connect_client(e.master_addr, e.master_port, timeout),
-                                     worker_id, beat_s)
-    g, rank, world_size = elastic_rendezvous.join(client, worker_id, _ELASTIC["generation"],
-                                                  config.get("PARATRAIN_ELASTIC_TIMEOUT"))
-    _ELASTIC["generation"] = g
-    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", rank),
-                        ("LOCAL_WORLD_SIZE", world_size)):
+                                     worker_id, beat_s, _declared_dead)
+    host = envmod.host_id()
+    g, ranks, hosts = elastic_rendezvous.join(client, worker_id, _ELASTIC["generation"],
+                                              config.get("PARATRAIN_ELASTIC_TIMEOUT"), host)
+    with _ELASTIC_LOCK:
+        _ELASTIC["generation"], _ELASTIC["members"] = g, ranks
+        abandon.clear()   # a new world: whatever the last one was given up for is behind
+    rank, world_size = ranks[str(worker_id)], len(ranks)
+    here = sorted(r for w, r in ranks.items() if hosts.get(w, host) == host)
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", here.index(rank)),
+                        ("LOCAL_WORLD_SIZE", len(here))):
         os.environ[name] = str(value)   # what a script reading the environment expects
     client.set_timeout(timedelta(seconds=timeout))
-    e = dataclasses.replace(e, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    e = dataclasses.replace(e, rank=rank, world_size=world_size, local_rank=here.index(rank),
+                            local_world_size=len(here))
     return e, PrefixStore(f"gen{g}", client)
+
+
+def _declared_dead(record):
+    """The heartbeat thread: the launcher declared worker ``record["id"]`` dead (it stopped
+    beating). If it is in this world, the world is given up on (abandon.py): its sockets
+    may never close, and the waits for it would last until the timeout."""
+    with _ELASTIC_LOCK:
+        rank = _ELASTIC["members"].get(str(record["id"]))
+        if rank is not None:
+            abandon.abandon(f"worker {record['id']} (rank {rank}) was declared dead by the launcher: "
+                            f"{record['why']}", keep_port=_ELASTIC["port"])
 
 
 def elastic_generation():

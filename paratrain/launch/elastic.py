@@ -12,8 +12,12 @@ the world formed after the last change:
     elastic/gen<g>/changes      what changed since the generation before: the workers lost
                                 (their rank there, when the launcher saw them die) and
                                 those started since (when), as JSON
+    elastic/gen<g>/hosts        where each of its workers runs, {"<id>": host}
     elastic/abort               why the job cannot go on (fewer than M workers too long)
     elastic/finished            the running world finished: a worker still waiting to join leaves
+    elastic/reports             other hosts' launchers: their workers started, lost, finished
+    elastic/kill                to those launchers: kill this worker of yours (it hangs)
+    elastic/declared            to the workers: this worker is declared dead (give up on a world with it)
 
 A worker whose world failed (a peer died in a collective;
 comm/elastic_rendezvous.py) says it is ready for the next generation and
@@ -53,7 +57,9 @@ class Coordinator:
     """Hosts the store at host:port and forms the generations (a thread), from the
     worker ids the launcher reports alive (``started``) and gone (``lost``)."""
 
-    def __init__(self, host, port, workers, min_workers, max_workers, timeout, heartbeat=5.0):
+    def __init__(self, host, port, workers, min_workers, max_workers, timeout, heartbeat=4.0, local=None):
+        """workers: the ids of every host's first workers; local: those this launcher
+        started (default: all), whose pids it may kill."""
         from torch.distributed import TCPStore
 
         from ..comm import elastic_rendezvous as keys   # the keys the workers read (here: torch is loaded anyway)
@@ -61,6 +67,9 @@ class Coordinator:
         self.store = TCPStore(host, port, None, True, timedelta(seconds=max(timeout, 60.0)),
                               wait_for_workers=False)
         self.min_workers, self.max_workers, self.timeout = min_workers, max_workers, timeout
+        self.first_ids = len(workers)
+        self.local = set(workers if local is None else local)
+        self.reports = keys.Lines(keys.KEY_REPORTS)
         self.live = set(workers)
         self.members = set(workers)   # the last formed generation's workers (first: the ones started)
         self.generation = 0
@@ -80,28 +89,67 @@ class Coordinator:
 
     # ---- what the launcher reports -----------------------------------------------------------
 
-    def lost(self, worker_id):
+    def lost(self, worker_id, at=None):
         with self._lock:
-            self.live.discard(worker_id)
-            rank = self.formed.get(max(self.formed, default=-1), {}).get(str(worker_id))
-            self.changes["lost"].append({"id": worker_id, "rank": rank, "at": time.time()})
-            if self.generation in self.formed:
-                self._next_generation()
+            self._lost(worker_id, at)
 
-    def started(self, worker_id):
+    def started(self, worker_id, at=None):
         """A replacement: it opens the next generation itself once it is ready."""
         with self._lock:
-            self.live.add(worker_id)
-            self.changes["joined"].append({"id": worker_id, "at": time.time()})
+            self.local.add(worker_id)
+            self._started(worker_id, at)
 
     def finished(self, worker_id):
         """A worker ended well: once every member of the running world has, a worker
         still waiting to join has nothing to join (it is told, and exits)."""
         with self._lock:
-            self.live.discard(worker_id)
-            self.done.add(worker_id)
-            if self.members <= self.done:
-                self.store.set(self.keys.KEY_FINISHED, "1")
+            self._finished(worker_id)
+
+    def new_id(self):
+        """A replacement's worker id, unique over every host's launcher."""
+        return new_id(self.store, self.first_ids)
+
+    def room(self):
+        """May a replacement start (fewer than --max-workers live)?"""
+        return len(self.live) < self.max_workers
+
+    def wait_for_other_hosts(self):
+        """This host's workers have ended: the others', still running or finishing, need the
+        store for as long as they do. Wait until none is live (ended, lost or declared dead
+        when its heartbeat stops); one that never sent a heartbeat never started."""
+        while not self._stop.wait(POLL * 10):
+            with self._lock:
+                if not [w for w in self.live - self.local if w in self._beats]:
+                    return
+
+    def _lost(self, worker_id, at=None):
+        if worker_id not in self.live:   # declared dead already (its heartbeat), or ended
+            return
+        self.live.discard(worker_id)
+        rank = self.formed.get(max(self.formed, default=-1), {}).get(str(worker_id))
+        self.changes["lost"].append({"id": worker_id, "rank": rank, "at": at or time.time()})
+        if self.generation in self.formed:
+            self._next_generation()
+
+    def _started(self, worker_id, at=None):
+        self.live.add(worker_id)
+        self.changes["joined"].append({"id": worker_id, "at": at or time.time()})
+
+    def _finished(self, worker_id):
+        self.live.discard(worker_id)
+        self.done.add(worker_id)
+        if self.members <= self.done:
+            self.store.set(self.keys.KEY_FINISHED, "1")
+
+    def _read_reports(self):
+        """What the other hosts' launchers saw (Follower)."""
+        for r in self.reports.new(self.store):
+            if r["kind"] == "lost":
+                self._lost(r["id"], r["at"])
+            elif r["kind"] == "started":
+                self._started(r["id"], r["at"])
+            else:
+                self._finished(r["id"])
 
     def stop(self):
         self._stop.set()
@@ -119,6 +167,7 @@ class Coordinator:
     def _run(self):
         while not self._stop.wait(POLL):
             with self._lock:
+                self._read_reports()
                 self._check_beats(time.monotonic())
                 g, live = self.generation, set(self.live)
                 if g in self.formed:
@@ -137,7 +186,9 @@ class Coordinator:
 
     def _check_beats(self, now):
         """A live worker whose heartbeat has not moved for ``heartbeat`` seconds hangs: it is
-        killed, and its death is then handled as any other (the launcher sees it exit).
+        declared dead at once (the others are told, and give up on the world it is in),
+        and killed: here by its pid, on another host by its launcher (elastic/kill), if
+        that launcher is not as silent as its worker.
         Its silence is timed by this process's clock, from when the beat last changed."""
         if now < self._next_beat_check:
             return
@@ -151,12 +202,17 @@ class Coordinator:
                 self._beats[w] = (beat[0], now)
             elif now - seen[1] > self.heartbeat:
                 self._silenced.add(w)
-                say(f"paratrain run: elastic: worker {w} sent no heartbeat for {now - seen[1]:.1f}s "
-                    f"(more than {self.heartbeat:g}s): declared dead, and killed")
-                try:
-                    os.kill(beat[1], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                why = f"no heartbeat for {now - seen[1]:.1f}s (more than {self.heartbeat:g}s)"
+                say(f"paratrain run: elastic: worker {w} sent {why}: declared dead, and killed")
+                self.keys.append_line(self.store, self.keys.KEY_DECLARED, {"id": w, "why": why})
+                self._lost(w)
+                if w in self.local:
+                    try:
+                        os.kill(beat[1], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                else:
+                    self.keys.append_line(self.store, self.keys.KEY_KILL, {"id": w, "pid": beat[1]})
 
     def _form(self, g, members):
         ranks = {str(w): r for r, w in enumerate(members)}
@@ -166,8 +222,10 @@ class Coordinator:
                    "joined": [{**j, "rank": ranks[str(j["id"])]} for j in self.changes["joined"]
                               if j["id"] in self.members]}
         self.changes = {"lost": [], "joined": [j for j in self.changes["joined"] if j["id"] not in self.members]}
+        hosts = {str(w): self.store.get(self.keys.key_here(g, w)).decode() for w in members}
         self.store.set(self.keys.key_changes(g), json.dumps(changes))
-        self.store.set(self.keys.key_ranks(g), json.dumps(ranks))
+        self.store.set(self.keys.key_hosts(g), json.dumps(hosts))
+        self.store.set(self.keys.key_ranks(g), json.dumps(ranks))   # last: a worker reads it first
         if g:
             say(f"paratrain run: elastic: generation {g}: {len(members)} workers (ids {members})")
 
@@ -212,17 +270,98 @@ def check_sizes(min_workers, workers, max_workers, max_restarts, timeout, worker
 
 
 def start_coordinator(args, port, base):
-    """Elastic: the store the workers meet at, hosted here, and the generations formed
-    (elastic.py); every worker is told its id. Returns (coordinator, problem)."""
+    """Elastic: on the first host, the store the workers meet at, hosted here, and the
+    generations formed (Coordinator); on another, a Follower of the first host's. Every
+    worker is told its id. Returns (coordinator or follower, problem)."""
     timeout = args.elastic_timeout if args.elastic_timeout is not None else 600.0
     heartbeat = config.get("PARATRAIN_ELASTIC_HEARTBEAT")
     base["PARATRAIN_ELASTIC_TIMEOUT"] = repr(timeout)
     base["PARATRAIN_ELASTIC_HEARTBEAT"] = repr(heartbeat)
+    first = range(args.node_rank * args.nproc, (args.node_rank + 1) * args.nproc)
+    if args.node_rank > 0:
+        from ..comm import rendezvous
+        try:
+            return Follower(args.master_addr, port, first, args.nnodes * args.nproc, timeout), None
+        except rendezvous.RendezvousError as e:
+            return None, f"elastic: {e}"
     try:
-        return Coordinator(args.master_addr, port, range(args.nproc), args.min_workers,
-                           args.max_workers or args.nproc, timeout, heartbeat), None
+        return Coordinator(args.master_addr, port, range(args.nnodes * args.nproc), args.min_workers,
+                           args.max_workers or args.nnodes * args.nproc, timeout, heartbeat, local=first), None
     except Exception as e:   # torch's store: the port taken between our check and its bind
         return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
+
+
+def new_id(store, first_ids):
+    """The next replacement's worker id: after the first workers', from a counter in the store."""
+    from ..comm import elastic_rendezvous as keys
+    return first_ids + store.add(keys.KEY_NEXT_ID, 1) - 1
+
+
+class Follower:
+    """The launcher of a host other than the first in an elastic job: it tells the
+    coordinator what it sees of its own workers (they died, started or ended), through
+    the store, and kills those of them the coordinator declares dead. It has the
+    Coordinator's interface for the launcher: lost, started, finished, new_id, stop."""
+
+    def __init__(self, host, port, workers, first_ids, timeout):
+        from ..comm import elastic_rendezvous as keys
+        from ..comm import rendezvous
+        self.keys = keys
+        self.store = rendezvous.connect_client(host, port, timeout)
+        self.first_ids = first_ids   # every host's first workers: replacements' ids come after
+        self.live, self.mine, self.per_host = set(workers), set(workers), len(workers)   # this host's
+        self._kills = keys.Lines(keys.KEY_KILL)
+        self._lock = threading.Lock()   # the store client: the watcher's thread and ours
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paratrain-elastic-follower", daemon=True)
+        self._thread.start()
+
+    def _report(self, kind, worker_id):
+        with self._lock:
+            self.keys.append_line(self.store, self.keys.KEY_REPORTS, {"kind": kind, "id": worker_id, "at": time.time()})
+
+    def lost(self, worker_id):
+        self.live.discard(worker_id)
+        self._report("lost", worker_id)
+
+    def started(self, worker_id):
+        self.live.add(worker_id)
+        self.mine.add(worker_id)
+        self._report("started", worker_id)
+
+    def finished(self, worker_id):
+        self.live.discard(worker_id)
+        self._report("finished", worker_id)
+
+    def room(self):
+        """May a replacement start here (fewer live than this host started with)?"""
+        return len(self.live) < self.per_host
+
+    def wait_for_other_hosts(self):
+        pass   # the store is the first host's
+
+    def new_id(self):
+        with self._lock:
+            return new_id(self.store, self.first_ids)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self):
+        while not self._stop.wait(0.25):
+            try:
+                with self._lock:
+                    orders = self._kills.new(self.store)
+            except Exception:   # the first host is gone: its workers' own waits say so
+                return
+            for order in orders:
+                if order["id"] in self.mine:
+                    say(f"paratrain run: elastic: worker {order['id']} was declared dead (no heartbeat): killed")
+                    try:
+                        os.kill(order["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
 
 class Replacements:
@@ -235,17 +374,16 @@ class Replacements:
         self.on_line, self.cpus, self.coordinator = on_line, cpus, coordinator
         self.warm = WarmStart(env(0, 0)) if not config.get("PARATRAIN_FORKSERVER") and args.threads == 1 else None
         self.left = args.max_restarts
-        self.next_id = args.nproc
 
     def stop(self):
         if self.warm is not None:
             self.warm.stop()
 
     def __call__(self, dead):
-        if self.left <= 0 or len(self.coordinator.live) >= (self.args.max_workers or self.args.nproc):
+        if self.left <= 0 or not self.coordinator.room():
             return None
         self.left -= 1
-        wid, self.next_id = self.next_id, self.next_id + 1
+        wid = self.coordinator.new_id()
         w = Worker(wid, dead.local_rank, self.cmd, self.env(dead.local_rank, wid), prefix=self.args.prefix,
                    on_line=self.on_line, cpus=self.cpus[dead.local_rank])
         if self.warm is not None and self.warm.ready():

@@ -221,12 +221,10 @@ def _check_elastic(args):
         if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts:
             return "--max-workers, --max-restarts and --elastic-timeout are for an elastic job: give --min-workers too"
         return None
-    problem = elastic.check_sizes(args.min_workers, args.nproc, args.max_workers, args.max_restarts,
-                                  args.elastic_timeout, "-n")
+    problem = elastic.check_sizes(args.min_workers, args.nnodes * args.nproc, args.max_workers, args.max_restarts,
+                                  args.elastic_timeout, "-n" if args.nnodes == 1 else "--nnodes x -n")
     if problem:
         return problem
-    if args.nnodes > 1:
-        return "elastic training runs on one machine for now: --min-workers with --nnodes 1"
     if args.servers or args.ps_addrs:
         return "--min-workers is for synchronous training; the parameter server takes lost workers with " \
                "--worker-failure continue"
@@ -348,6 +346,8 @@ def main(argv=None, on_line=None):
     rc = 1
     try:
         rc = start_and_watch(workers, servers, policy)
+        if coordinator is not None:
+            coordinator.wait_for_other_hosts()   # the store they meet at is ours
         if trace_dir:
             trace_files.merge(trace_dir, args.trace_out, node_ranks(args), args.nnodes * args.nproc)
         return rc

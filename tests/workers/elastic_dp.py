@@ -1,6 +1,7 @@
 """Elastic data parallelism on a small regression: worker FAIL_WORKER dies by SIGKILL
 as it begins step FAIL_STEP (after FAIL_STEP - 1 steps); the others re-form and
-finish. Rank 0 saves the final parameters to OUT (tests/test_elastic.py replays the
+finish. FAIL=W:S:host: worker W's whole host hangs instead (SIGSTOP to the
+launcher whose pid is in the file HOST_PID, then to itself: nothing closes). Rank 0 saves the final parameters to OUT (tests/test_elastic.py replays the
 run in one process and compares)."""
 import json
 import os
@@ -16,7 +17,8 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])   # tests/: the data and model bo
 from test_elastic import BATCH, COMMIT_EVERY, EPOCHS, data, make_model
 
 pt.init()
-fail_worker, fail_step = (int(x) for x in os.environ.get("FAIL", "-1:-1").split(":"))
+fail_worker, fail_step, *how = os.environ.get("FAIL", "-1:-1").split(":")
+fail_worker, fail_step = int(fail_worker), int(fail_step)
 me = int(os.environ["PARATRAIN_ELASTIC"])
 X, y = data()
 dataset = torch.utils.data.TensorDataset(X, y)
@@ -33,7 +35,13 @@ def train(state):
         state.sampler.set_epoch(state.epoch)
         for xb, yb in torch.utils.data.DataLoader(dataset, batch_sampler=state.sampler):
             if (me, state.step + 1) == (fail_worker, fail_step):
-                os.kill(os.getpid(), signal.SIGKILL)
+                if how == ["host"]:
+                    print(f"worker {me}: host hangs at {time.time():.3f}", flush=True)
+                    with open(os.environ["HOST_PID"] + ".worker", "w") as f:
+                        f.write(str(os.getpid()))
+                    with open(os.environ["HOST_PID"]) as f:
+                        os.kill(int(f.read()), signal.SIGSTOP)
+                os.kill(os.getpid(), signal.SIGSTOP if how == ["host"] else signal.SIGKILL)
             if pt.world().world_size < int(os.environ.get("SLOW_BELOW", "0")):
                 time.sleep(0.25)   # time for a replacement to start and join
             opt.zero_grad()
@@ -50,5 +58,6 @@ train(state)
 if pt.world().rank == 0:
     torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, os.environ["OUT"])
     print("events", [(e["kind"], e["step"], e["was"], e["world_size"]) for e in state.events], flush=True)
-    print("sizes", json.dumps(dict(sizes)), flush=True)   # each step's world size, as last run
+    print("sizes", json.dumps(dict(sizes)), flush=True)
+    print("why", [e["why"] for e in state.events], flush=True)   # each step's world size, as last run
 pt.destroy()
