@@ -123,17 +123,16 @@ def test_below_min_workers_the_job_waits_then_ends_saying_why(tmp_path):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("backend", ["torch", "shm"])
-def test_a_host_that_hangs_is_declared_dead_by_its_heartbeat_and_the_other_goes_on(tmp_path, backend):
+def test_a_host_that_hangs_is_declared_dead_by_its_heartbeat_and_the_other_goes_on(tmp_path):
     """Two launchers as two hosts (--nnodes 2), a worker each. As it begins step 7, host 1
     hangs whole: its launcher and its worker are stopped (SIGSTOP), so no socket closes and
     nobody reports a death. The first host's launcher declares worker 1 dead when its
-    heartbeat stops; worker 0, waiting for it in Gloo (torch) or in shared memory (shm),
-    gives up on the world, and goes on alone from the commit at step 4 - long before the
-    collective's 30 s timeout."""
+    heartbeat stops; worker 0, waiting for it in Gloo (between hosts), gives up on the world,
+    and goes on alone from the commit at step 4 - long before the collective's 30 s timeout.
+    (A wait in shared memory gives up the same way: test_train_elastic's meshes.)"""
     from paratrain.launch.local import free_port
     port, out, pid_file = free_port(), tmp_path / "params.pt", tmp_path / "host1.pid"
-    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_ELASTIC_HEARTBEAT="2", PARATRAIN_BACKEND=backend,
+    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_ELASTIC_HEARTBEAT="2", PARATRAIN_BACKEND="torch",
                FAIL="1:7:host", OUT=str(out), HOST_PID=str(pid_file))
     hosts = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(h),
                                "--master-port", str(port), "-n", "1", "--min-workers", "1",
@@ -156,6 +155,23 @@ def test_a_host_that_hangs_is_declared_dead_by_its_heartbeat_and_the_other_goes_
     assert "worker 1 (rank 1) was declared dead by the launcher: no heartbeat" in text, text[-4000:]
     sizes = check_replay(text, out)
     assert [sizes[s] for s in (1, 4, 5, len(sizes))] == [2, 2, 1, 1], sizes
+
+
+def test_a_world_of_replicas_is_whole_replicas_each_worker_in_its_place():
+    """The launcher's rules for --replica-size 2 (4 workers: replicas {0, 1} and {2, 3})."""
+    from paratrain.launch.elastic import Coordinator
+    from paratrain.launch.local import free_port
+    c = Coordinator("127.0.0.1", free_port(), range(4), 2, 4, 5.0, replica=2)
+    c.stop()   # its rules, without its thread
+    assert c._complete({0, 2, 3}) == {2, 3}   # worker 1 lost: its replica is out, worker 0 waits
+    c.formed, c.members = {0: {}}, {2, 3}     # the world after: replica 1 alone
+    c._started(4, replacing=1)                 # in worker 1's place
+    assert c._complete({0, 2, 3, 4}) == {0, 2, 3, 4}
+    assert c._order({0, 2, 3, 4}) == [2, 3, 0, 4]   # the replica that holds the state first
+    assert not c._parts_lost({0, 2, 3, 4})
+    c._started(5, replacing=3)                 # then worker 3 dies too, before that world formed
+    assert c._parts_lost({0, 2, 4, 5})         # no replica of the last world is whole: its parts are gone
+    assert "the state of their parts is gone" in c.store.get("elastic/abort").decode()
 
 
 def test_elastic_options_are_checked_before_anything_starts(capsys):

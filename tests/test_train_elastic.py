@@ -22,10 +22,21 @@ ZERO_KILLS = {"zero1": ("1:8", "3:20", "2:35"),    # ranks 1 at 4, 2 at 3, 1 at 
               "zero3": ("3:8", "1:20", "0:35")}    # ranks 3 at 4, 1 at 3, 0 at 2
 
 
+# Meshes: a worker lost takes its replica out of the world. Tensor parallel (2 replicas of 2):
+# worker 1 dies, its replica's worker 0 waits, a replacement takes worker 1's place and the
+# replica comes back. A pipeline of 2 stages (2 replicas): worker 3 dies, worker 2 waits to the
+# end. Both must end where one process taking each step's 16 samples ends.
+MESHES = {"gpt_reference": ("--model", "gpt", "--workers", 1, "--min-workers", 1, "--batch-size", 2 * 8),
+          "mesh_tp": ("--model", "gpt", "--tp", 2, "--dp", 2, "--min-workers", 2, "--max-restarts", 1,
+                      "--batch-size", 8, "--fail", "1:12"),
+          "mesh_pp": ("--model", "gpt", "--pp", 2, "--dp", 2, "--min-workers", 2, "--batch-size", 8,
+                      "--fail", "3:8")}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two elastic runs and the reference, launched two at a time."""
-    names = ("reference", "lost_and_joined", "below_min", "shrink", "zero_join", *ZERO_KILLS)
+    names = ("reference", "lost_and_joined", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES)
     paths = {name: tmp_path_factory.mktemp(name) for name in names}
     jobs = {
         "reference": ("--workers", 1, "--min-workers", 1, "--batch-size", BATCH * WORKERS),
@@ -49,7 +60,8 @@ def runs(tmp_path_factory):
     for name, kills in ZERO_KILLS.items():
         jobs[name] = ("--strategy", "zero", "--stage", name[-1], "--workers", WORKERS, "--min-workers", 1,
                       "--batch-size", BATCH, *[w for k in kills for w in ("--fail", k)])
-    order = ["lost_and_joined", "reference", "below_min", "shrink", "zero_join", *ZERO_KILLS]
+    jobs.update(MESHES)
+    order = ["lost_and_joined", "reference", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES]
     results = side_by_side(*[(paths[name], *jobs[name], *COMMON) for name in order])
     return {name: (res, run_dirs(paths[name])[0]) for name, res in zip(order, results)}
 
@@ -148,7 +160,8 @@ def test_an_elastic_run_resumes_from_its_checkpoint_where_its_data_order_was(run
 def test_elastic_options_are_checked_before_anything_starts(tmp_path):
     for args, message in [
         (("--min-workers", 3, "--workers", 2), "--min-workers (3) <= --workers (2)"),
-        (("--min-workers", 1, "--strategy", "pipeline", "--model", "gpt"), "--strategy pipeline is not elastic"),
+        (("--min-workers", 1, "--strategy", "ps"), "--strategy ps is not elastic"),
+        (("--min-workers", 1, "--model", "gpt", "--tp", 2, "--workers", 4), "a whole number of replicas of 2"),
         (("--max-restarts", 2), "give --min-workers too"),
         (("--elastic-batch", "shrink"), "are for an elastic job"),
         (("--fail", "1:3:commit"), "is for an elastic job"),
@@ -174,3 +187,33 @@ def test_zero_shards_come_back_from_the_survivors_copies(runs, stage):
     lost = [e for e in summary["elastic_events"] if e["kind"] == "lost"]
     assert [e["world_size"] for e in lost] == [3, 2, 1], lost
     assert [e["workers"] for e in lost] == [[int(k.split(":")[0])] for k in ZERO_KILLS[stage]], lost
+
+
+def gathered(run_dir):
+    """The whole model a run saved: a pipeline saves each stage in a file of its own."""
+    out = {}
+    for path in sorted(run_dir.glob("checkpoint*.pt")):
+        out.update(torch.load(path, weights_only=True)["model"])
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["mesh_tp", "mesh_pp"])
+def test_a_mesh_drops_the_replica_of_a_lost_worker_and_ends_with_the_parameters_of_one_process(runs, name):
+    res, run_dir = runs[name]
+    ok(res)
+    ok(runs["gpt_reference"][0])
+    expected, got = gathered(runs["gpt_reference"][1]), gathered(run_dir)
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-3, atol=1e-4, msg=f"{name}: {k} differs from one process")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [(e["kind"], e["world_size"]) for e in summary["elastic_events"]]
+    if name == "mesh_tp":   # worker 1's replica out; back with the replacement in worker 1's place
+        assert events == [("lost", 2), ("joined", 4)], events
+        assert "generation 2: 4 workers (ids [2, 3, 0, 4])" in res.stderr, res.stderr[-3000:]
+    else:   # worker 3's replica out; worker 2 waits for a replacement that never comes
+        assert events == [("lost", 2)], events
+        assert "worker 2: the job finished before it could join" in res.stdout + res.stderr, res.stdout[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step logged once, in order"

@@ -56,6 +56,12 @@ def key_hosts(generation):
     return f"elastic/gen{generation}/hosts"
 
 
+def key_broken(generation):
+    """Set by a worker whose world failed: why. Its peers give up on that world too (a rank
+    of a mesh may be waiting for one that left, not for the one that died)."""
+    return f"elastic/gen{generation}/broken"
+
+
 KEY_ABORT = "elastic/abort"
 KEY_FINISHED = "elastic/finished"
 # Append-only logs, a JSON object per line (Lines reads them):
@@ -96,11 +102,16 @@ def join(store, worker_id, last_generation, timeout, host=""):
     returns (generation, {worker id: rank}, {worker id: host}), ids as strings; ``host``
     is this worker's (comm/env.host_id). Raises ElasticAbort if the launcher gives up
     (after ``timeout`` seconds below --min-workers), and a RendezvousError if nothing
-    is heard for longer than that (the launcher is gone)."""
+    is heard for longer than that (the launcher is gone).
+
+    A worker whose replica is not whole (--replica-size: a peer of its replica died)
+    sees worlds formed without it, and waits for a replacement to make it whole; if
+    none comes within ``timeout`` it leaves, with exit code 0: the job goes on
+    without it."""
     store.set_timeout(timedelta(seconds=max(timeout, 1.0)))
     deadline = time.monotonic() + timeout + LAUNCHER_SLACK
-    g = None
-    while time.monotonic() < deadline:
+    g = left_out = None
+    while True:
         if store.check([KEY_ABORT]):
             raise ElasticAbort(f"worker {worker_id}: {store.get(KEY_ABORT).decode()}")
         if store.check([KEY_FINISHED]):   # the job ended while this worker was on its way: nothing to do
@@ -110,15 +121,21 @@ def join(store, worker_id, last_generation, timeout, host=""):
             ranks = json.loads(store.get(key_ranks(g)).decode())
             if str(worker_id) in ranks:   # ours, even if a later one is open already: the others are in it
                 return g, ranks, json.loads(store.get(key_hosts(g)).decode())
-            # formed before the launcher counted us (a replacement): it opens the next one
+            # formed without us: a replacement not counted yet (it opens the next one), or a replica not whole
+            left_out = left_out or time.monotonic()
         newest = max(current_generation(store), last_generation + 1)
         if newest != g:
             g = newest
             store.set(key_here(g, worker_id), host)
             continue
+        if left_out is not None and time.monotonic() - left_out > timeout:
+            print(f"paratrain: elastic: worker {worker_id}: the running world has had no place for it for "
+                  f"{timeout:g}s (its replica is not whole, and no replacement came): it leaves", flush=True)
+            raise SystemExit(0)
+        if left_out is None and time.monotonic() > deadline:
+            raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s "
+                                  f"of asking to join (generation {g}); is the launcher alive?")
         time.sleep(POLL)
-    raise RendezvousError(f"worker {worker_id}: no world was formed within {timeout + LAUNCHER_SLACK:g}s of asking "
-                          f"to join (generation {g}); is the launcher alive?")
 
 
 def world_moved(store, generation):
@@ -137,24 +154,26 @@ def changes(store, generation):
 class Heartbeat:
     """Beats ``elastic/beat/<id>`` every ``period`` seconds from a daemon thread, over the
     store client ``connect()`` makes (its own: the main thread's may be inside a long wait),
-    and passes each worker the launcher declares dead to ``on_declared(record)``."""
+    and every WATCH_S calls ``watch(store)``, which looks for news that this worker's world
+    is gone (a worker declared dead, a peer's world broken)."""
 
-    def __init__(self, connect, worker_id, period, on_declared):
-        self.connect, self.key, self.period = connect, key_beat(worker_id), period
-        self.on_declared = on_declared
+    WATCH_S = 0.1
+
+    def __init__(self, connect, worker_id, period, watch):
+        self.connect, self.key, self.period, self.watch = connect, key_beat(worker_id), period, watch
         threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True).start()
 
     def _run(self):
         """Beats for the life of the process (it ends with it: a daemon thread)."""
         try:
-            store, count, pid = self.connect(), 0, os.getpid()
-            declared = Lines(KEY_DECLARED)
+            store, count, pid, next_beat = self.connect(), 0, os.getpid(), 0.0
             while True:
-                count += 1
-                store.set(self.key, f"{count} {pid}")
-                for record in declared.new(store):
-                    self.on_declared(record)
-                time.sleep(self.period)
+                if time.monotonic() >= next_beat:
+                    count += 1
+                    store.set(self.key, f"{count} {pid}")
+                    next_beat = time.monotonic() + self.period
+                self.watch(store)
+                time.sleep(self.WATCH_S)
         except Exception:   # the launcher is gone: the main thread learns it from its own waits
             return
 

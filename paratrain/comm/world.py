@@ -224,8 +224,9 @@ def _elastic_world(e, worker_id, timeout):
         client = _ELASTIC["store"] = rendezvous.connect_client(e.master_addr, e.master_port, timeout)
         _ELASTIC["port"] = e.master_port
         beat_s = config.get("PARATRAIN_ELASTIC_HEARTBEAT") / 5   # several beats in the launcher's limit
+        _ELASTIC["declared"] = elastic_rendezvous.Lines(elastic_rendezvous.KEY_DECLARED)
         elastic_rendezvous.Heartbeat(lambda: rendezvous.connect_client(e.master_addr, e.master_port, timeout),
-                                     worker_id, beat_s, _declared_dead)
+                                     worker_id, beat_s, _watch_world)
     host = envmod.host_id()
     g, ranks, hosts = elastic_rendezvous.join(client, worker_id, _ELASTIC["generation"],
                                               config.get("PARATRAIN_ELASTIC_TIMEOUT"), host)
@@ -243,15 +244,33 @@ def _elastic_world(e, worker_id, timeout):
     return e, PrefixStore(f"gen{g}", client)
 
 
-def _declared_dead(record):
-    """The heartbeat thread: the launcher declared worker ``record["id"]`` dead (it stopped
-    beating). If it is in this world, the world is given up on (abandon.py): its sockets
-    may never close, and the waits for it would last until the timeout."""
-    with _ELASTIC_LOCK:
-        rank = _ELASTIC["members"].get(str(record["id"]))
-        if rank is not None:
-            abandon.abandon(f"worker {record['id']} (rank {rank}) was declared dead by the launcher: "
-                            f"{record['why']}", keep_port=_ELASTIC["port"])
+def _watch_world(store):
+    """The heartbeat thread, every tenth of a second: is this worker's world gone? A worker
+    in it was declared dead by the launcher (it stopped beating: its sockets may never
+    close, and the waits for it would last until the timeout), or a peer found it broken
+    (in a mesh, a rank may wait for a peer that left it, alive). Then it is given up on
+    here too (abandon.py)."""
+    from . import elastic_rendezvous as keys
+    for record in _ELASTIC["declared"].new(store):
+        with _ELASTIC_LOCK:
+            rank = _ELASTIC["members"].get(str(record["id"]))
+            if rank is not None:
+                abandon.abandon(f"worker {record['id']} (rank {rank}) was declared dead by the launcher: "
+                                f"{record['why']}", keep_port=_ELASTIC["port"])
+    g = _ELASTIC["generation"]
+    if abandon.reason() is None and g >= 0 and store.check([keys.key_broken(g)]):
+        why = store.get(keys.key_broken(g)).decode()
+        with _ELASTIC_LOCK:
+            if _ELASTIC["generation"] == g and abandon.reason() is None:
+                abandon.abandon(f"a peer gave up on this world: {why}", keep_port=_ELASTIC["port"])
+
+
+def elastic_world_broken(why):
+    """This worker's world failed (pt.elastic.run caught the error): its peers are told,
+    and give up on it too (_watch_world)."""
+    from . import elastic_rendezvous as keys
+    if _ELASTIC["store"] is not None and _ELASTIC["generation"] >= 0:
+        _ELASTIC["store"].set(keys.key_broken(_ELASTIC["generation"]), why)
 
 
 def elastic_generation():

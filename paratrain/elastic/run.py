@@ -13,8 +13,10 @@ lost or one joined, seen at ``state.commit()``), every worker:
 
 1. leaves the broken world (pt.destroy()) and joins the next one (pt.init(),
    which asks the launcher for its new rank: comm/elastic_rendezvous.py);
-2. moves its DataParallel to the new world (``regroup``);
-3. restores its own last commit, then takes the new rank 0's (``sync``): a
+2. moves its DataParallel to the new world (``regroup``; a mesh's model,
+   pt.elastic.Rebuilt, is built again there);
+3. restores its own last commit, then takes the new rank 0's (``sync``; in a
+   mesh, each part's from the first replica's holder of it): a
    survivor that committed one step more or less than the others ends up
    where the new rank 0 is, and a new worker gets everything;
 4. deals the rest of the epoch out anew (the sampler), calls the
@@ -33,7 +35,7 @@ import time
 from .. import comm
 from ..comm.elastic_rendezvous import ElasticAbort
 from ..comm.rendezvous import RendezvousError
-from ..comm.world import elastic_generation, world_backend
+from ..comm.world import elastic_generation, elastic_world_broken, world_backend
 
 
 class WorldChanged(Exception):
@@ -50,7 +52,7 @@ def run(fn):
         while True:
             try:
                 if why is None:
-                    state.sync(comm.world(), root=0)
+                    state.sync(_replica_group(state, comm.world()), root=0)
                     _rebind(state)
                     if generation > 0:   # joined a running world: the others are re-forming
                         state.reset_callbacks()
@@ -61,6 +63,9 @@ def run(fn):
                 raise   # the launcher gave up, or is gone: nothing to re-form with
             except (comm.CommError, WorldChanged) as e:
                 why = e   # also where the world broke again while re-forming (horovod #2995)
+                if isinstance(e, comm.CommError):   # the peers waiting for one another, not the dead, leave too
+                    elastic_world_broken(f"rank {comm.world().rank}: {str(e).splitlines()[0][:300]}"
+                                         if comm.is_initialized() else str(e).splitlines()[0][:300])
     return wrapper
 
 
@@ -76,7 +81,7 @@ def reform(state, why):
     if model is not None and hasattr(model, "regroup"):
         model.regroup(world)
     state.restore()
-    state.sync(world, root=0)
+    state.sync(_replica_group(state, world), root=0)
     _rebind(state)
     step = getattr(state, "step", None)
     state.events.append({"kind": "lost" if isinstance(why, comm.CommError) else "changed",
@@ -90,8 +95,15 @@ def reform(state, why):
               flush=True)
 
 
+def _replica_group(state, world):
+    """Where the commit comes from and the data is dealt: the world, or for a mesh
+    (pt.elastic.Rebuilt) the ranks that hold the same part of the model."""
+    group = getattr(state.model, "elastic_group", None)
+    return group() if group is not None else world
+
+
 def _rebind(state):
-    """The sampler deals the rest of its epoch over the current world."""
-    world = comm.world()
+    """The sampler deals the rest of its epoch over the current world (its replicas)."""
+    group = _replica_group(state, comm.world())
     if state.sampler is not None and hasattr(state.sampler, "reset"):
-        state.sampler.reset(world.rank, world.world_size)
+        state.sampler.reset(group.rank, group.world_size)

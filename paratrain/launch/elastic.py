@@ -25,7 +25,15 @@ waits. The coordinator closes a generation once every live member of the
 last one (the launcher knows who is alive: it is their parent) and every
 new worker that has said so is ready, and there are at least M of them:
 ranks go by worker id, so survivors keep their order and a replacement
-comes last. A worker lost while the world runs opens the next generation;
+comes last.
+
+With ``--replica-size R`` (a mesh: each data-parallel replica is R workers,
+its pipeline stages and tensor-parallel parts) a world is made of whole
+replicas only. A worker keeps its place in its replica (its part of the
+model) for life, and a replacement takes the dead worker's. A lost worker
+takes its replica out of the next world; the replica's other workers wait,
+alive, until a replacement makes it whole again (then it joins like any
+new worker) or the job ends (torchft's replica groups). A worker lost while the world runs opens the next generation;
 so does a new worker once it is ready (a replacement's start-up is not
 waited for: the others go on meanwhile). The running workers see it at
 their next commit (``elastic/generation`` moved).
@@ -57,9 +65,12 @@ class Coordinator:
     """Hosts the store at host:port and forms the generations (a thread), from the
     worker ids the launcher reports alive (``started``) and gone (``lost``)."""
 
-    def __init__(self, host, port, workers, min_workers, max_workers, timeout, heartbeat=4.0, local=None):
+    def __init__(self, host, port, workers, min_workers, max_workers, timeout, heartbeat=4.0, local=None,
+                 replica=1):
         """workers: the ids of every host's first workers; local: those this launcher
-        started (default: all), whose pids it may kill."""
+        started (default: all), whose pids it may kill; replica: workers per replica (a
+        mesh's pp x tp): a world is made of whole replicas, and a worker lost takes its
+        replica out of the world until a replacement takes its place."""
         from torch.distributed import TCPStore
 
         from ..comm import elastic_rendezvous as keys   # the keys the workers read (here: torch is loaded anyway)
@@ -68,6 +79,8 @@ class Coordinator:
                               wait_for_workers=False)
         self.min_workers, self.max_workers, self.timeout = min_workers, max_workers, timeout
         self.first_ids = len(workers)
+        self.replica = replica
+        self.slots = {w: divmod(w, replica) for w in workers}   # (replica, place in it)
         self.local = set(workers if local is None else local)
         self.reports = keys.Lines(keys.KEY_REPORTS)
         self.live = set(workers)
@@ -93,11 +106,11 @@ class Coordinator:
         with self._lock:
             self._lost(worker_id, at)
 
-    def started(self, worker_id, at=None):
-        """A replacement: it opens the next generation itself once it is ready."""
+    def started(self, worker_id, replacing, at=None):
+        """A replacement (of worker ``replacing``): it opens the next generation itself once it is ready."""
         with self._lock:
             self.local.add(worker_id)
-            self._started(worker_id, at)
+            self._started(worker_id, replacing, at)
 
     def finished(self, worker_id):
         """A worker ended well: once every member of the running world has, a worker
@@ -131,7 +144,9 @@ class Coordinator:
         if self.generation in self.formed:
             self._next_generation()
 
-    def _started(self, worker_id, at=None):
+    def _started(self, worker_id, replacing, at=None):
+        """With replicas, the new worker takes the dead one's place; else it comes after the others."""
+        self.slots[worker_id] = self.slots[replacing] if self.replica > 1 else (worker_id, 0)
         self.live.add(worker_id)
         self.changes["joined"].append({"id": worker_id, "at": at or time.time()})
 
@@ -147,7 +162,7 @@ class Coordinator:
             if r["kind"] == "lost":
                 self._lost(r["id"], r["at"])
             elif r["kind"] == "started":
-                self._started(r["id"], r["at"])
+                self._started(r["id"], r["replacing"], r["at"])
             else:
                 self._finished(r["id"])
 
@@ -172,17 +187,53 @@ class Coordinator:
                 g, live = self.generation, set(self.live)
                 if g in self.formed:
                     # a worker saw its world fail before we saw the death, or a new one is ready
-                    if self._ready(g + 1, live) or self._ready(g, live - self.members):
+                    # (and, with replicas, completes one)
+                    if self._ready(g + 1, live) or \
+                            self._complete((self.members & live) | self._ready(g, live - self.members)) - self.members:
                         self._next_generation()
                     continue
                 ready = self._ready(g, live)
-                expected = (self.members & live) | (ready - self.members)
+                expected = self._complete((self.members & live) | (ready - self.members))
                 if len(expected) < self.min_workers:
                     self._wait_for_workers(expected)
                     continue
                 self._below_since = None
                 if expected <= ready:
-                    self._form(g, sorted(expected)[:self.max_workers])
+                    if self._parts_lost(expected):
+                        continue
+                    self._form(g, self._order(expected)[:self.max_workers // self.replica * self.replica])
+
+    # ---- replicas (--replica-size R): a world is whole replicas, each worker in its place ----
+
+    def _complete(self, workers):
+        """Those of ``workers`` whose replica is whole among them (all of them when R = 1)."""
+        if self.replica == 1:
+            return set(workers)
+        places = {}
+        for w in workers:
+            places.setdefault(self.slots[w][0], set()).add(self.slots[w][1])
+        return {w for w in workers if len(places[self.slots[w][0]]) == self.replica}
+
+    def _parts_lost(self, workers):
+        """With replicas: a new world needs one replica that was whole in the last one, the
+        holder of every part's state; if none is left, the job ends, saying why."""
+        if self.replica == 1 or not self.formed or any(
+                {w for w in workers if self.slots[w][0] == r} <= self.members for r in {self.slots[w][0] for w in workers}):
+            return False
+        if not self.store.check([self.keys.KEY_ABORT]):
+            self.store.set(self.keys.KEY_ABORT, "every replica of the last world lost a worker before the next "
+                           "world formed: the state of their parts is gone (run more replicas, --dp)")
+        return True
+
+    def _order(self, workers):
+        """The ranks of a new world: replicas that were whole in the last world first (so
+        rank 0, and each place's first rank, holds a state to give), then the others; by
+        replica, then by place in it (a worker keeps its place: its part of the model)."""
+        replicas = {}
+        for w in workers:
+            replicas.setdefault(self.slots[w][0], []).append(w)
+        order = sorted(replicas, key=lambda r: (not set(replicas[r]) <= self.members, r))
+        return [w for r in order for w in sorted(replicas[r], key=lambda w: self.slots[w][1])]
 
     def _check_beats(self, now):
         """A live worker whose heartbeat has not moved for ``heartbeat`` seconds hangs: it is
@@ -241,8 +292,9 @@ class Coordinator:
             self.store.set(self.keys.KEY_ABORT, why)
 
 
-def add_options(parser, workers_flag):
-    """The elastic flags ``paratrain run`` and ``paratrain train`` share (checked by check_sizes)."""
+def add_options(parser, workers_flag, replica_flag=True):
+    """The elastic flags ``paratrain run`` and ``paratrain train`` share (checked by check_sizes);
+    ``paratrain train`` knows its replicas' size from its layout (replica_flag=False)."""
     parser.add_argument("--min-workers", type=int, default=None, metavar="M",
                         help="elastic training (pt.elastic): the job goes on while at least M workers live, the "
                              "world re-formed without a worker that died; the launcher hosts the rendezvous")
@@ -251,17 +303,27 @@ def add_options(parser, workers_flag):
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="elastic: start a replacement for a worker that dies, at most K times in all; it joins "
                              "the running job at its next commit and takes the state from a live worker (default 0)")
+    if replica_flag:
+        parser.add_argument("--replica-size", type=int, default=1, metavar="R",
+                            help="elastic, for a mesh: the workers come in data-parallel replicas of R (pp x tp); a "
+                                 "lost worker takes its replica out of the world until a replacement comes "
+                                 "(default 1)")
     parser.add_argument("--elastic-timeout", type=float, default=None, metavar="S",
                         help="elastic: seconds to wait for at least --min-workers workers before the job ends "
                              "with an error (PARATRAIN_ELASTIC_TIMEOUT, default 600)")
 
 
-def check_sizes(min_workers, workers, max_workers, max_restarts, timeout, workers_flag):
+def check_sizes(min_workers, workers, max_workers, max_restarts, timeout, workers_flag, replica=1):
     """A message for elastic sizes that cannot work, or None (``paratrain run`` and ``train``)."""
     top = workers if max_workers is None else max_workers
     if not 1 <= min_workers <= workers <= top:
         return (f"elastic: need 1 <= --min-workers ({min_workers}) <= {workers_flag} ({workers}) <= --max-workers "
                 f"({top})")
+    if replica < 1:
+        return f"--replica-size must be 1 or more, got {replica}"
+    for name, n in (("--min-workers", min_workers), (workers_flag, workers), ("--max-workers", top)):
+        if n % replica:
+            return f"elastic: {name} ({n}) must be a whole number of replicas of {replica} workers (--replica-size)"
     if max_restarts < 0:
         return f"--max-restarts must be 0 or more, got {max_restarts}"
     if timeout is not None and not timeout > 0:
@@ -286,7 +348,8 @@ def start_coordinator(args, port, base):
             return None, f"elastic: {e}"
     try:
         return Coordinator(args.master_addr, port, range(args.nnodes * args.nproc), args.min_workers,
-                           args.max_workers or args.nnodes * args.nproc, timeout, heartbeat, local=first), None
+                           args.max_workers or args.nnodes * args.nproc, timeout, heartbeat, local=first,
+                           replica=args.replica_size), None
     except Exception as e:   # torch's store: the port taken between our check and its bind
         return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
 
@@ -316,18 +379,19 @@ class Follower:
         self._thread = threading.Thread(target=self._run, name="paratrain-elastic-follower", daemon=True)
         self._thread.start()
 
-    def _report(self, kind, worker_id):
+    def _report(self, kind, worker_id, **more):
         with self._lock:
-            self.keys.append_line(self.store, self.keys.KEY_REPORTS, {"kind": kind, "id": worker_id, "at": time.time()})
+            self.keys.append_line(self.store, self.keys.KEY_REPORTS,
+                                  {"kind": kind, "id": worker_id, "at": time.time(), **more})
 
     def lost(self, worker_id):
         self.live.discard(worker_id)
         self._report("lost", worker_id)
 
-    def started(self, worker_id):
+    def started(self, worker_id, replacing):
         self.live.add(worker_id)
         self.mine.add(worker_id)
-        self._report("started", worker_id)
+        self._report("started", worker_id, replacing=replacing)
 
     def finished(self, worker_id):
         self.live.discard(worker_id)
@@ -390,7 +454,7 @@ class Replacements:
             w.forkserver = self.warm.address
         w.start()
         w.start_output()
-        self.coordinator.started(wid)
+        self.coordinator.started(wid, replacing=dead.rank)
         say(f"paratrain run: elastic: started worker {wid} in place of {dead.label} "
             f"({self.left} restart{'s' if self.left != 1 else ''} left)")
         return w

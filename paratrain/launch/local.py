@@ -218,11 +218,14 @@ def _check(args):
 
 def _check_elastic(args):
     if args.min_workers is None:
-        if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts:
-            return "--max-workers, --max-restarts and --elastic-timeout are for an elastic job: give --min-workers too"
+        if args.max_workers is not None or args.elastic_timeout is not None or args.max_restarts \
+                or args.replica_size != 1:
+            return ("--max-workers, --max-restarts, --replica-size and --elastic-timeout are for an elastic job: "
+                    "give --min-workers too")
         return None
     problem = elastic.check_sizes(args.min_workers, args.nnodes * args.nproc, args.max_workers, args.max_restarts,
-                                  args.elastic_timeout, "-n" if args.nnodes == 1 else "--nnodes x -n")
+                                  args.elastic_timeout, "-n" if args.nnodes == 1 else "--nnodes x -n",
+                                  args.replica_size)
     if problem:
         return problem
     if args.servers or args.ps_addrs:

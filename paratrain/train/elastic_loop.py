@@ -20,6 +20,10 @@ next commit. This loop adds what a training job needs around that:
   memory to every worker, so the summary has all of them whoever writes it.
 - **What happened**: elastic_events.py, from the launcher's record of who died or
   started and when, and what the workers agree at the re-form.
+- **Meshes** (--tp, --pp): the launcher forms worlds of whole replicas
+  (``--replica-size``), and each worker's part of its replica is built again
+  in a new world (pt.elastic.Rebuilt, as a joining worker builds it), the
+  commit loaded into it; the data is dealt over the replicas, not the workers.
 """
 import json
 import os
@@ -30,14 +34,15 @@ import torch
 from .. import config
 from ..comm import elastic_rendezvous
 from ..comm.world import broadcast_text, elastic_generation, world
-from ..elastic import ElasticSampler, State
+from ..elastic import ElasticSampler, Rebuilt, State
 from ..elastic import run as elastic_run
 from ..trace import recorder as trace
-from . import elastic_events, elastic_options
+from . import elastic_events, elastic_options, strategies
 from .coordination import GroupBoard
 from .fail import die_if_due
 from .metrics import METRICS_FILE, MetricsLog, drop_rows_after
 from .progress import ProgressReporter
+from .tasks import build_task
 
 
 class ElasticLoop:
@@ -47,15 +52,20 @@ class ElasticLoop:
     def __init__(self, job):
         self.job = job
         args, strategy = job.args, job.strategy
-        self.asked, self.batch = args.workers, job.settings.batch_size
+        self.replica = elastic_options.replica_size(args)   # workers per data-parallel replica
+        self.asked, self.batch = args.workers // self.replica, job.settings.batch_size   # replicas asked for
         self.shrink = elastic_options.batch_mode(args) == "shrink"
         self.commit_every = elastic_options.commit_every(args)
         self.worker_id = config.get("PARATRAIN_ELASTIC")
-        model, optimizer = strategy.elastic_parts()
+        if self.replica > 1:   # a mesh: this worker's part of its replica, built again in each new world
+            rebuilt = Rebuilt(self._rebuild, first=strategy.elastic_replica())
+            model, optimizer = rebuilt, rebuilt.optimizer
+        else:
+            model, optimizer = strategy.elastic_parts()
         self.base_lrs = [g["lr"] for g in strategy.param_groups()]
-        W = strategy.world_size
-        self.sampler = ElasticSampler(job.task.train_set, seed=args.seed, global_batch=self._global_batch(W),
-                                      rank=strategy.rank, num_replicas=W)
+        D = strategy.data_replicas
+        self.sampler = ElasticSampler(job.task.train_set, seed=args.seed, global_batch=self._global_batch(D),
+                                      rank=strategy.data_rank, num_replicas=D)
         resumed = getattr(job, "resumed", None) or {}
         if "elastic_sampler" in resumed:   # --resume: where the data order was, and the samples so far
             self.sampler.load_state_dict(resumed["elastic_sampler"])
@@ -71,8 +81,17 @@ class ElasticLoop:
         if self.job.failures:   # --fail RANK:STEP[:WHEN], RANK the worker id
             die_if_due(self.job.failures, self.worker_id, step, when)
 
-    def _global_batch(self, world_size):
-        return self.batch * (world_size if self.shrink else self.asked)
+    def _global_batch(self, replicas):
+        return self.batch * (replicas if self.shrink else self.asked)
+
+    def _rebuild(self, world):
+        """A mesh in a new world: the task's model and the strategy made again there, the
+        collectives of construction run in the same order as a joining worker's."""
+        job = self.job
+        chosen = strategies.STRATEGIES[job.args.strategy]
+        job.task = build_task(job.args.model, seed=job.args.seed, sparse=chosen.SPARSE)
+        job.strategy = chosen.make_step(job.task, job.args, job.settings)
+        return job.strategy.elastic_replica()
 
     def run(self):
         elastic_run(self._train)(self.state)
@@ -97,7 +116,7 @@ class ElasticLoop:
     def _step(self, state, batch, mine, total):
         job, strategy = self.job, self.job.strategy
         self._die_if_due(state.step + 1, "step")
-        strategy.loss_weight = mine * strategy.world_size / total   # the share's weight in the step's mean
+        strategy.loss_weight = mine * strategy.data_replicas / total   # the share's weight in the step's mean
         stats = strategy.stats
         wait0, bytes0 = stats.wait_seconds, stats.bytes
         t0 = time.perf_counter()
@@ -136,11 +155,11 @@ class ElasticLoop:
         job.strategy.regrouped(group)
         job.strategy.zero_grad()
         job.board = GroupBoard(group)
-        W = group.world_size
-        if self.shrink:   # each worker keeps its batch: the step takes less, at a learning rate scaled to it
-            self.sampler.global_batch = self._global_batch(W)
+        W, D = group.world_size, job.strategy.data_replicas
+        if self.shrink:   # each replica keeps its batch: the step takes less, at a learning rate scaled to it
+            self.sampler.global_batch = self._global_batch(D)
             for g, lr in zip(job.strategy.param_groups(), self.base_lrs):
-                g["lr"] = lr * W / self.asked
+                g["lr"] = lr * D / self.asked
         mine = state.events[-1] if len(state.events) > self._seen else None
         self._seen = len(state.events)
         # the last survivor to know, the first (as -time), and the furthest step one had done
@@ -186,9 +205,9 @@ class ElasticLoop:
         """summary.json's elastic fields (rank 0, at the end)."""
         loop = time.perf_counter() - self.job.t_start
         return {"elastic": {"min_workers": self.job.args.min_workers,
-                            "max_workers": self.job.args.max_workers or self.asked,
+                            "max_workers": self.job.args.max_workers or self.job.args.workers,
                             "batch": "shrink" if self.shrink else "keep", "commit_every": self.commit_every,
                             "global_batch": self.sampler.global_batch, "commits": self.state.commits},
-                "workers_at_start": self.asked,
+                "workers_at_start": self.job.args.workers,
                 "elastic_events": [{k: v for k, v in e.items() if not k.startswith("_")} for e in self.events],
                 "samples_per_s": self.state.samples / loop if loop > 0 else 0.0}

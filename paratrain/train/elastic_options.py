@@ -14,7 +14,7 @@ BATCH_MODES = ("keep", "shrink")
 def add_options(parser):
     g = parser.add_argument_group("elastic training")
     from ..launch.elastic import add_options as add_launcher_options
-    add_launcher_options(g, "--workers")
+    add_launcher_options(g, "--workers", replica_flag=False)
     g.add_argument("--elastic-batch", choices=BATCH_MODES, default=None,
                    help="elastic, when the world shrinks: keep the global batch (each worker takes a larger share; "
                         "the default: the run follows the same trajectory), or shrink it (each worker keeps "
@@ -40,21 +40,22 @@ def check(args):
         return None
     from ..launch.elastic import check_sizes
     problem = check_sizes(args.min_workers, args.workers, args.max_workers, args.max_restarts,
-                          args.elastic_timeout, "--workers")
+                          args.elastic_timeout, "--workers", replica_size(args))
     if problem:
-        return problem
+        return problem + ("" if replica_size(args) == 1 else " (a replica: --pp x --tp workers)")
     module = strategies.STRATEGIES[args.strategy]
     if args.strategy not in getattr(module, "ELASTIC", ()):
         able = ", ".join(n for n, m in strategies.STRATEGIES.items() if n in getattr(m, "ELASTIC", ()))
         return (f"--strategy {args.strategy} is not elastic; --min-workers works with {able}"
                 + (" (the parameter server under --consistency asp or ssp goes on without a lost worker "
                    "by itself)" if args.strategy == "ps" else ""))
-    if (args.tp or 1) > 1 or (args.pp or 1) > 1:
-        return "--min-workers works with data parallelism alone for now: drop --tp and --pp"
-    top = args.max_workers or args.workers
-    if args.batch_size is not None and batch_mode(args) == "keep" and args.batch_size * args.workers < top:
-        return (f"--elastic-batch keep: a global batch of {args.batch_size * args.workers} cannot give each of "
-                f"{top} workers a sample; raise --batch-size")
+    if replica_size(args) > 1 and args.compression != "none":
+        return "--compression with --tp is not elastic yet: drop one of them"
+    r = replica_size(args)
+    top, replicas = (args.max_workers or args.workers) // r, args.workers // r
+    if args.batch_size is not None and batch_mode(args) == "keep" and args.batch_size * replicas < top:
+        return (f"--elastic-batch keep: a global batch of {args.batch_size * replicas} cannot give each of "
+                f"{top} replicas a sample; raise --batch-size")
     return None
 
 
@@ -63,11 +64,20 @@ def launcher_args(args):
     if not given(args):
         return []
     words = ["--min-workers", str(args.min_workers), "--max-restarts", str(args.max_restarts)]
+    if replica_size(args) > 1:
+        words += ["--replica-size", str(replica_size(args))]
     if args.max_workers is not None:
         words += ["--max-workers", str(args.max_workers)]
     if args.elastic_timeout is not None:
         words += ["--elastic-timeout", repr(args.elastic_timeout)]
     return words
+
+
+def replica_size(args):
+    """Workers per data-parallel replica: the pipeline's stages times --tp (1 without a mesh)."""
+    module = strategies.STRATEGIES[args.strategy]
+    cuts_pp = "pp" in getattr(module, "CUTS", {}).get(args.strategy, ())
+    return (module.stages(args) if cuts_pp else 1) * (args.tp or 1)
 
 
 def batch_mode(args):

@@ -20,7 +20,8 @@ HELP = ("allreduce: bucketed DataParallel (overlapped where that pays); allreduc
 SPARSE = False
 CUTS = {"allreduce": ("tp",)}   # DataParallel's replicas may each be cut across --tp; the naive one's not
 COMPRESSES = {"allreduce": "gradient buckets"}
-ELASTIC = ("allreduce", "allreduce-naive")   # --min-workers: the wrappers re-form over a new world
+ELASTIC = ("allreduce", "allreduce-naive")   # --min-workers: the wrappers re-form over a new world (with --tp:
+                                             # each replica is built again there, elastic_loop.py)
 ALGORITHMS = ("direct", "ring", "tree", "naive")
 
 
@@ -101,6 +102,10 @@ class AllReduceStep(GroupStep):
     def elastic_parts(self):
         """(model, optimizer) for pt.elastic.State: the wrapper, which re-forms over a new world."""
         return self.model, self.opt
+
+    def elastic_replica(self):
+        """With --tp: this worker's part of its replica, for pt.elastic.Rebuilt (built again in a new world)."""
+        return pt.elastic.Replica(self.model, self.opt, self.mesh["dp"])
 
     def param_groups(self):
         return self.opt.param_groups

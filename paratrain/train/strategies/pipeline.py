@@ -23,6 +23,7 @@ from torch import nn
 
 import paratrain as pt
 
+from ...comm.world import broadcast_text, elastic_generation
 from ...parallel.data import CommStats
 from ...parallel.pipeline import schedules, timeline
 from ..argtypes import positive_int
@@ -32,6 +33,7 @@ from .base import GroupStep, LastStepTraffic
 HELP = "pipeline: the model cut between layers into --stages stages, micro-batches through a --schedule"
 SPARSE = False
 CUTS = {"pipeline": ("pp", "tp")}   # --pp N (N > 1) is this strategy with N stages; --tp cuts each stage (3D)
+ELASTIC = ("pipeline",)   # --min-workers: a lost worker takes its replica out; each replica built again (elastic_loop.py)
 CUTTABLE = ("digits", "gpt", "mlp", "mlp-large", "hf-gpt2", "hf-bert", "hf-llama")
 DEFAULT_STAGES = 2
 
@@ -115,10 +117,13 @@ class PipelineStep(GroupStep):
         # one cut for every pipeline (replicas and tensor-parallel ranks alike), timed on the whole
         # model on rank 0; then each layer is cut inside across --tp, then the model between layers
         points = self._saved_cut(task, args, self.stages * virtual)
+        if points is None and elastic_generation()[1]:   # a re-formed world: the cut the job runs with, rank 0's
+            mine = json.dumps(getattr(args, "elastic_cut", None)) if self.rank == 0 else None
+            points = json.loads(broadcast_text(world, mine, 0))
         if points is None:
             points = pt.pipeline.choose_cut(task.model, self.stages, sample=sample, virtual=virtual, group=world,
                                             verbose=self.rank == 0)
-        self.cut = points
+        self.cut = args.elastic_cut = points
         if self.tp > 1:
             pt.tensor.parallelize(task.model, group=self.mesh["tp"], plan=task.tensor_plan(task.model))
         self.names = {}   # every name of each parameter: a tied weight is saved under all of them, as one process does
@@ -128,7 +133,7 @@ class PipelineStep(GroupStep):
         self.stage = pt.pipeline.split(task.model, group=self.pipe_group, virtual=virtual, split_points=points,
                                        sample=sample, verbose=self.rank == 0)
         self.pipe = pt.Pipeline(self.stage, group=self.pipe_group, microbatches=m, schedule=schedule,
-                                loss_fn=_loss_of(task), dp_group=self.dp_group)
+                                loss_fn=self._weighted_loss(task), dp_group=self.dp_group)
         self.model = self.stage
         self.opt = make_optimizer(settings.optimizer, self.stage.parameters(), settings.lr)
         self.stats = CommStats()
@@ -138,6 +143,25 @@ class PipelineStep(GroupStep):
         mine = torch.tensor([sum(q.numel() for q in self.stage.parameters())], dtype=torch.int64)
         world.all_gather(counts, mine)   # per worker: with --tp, each holds its slices of its stage
         self.params_per_stage = [int(counts[self.mesh.rank_at(pp=k)]) for k in range(self.stages)]
+
+    def _weighted_loss(self, task):
+        """The task's loss times ``loss_weight`` (elastic: a replica's share of the step's batch)."""
+        loss_of = _loss_of(task)
+        return lambda output, target: self._weighted(loss_of(output, target))
+
+    # ---- elastic (--min-workers): this worker's part of its replica, built again in a new world ----
+
+    def elastic_replica(self):
+        return pt.elastic.Replica(self.stage, self.opt, self.mesh["dp"])
+
+    def param_groups(self):
+        return self.opt.param_groups
+
+    def regrouped(self, group):
+        pass   # built again in the new world (pt.elastic.Rebuilt)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
 
     def _held_names(self):
         """The names of the parameters this worker's stage holds (a tied weight's every name)."""
