@@ -33,10 +33,18 @@ MESHES = {"gpt_reference": ("--model", "gpt", "--workers", 1, "--min-workers", 1
                       "--fail", "3:8")}
 
 
+# Compression with error feedback: 3 workers, worker 1 lost at step 12, back to the commit at
+# step 10 on 2 workers, each starting from the mean of the 3 residuals. The same as a run of 3
+# workers to step 10 resumed from its checkpoint on 2 (compression/checkpoint.py's rule).
+ONEBIT_FLAGS = ("--compression", "onebit", "--optimizer", "adam")
+ONEBIT = {"onebit_lost": ("--workers", 3, "--min-workers", 1, "--batch-size", BATCH, "--fail", "1:12", *ONEBIT_FLAGS),
+          "onebit_first": ("--workers", 3, "--min-workers", 1, "--batch-size", BATCH, "--steps", 10, *ONEBIT_FLAGS)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two elastic runs and the reference, launched two at a time."""
-    names = ("reference", "lost_and_joined", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES)
+    names = ("reference", "lost_and_joined", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES, *ONEBIT)
     paths = {name: tmp_path_factory.mktemp(name) for name in names}
     jobs = {
         "reference": ("--workers", 1, "--min-workers", 1, "--batch-size", BATCH * WORKERS),
@@ -61,8 +69,9 @@ def runs(tmp_path_factory):
         jobs[name] = ("--strategy", "zero", "--stage", name[-1], "--workers", WORKERS, "--min-workers", 1,
                       "--batch-size", BATCH, *[w for k in kills for w in ("--fail", k)])
     jobs.update(MESHES)
-    order = ["lost_and_joined", "reference", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES]
-    results = side_by_side(*[(paths[name], *jobs[name], *COMMON) for name in order])
+    jobs.update(ONEBIT)
+    order = ["lost_and_joined", "reference", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES, *ONEBIT]
+    results = side_by_side(*[(paths[name], *COMMON, *jobs[name]) for name in order])   # a job's --steps wins
     return {name: (res, run_dirs(paths[name])[0]) for name, res in zip(order, results)}
 
 
@@ -217,3 +226,19 @@ def test_a_mesh_drops_the_replica_of_a_lost_worker_and_ends_with_the_parameters_
         assert "worker 2: the job finished before it could join" in res.stdout + res.stderr, res.stdout[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step logged once, in order"
+
+
+@pytest.mark.timeout(240)
+def test_error_feedback_residuals_survive_a_lost_worker_as_they_survive_a_resume_at_another_size(runs, tmp_path):
+    ok(runs["onebit_lost"][0])
+    ok(runs["onebit_first"][0])
+    checkpoint = runs["onebit_first"][1] / "checkpoint.pt"
+    second = train(tmp_path, "--workers", 2, "--min-workers", 1, "--batch-size", 3 * BATCH // 2, "--resume",
+                   checkpoint, *COMMON, *ONEBIT_FLAGS)   # the same global batch on 2 workers
+    ok(second)
+    assert "each of the 2 starts from their mean" in second.stdout + second.stderr
+    expected, got = parameters(run_dirs(tmp_path)[0]), parameters(runs["onebit_lost"][1])
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    events = json.loads((runs["onebit_lost"][1] / "summary.json").read_text())["elastic_events"]
+    assert [(e["kind"], e["commit_step"], e["world_size"]) for e in events] == [("lost", 10, 2)], events

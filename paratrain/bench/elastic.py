@@ -200,7 +200,8 @@ def main(argv=None):
             rows.append(row)
             what = (f"the host of workers {row['victim']}-{args.workers - 1} hung" if args.hang_host else
                     f"worker {row['victim']} killed")
-            back = "" if args.hang_host else f", back to {args.workers} {_s(row['join_s'])} after the replacement started"
+            back = "" if args.hang_host else \
+                f", back to {args.workers} {_s(row['join_s'])} after the replacement started"
             print(f"round {r + 1}/{args.rounds}: {what}; every survivor knew in {_s(row['detect_s'])}, the next "
                   f"step done in {_s(row['resume_s'])}{back}; {row['redone_steps']} steps redone; commits cost "
                   f"{row['commit_share']:.1%} of the step time", flush=True)

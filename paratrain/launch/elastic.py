@@ -25,15 +25,7 @@ waits. The coordinator closes a generation once every live member of the
 last one (the launcher knows who is alive: it is their parent) and every
 new worker that has said so is ready, and there are at least M of them:
 ranks go by worker id, so survivors keep their order and a replacement
-comes last.
-
-With ``--replica-size R`` (a mesh: each data-parallel replica is R workers,
-its pipeline stages and tensor-parallel parts) a world is made of whole
-replicas only. A worker keeps its place in its replica (its part of the
-model) for life, and a replacement takes the dead worker's. A lost worker
-takes its replica out of the next world; the replica's other workers wait,
-alive, until a replacement makes it whole again (then it joins like any
-new worker) or the job ends (torchft's replica groups). A worker lost while the world runs opens the next generation;
+comes last. A worker lost while the world runs opens the next generation;
 so does a new worker once it is ready (a replacement's start-up is not
 waited for: the others go on meanwhile). The running workers see it at
 their next commit (``elastic/generation`` moved).
@@ -217,8 +209,10 @@ class Coordinator:
     def _parts_lost(self, workers):
         """With replicas: a new world needs one replica that was whole in the last one, the
         holder of every part's state; if none is left, the job ends, saying why."""
-        if self.replica == 1 or not self.formed or any(
-                {w for w in workers if self.slots[w][0] == r} <= self.members for r in {self.slots[w][0] for w in workers}):
+        replicas = {}
+        for w in workers:
+            replicas.setdefault(self.slots[w][0], set()).add(w)
+        if self.replica == 1 or not self.formed or any(r <= self.members for r in replicas.values()):
             return False
         if not self.store.check([self.keys.KEY_ABORT]):
             self.store.set(self.keys.KEY_ABORT, "every replica of the last world lost a worker before the next "
@@ -231,8 +225,8 @@ class Coordinator:
         replica, then by place in it (a worker keeps its place: its part of the model)."""
         replicas = {}
         for w in workers:
-            replicas.setdefault(self.slots[w][0], []).append(w)
-        order = sorted(replicas, key=lambda r: (not set(replicas[r]) <= self.members, r))
+            replicas.setdefault(self.slots[w][0], set()).add(w)
+        order = sorted(replicas, key=lambda r: (not replicas[r] <= self.members, r))
         return [w for r in order for w in sorted(replicas[r], key=lambda w: self.slots[w][1])]
 
     def _check_beats(self, now):

@@ -63,7 +63,9 @@ def restore(compressor, saved, rank, world_size):
                 raise ValueError(f"the compressor state {key!r} differs in shape between the checkpoint's "
                                  f"{saved['world_size']} workers (tensor-parallel cuts?): resume at "
                                  f"{saved['world_size']} workers")
-            state[key] = torch.stack([r[key] for r in ranks]).mean(0)
+            # summed in float64, as pt.elastic's re-form does (compression/elastic.py): the same
+            # residuals whether a run resumed at another size or lost a worker
+            state[key] = (sum(r[key].to(torch.float64) for r in ranks) / len(ranks)).to(first[key].dtype)
         else:
             state[key] = value
     compressor.load_state_dict(state)

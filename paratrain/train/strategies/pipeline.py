@@ -33,7 +33,7 @@ from .base import GroupStep, LastStepTraffic
 HELP = "pipeline: the model cut between layers into --stages stages, micro-batches through a --schedule"
 SPARSE = False
 CUTS = {"pipeline": ("pp", "tp")}   # --pp N (N > 1) is this strategy with N stages; --tp cuts each stage (3D)
-ELASTIC = ("pipeline",)   # --min-workers: a lost worker takes its replica out; each replica built again (elastic_loop.py)
+ELASTIC = ("pipeline",)   # --min-workers: a lost worker takes its replica out (elastic_loop.py)
 CUTTABLE = ("digits", "gpt", "mlp", "mlp-large", "hf-gpt2", "hf-bert", "hf-llama")
 DEFAULT_STAGES = 2
 
