@@ -2,10 +2,8 @@
 others re-form a world and go on from their last commit, and the run ends with the
 parameters of a one-process replay that goes through the same world sizes at the same
 steps (nothing lost, nothing used twice)."""
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -13,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, WORKERS, launch
+from paratrain.launch import netns_pair
 
 BATCH, COMMIT_EVERY, EPOCHS, SAMPLES = 8, 4, 2, 240
 
@@ -123,33 +122,31 @@ def test_below_min_workers_the_job_waits_then_ends_saying_why(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_a_host_that_hangs_is_declared_dead_by_its_heartbeat_and_the_other_goes_on(tmp_path):
-    """Two launchers as two hosts (--nnodes 2), a worker each. As it begins step 7, host 1
-    hangs whole: its launcher and its worker are stopped (SIGSTOP), so no socket closes and
-    nobody reports a death. The first host's launcher declares worker 1 dead when its
-    heartbeat stops; worker 0, waiting for it in Gloo (between hosts), gives up on the world,
-    and goes on alone from the commit at step 4 - long before the collective's 30 s timeout.
-    (A wait in shared memory gives up the same way: test_train_elastic's meshes.)"""
-    from paratrain.launch.local import free_port
-    port, out, pid_file = free_port(), tmp_path / "params.pt", tmp_path / "host1.pid"
-    env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_ELASTIC_HEARTBEAT="2", PARATRAIN_BACKEND="torch",
-               FAIL="1:7:host", OUT=str(out), HOST_PID=str(pid_file))
-    hosts = [subprocess.Popen([sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(h),
-                               "--master-port", str(port), "-n", "1", "--min-workers", "1",
-                               str(WORKERS / "elastic_dp.py")], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for h in (0, 1)]
-    pid_file.write_text(str(hosts[1].pid))
-    try:
-        text = hosts[0].communicate(timeout=80)[0]
-    finally:
-        for p in hosts:
-            p.kill()
-        worker = tmp_path / "host1.pid.worker"   # the stopped worker wrote its pid there
-        if worker.exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(worker.read_text()), signal.SIGKILL)
-        hosts[1].wait()
-    assert hosts[0].returncode == 0, text[-4000:]
+@pytest.mark.skipif(netns_pair.check() is not None, reason=str(netns_pair.check()))
+def test_a_host_whose_link_is_cut_is_declared_dead_by_its_heartbeat_and_the_other_goes_on(tmp_path):
+    """Two pretend hosts, each in its own network namespace with its own launcher (--nnodes 2)
+    and one worker, joined by a link. As it begins step 7, worker 1 cuts its host's link: no
+    socket closes, nothing arrives, and nobody reports a death. The first host's launcher
+    declares worker 1 dead when its heartbeat stops; worker 0, waiting for it in Gloo, gives
+    up on the world and goes on alone from the commit at step 4, long before the
+    collective's 30 s timeout. (A wait in shared memory gives up the same way:
+    test_train_elastic's meshes.)"""
+    out = tmp_path / "params.pt"
+    with netns_pair.HostPair() as hosts:
+        env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_ELASTIC_HEARTBEAT="2", PARATRAIN_BACKEND="torch",
+                   FAIL="1:7:cut", CUT=" ".join(hosts.cut_command(1)), OUT=str(out))
+        launchers = [subprocess.Popen(hosts.run(h, [
+            sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(h), "--master-addr",
+            hosts.address(0), "--master-port", "29400", "-n", "1", "--min-workers", "1",
+            str(WORKERS / "elastic_dp.py")]), cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT) for h in (0, 1)]
+        try:
+            text = launchers[0].communicate(timeout=80)[0]
+        finally:
+            for p in launchers:   # the second's worker dies with it (its parent-death signal)
+                p.kill()
+                p.wait()
+    assert launchers[0].returncode == 0, text[-4000:]
     assert "worker 1 sent no heartbeat for" in text and "declared dead" in text, text[-4000:]
     assert "events [('lost', 4, 2, 1)]" in text, text[-4000:]
     assert "worker 1 (rank 1) was declared dead by the launcher: no heartbeat" in text, text[-4000:]

@@ -505,8 +505,8 @@ def test_cpu_sets_follow_a_narrowed_mask_in_order():
 
 
 def _can_link():
-    from paratrain.launch.link import _tool
-    return os.geteuid() == 0 and all(_tool(t) for t in ("unshare", "ip", "tc"))
+    from paratrain.launch.link import tool
+    return os.geteuid() == 0 and all(tool(t) for t in ("unshare", "ip", "tc"))
 
 
 @pytest.mark.timeout(120)
@@ -523,8 +523,8 @@ def test_link_runs_pretend_hosts_in_a_namespace_with_a_limited_loopback():
     for line in lines:
         assert "of 4, backend hierarchical, pretend hosts 2, all_reduce right" in line, line
         assert "tbf" in line and "rate 1Gbit" in line, line
-    from paratrain.launch.link import _tool
-    host = subprocess.run([_tool("tc"), "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    from paratrain.launch.link import tool
+    host = subprocess.run([tool("tc"), "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
     assert "tbf" not in host, host
 
 

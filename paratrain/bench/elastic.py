@@ -1,7 +1,7 @@
 """``paratrain bench elastic``: how fast a job notices a lost worker, goes on, and takes a new one.
 
     paratrain bench elastic [--rounds 3] [--workers 4] [--steps 60] [--kill-step 25] [--zero STAGE] [--no-torchrun]
-    paratrain bench elastic --hang-host [--rounds 3] [--workers 4]
+    paratrain bench elastic --cut-link [--rounds 3] [--workers 4]
 
 Each round runs the gpt task on ``--workers`` local workers under
 ``paratrain run --min-workers 2 --max-restarts 1`` (elastic_worker.py), and
@@ -27,20 +27,20 @@ agent told the first survivor to stop, resume the first step of the restarted
 job (every worker new), redone the steps since its checkpoint, and commits
 the checkpoint's cost. A ratio column gives torchrun's resume over ours.
 
-``--hang-host``: each round runs two pretend hosts of W/2 workers, each
-under its own launcher (``--nnodes 2``, the first hosting the store), and
-at ``--kill-step`` the second host hangs whole: its launcher and workers
-are stopped (SIGSTOP), so no socket closes and nobody reports a death. The
-heartbeats declare its workers dead; detect runs from the hang to the last
-survivor giving up on the world. No torchrun round: its workers wait for
-the collective's timeout there (pytorch #123678).
+``--cut-link``: each round runs two pretend hosts of W/2 workers, each in a
+network namespace of its own with its own launcher (``--nnodes 2``, the
+first hosting the store; launch/netns_pair.py), joined by a link over which
+everything goes (Gloo). At ``--kill-step`` the victim cuts the second
+host's link: no socket closes, nothing arrives, and nobody reports a death.
+The heartbeats declare its workers dead; detect runs from the cut to the
+last survivor giving up on the world. No torchrun round: its workers wait
+for the collective's timeout there (pytorch #123678). Needs root.
 
-Writes benchmarks/results/elastic.json (elastic-hang-host.json).
+Writes benchmarks/results/elastic.json (elastic-cut-link.json).
 """
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -67,34 +67,30 @@ def one_round(args, victim, folder):
         return measure([json.loads(line) for line in f], args.workers)
 
 
-def hang_round(args, r, folder):
-    """Two launchers as two hosts; the second hangs whole at the kill step (elastic_worker.hang_host)."""
-    from ..launch.local import free_port
+def cut_round(args, r, folder):
+    """Two pretend hosts, each in a network namespace with its own launcher; the second's link is
+    cut at the kill step (elastic_worker: the victim runs ``cut``)."""
+    from ..launch import netns_pair
     half = args.workers // 2
-    events, pids, launcher = (os.path.join(folder, f"{name}-{r}") for name in ("hang-events", "pids", "launcher"))
-    cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": half,
-           "kill_step": args.kill_step, "zero": args.zero, "hang_host": pids, "launcher_pid": launcher}
-    path = os.path.join(folder, f"hang-cfg-{r}.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    port = free_port()
+    events = os.path.join(folder, f"cut-events-{r}")
+    with netns_pair.HostPair() as hosts:
+        cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": half,
+               "kill_step": args.kill_step, "zero": args.zero, "cut": " ".join(hosts.cut_command(1))}
+        path = os.path.join(folder, f"cut-cfg-{r}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
 
-    def cmd(host):
-        return [sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(host), "--master-port",
-                str(port), "-n", str(half), "--min-workers", str(half), "-m", "paratrain.bench.elastic_worker", path]
-    second = subprocess.Popen(cmd(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with open(launcher, "w") as f:
-        f.write(str(second.pid))
-    try:
-        res = forkserver.run(cmd(0), timeout=600)
-    finally:
-        second.kill()
-        for pid in open(pids).read().split() if os.path.exists(pids) else ():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        second.wait()
+        def cmd(host):
+            return hosts.run(host, [sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(host),
+                                    "--master-addr", hosts.address(0), "--master-port", "29400", "-n", str(half),
+                                    "--min-workers", str(half), "-m", "paratrain.bench.elastic_worker", path])
+        env = dict(os.environ, PARATRAIN_BACKEND="torch")   # every byte over the link (shm does not cross it)
+        second = subprocess.Popen(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            res = subprocess.run(cmd(0), env=env, capture_output=True, text=True, timeout=600)
+        finally:
+            second.kill()   # its workers die with it (their parent-death signal)
+            second.wait()
     if res.returncode != 0:
         raise SystemExit(f"the elastic run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     with open(events) as f:
@@ -183,24 +179,29 @@ def main(argv=None):
     p.add_argument("--no-torchrun", action="store_true", help="leave out torchrun's rounds")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
                    help="pt.ZeRO at this stage instead of pt.DataParallel (torchrun's side stays DDP)")
-    p.add_argument("--hang-host", action="store_true",
-                   help="two pretend hosts, each with its own launcher; the second hangs whole (SIGSTOP)")
+    p.add_argument("--cut-link", action="store_true",
+                   help="two pretend hosts in network namespaces, each with its own launcher; the second's link is "
+                        "cut (needs root)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if args.hang_host and (args.workers < 2 or args.workers % 2):
-        p.error("--hang-host needs an even --workers, two hosts of --workers / 2")
+    if args.cut_link:
+        from ..launch import netns_pair
+        if args.workers < 2 or args.workers % 2:
+            p.error("--cut-link needs an even --workers, two hosts of --workers / 2")
+        if netns_pair.check():
+            p.error(f"--cut-link: {netns_pair.check()}")
     args.out = args.out or os.path.join("benchmarks", "results",
-                                        "elastic-hang-host.json" if args.hang_host else "elastic.json")
+                                        "elastic-cut-link.json" if args.cut_link else "elastic.json")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for r in range(args.rounds):
-            row = hang_round(args, r, folder) if args.hang_host else one_round(args, r % args.workers, folder)
-            if not args.no_torchrun and not args.hang_host:
+            row = cut_round(args, r, folder) if args.cut_link else one_round(args, r % args.workers, folder)
+            if not args.no_torchrun and not args.cut_link:
                 row["torchrun"] = torchrun_round(args, r % args.workers, folder)
             rows.append(row)
-            what = (f"the host of workers {row['victim']}-{args.workers - 1} hung" if args.hang_host else
+            what = (f"the link of workers {row['victim']}-{args.workers - 1} cut" if args.cut_link else
                     f"worker {row['victim']} killed")
-            back = "" if args.hang_host else \
+            back = "" if args.cut_link else \
                 f", back to {args.workers} {_s(row['join_s'])} after the replacement started"
             print(f"round {r + 1}/{args.rounds}: {what}; every survivor knew in {_s(row['detect_s'])}, the next "
                   f"step done in {_s(row['resume_s'])}{back}; {row['redone_steps']} steps redone; commits cost "
@@ -218,7 +219,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"workers": args.workers, "steps": args.steps, "kill_step": args.kill_step, "zero": args.zero,
-                   "hang_host": args.hang_host, "rounds": rows}, f, indent=1)
+                   "cut_link": args.cut_link, "rounds": rows}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -11,14 +11,14 @@ the end ``changed``, one per entry of ``state.events`` (``caught_at``: when
 the broken world's error reached pt.elastic).
 The driver (elastic.py) reads them back.
 
-With ``hang_host`` in the config, the workers of the second host write their
-pids there, and the victim, instead of dying, stops that host whole: its
-launcher (its pid in ``launcher_pid``), the host's workers, then itself
-(SIGSTOP: nothing is closed, nothing reports a death).
+With ``cut`` in the config (a command), the victim, instead of dying, runs it:
+it cuts its host's link, and goes on (nothing is closed, nothing reports a
+death; elastic.py's --cut-link).
 """
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -40,9 +40,6 @@ def main(path):
     note("start", t_process=STARTED)
     task = build_task("gpt", seed=0)   # before joining: a replacement builds while the others go on
     note("built")
-    if cfg.get("hang_host") and os.environ.get("GROUP_RANK") == "1":
-        with open(cfg["hang_host"], "a") as f:
-            f.write(f"{os.getpid()}\n")
     pt.init()
     note("joined")
     sampler = pt.elastic.ElasticSampler(task.train_set, shuffle=True, seed=0, batch_size=cfg["batch"])
@@ -63,9 +60,10 @@ def main(path):
                 if (me, state.step + 1) == kill:
                     note("kill", step=state.step + 1)
                     out.flush()
-                    if cfg.get("hang_host"):
-                        hang_host(cfg)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    if cfg.get("cut"):
+                        subprocess.run(cfg["cut"].split(), check=True)
+                    else:
+                        os.kill(os.getpid(), signal.SIGKILL)
                 opt.zero_grad()
                 task.loss(model, batch).backward()
                 opt.step()
@@ -82,16 +80,6 @@ def main(path):
     for e in state.events:   # each change of world: when the error reached pt.elastic, how long re-forming took
         note("changed", **{("event" if k == "kind" else k): v for k, v in e.items()})
     pt.destroy()
-
-
-def hang_host(cfg):
-    """Stop this host whole: its launcher, its other workers, then this process."""
-    with open(cfg["launcher_pid"]) as f:
-        os.kill(int(f.read()), signal.SIGSTOP)
-    with open(cfg["hang_host"]) as f:
-        pids = [int(x) for x in f.read().split()]
-    for pid in sorted(pids, key=lambda p: p == os.getpid()):   # this one last
-        os.kill(pid, signal.SIGSTOP)
 
 
 if __name__ == "__main__":

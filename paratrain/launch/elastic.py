@@ -83,7 +83,7 @@ class Coordinator:
         self.changes = {"lost": [], "joined": []}   # since the last formed generation (elastic/gen<g>/changes)
         self._below_since = None
         self.heartbeat = heartbeat   # seconds of silence after which a worker is declared dead
-        self._beats = {}             # worker id -> (its last beat's count, when we saw it change)
+        self._beats = {}             # worker id -> (its last beat's count, when we saw it change: monotonic, wall)
         self._silenced = set()
         self._next_beat_check = 0.0
         self._lock = threading.Lock()
@@ -244,13 +244,13 @@ class Coordinator:
                 continue   # not connected yet: its start-up is not timed here
             seen = self._beats.get(w)
             if seen is None or seen[0] != beat[0]:
-                self._beats[w] = (beat[0], now)
+                self._beats[w] = (beat[0], now, time.time())
             elif now - seen[1] > self.heartbeat:
                 self._silenced.add(w)
                 why = f"no heartbeat for {now - seen[1]:.1f}s (more than {self.heartbeat:g}s)"
                 say(f"paratrain run: elastic: worker {w} sent {why}: declared dead, and killed")
                 self.keys.append_line(self.store, self.keys.KEY_DECLARED, {"id": w, "why": why})
-                self._lost(w)
+                self._lost(w, at=seen[2])   # it went silent after its last beat: the events count from there
                 if w in self.local:
                     try:
                         os.kill(beat[1], signal.SIGKILL)

@@ -19,7 +19,7 @@ RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 TOOLS = ("unshare", "ip", "tc")
 
 
-def _tool(name):
+def tool(name):
     """unshare, ip and tc, also where a PATH without sbin would not look."""
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
 
@@ -28,7 +28,7 @@ def check(rate):
     """What stops --link RATE here, or None."""
     if not RATE.match(rate):
         return f"--link {rate!r}: give a rate as tc writes it, e.g. 100mbit, 1gbit, 10gbit"
-    missing = [t for t in TOOLS if _tool(t) is None]
+    missing = [t for t in TOOLS if tool(t) is None]
     if os.geteuid() != 0 or missing:
         why = "it is not running as root" if os.geteuid() != 0 else f"{', '.join(missing)} not found"
         return (f"--link needs root and the unshare, ip and tc commands ({why}): it runs the job in a private "
@@ -42,9 +42,9 @@ INSIDE = "--inside-link"   # a hidden flag: the launcher started in the namespac
 
 def command(rate, python, argv):
     """The launcher again, inside a fresh network namespace with a limited loopback."""
-    ip, tc = _tool("ip"), _tool("tc")
+    ip, tc = tool("ip"), tool("tc")
     setup = f'{ip} link set lo up && {tc} qdisc add dev lo root tbf rate "$0" burst 512kb latency 20ms && exec "$@"'
-    return [_tool("unshare"), "-n", "--", "sh", "-c", setup, rate, python, "-m", "paratrain.run", INSIDE, *argv]
+    return [tool("unshare"), "-n", "--", "sh", "-c", setup, rate, python, "-m", "paratrain.run", INSIDE, *argv]
 
 
 def as_pretend_hosts(args):

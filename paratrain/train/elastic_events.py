@@ -12,8 +12,9 @@ step one had reached, the commit they went back to):
 workers' ranks in the world they left, or the joiners' in the world they joined;
 ``detect_s`` runs from the death to the last survivor knowing (the death: when the
 launcher saw the worker's exit, or, if earlier, when the first survivor's collective
-failed; for a join, the replacement's start); ``resume_s`` from the same moment to the first step done at the
-new size. No torch here: the front-end reads these too.
+failed; for a hang, its last heartbeat; for a join, the replacement's start);
+``resume_s`` from the same moment to the first step done at the new size. No torch
+here: the front-end reads these too.
 """
 
 

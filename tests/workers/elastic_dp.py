@@ -6,6 +6,7 @@ run in one process and compares)."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -35,13 +36,11 @@ def train(state):
         state.sampler.set_epoch(state.epoch)
         for xb, yb in torch.utils.data.DataLoader(dataset, batch_sampler=state.sampler):
             if (me, state.step + 1) == (fail_worker, fail_step):
-                if how == ["host"]:
-                    print(f"worker {me}: host hangs at {time.time():.3f}", flush=True)
-                    with open(os.environ["HOST_PID"] + ".worker", "w") as f:
-                        f.write(str(os.getpid()))
-                    with open(os.environ["HOST_PID"]) as f:
-                        os.kill(int(f.read()), signal.SIGSTOP)
-                os.kill(os.getpid(), signal.SIGSTOP if how == ["host"] else signal.SIGKILL)
+                if how == ["cut"]:
+                    print(f"worker {me}: cuts its host's link at {time.time():.3f}", flush=True)
+                    subprocess.run(os.environ["CUT"].split(), check=True)
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
             if pt.world().world_size < int(os.environ.get("SLOW_BELOW", "0")):
                 time.sleep(0.25)   # time for a replacement to start and join
             opt.zero_grad()

@@ -10,8 +10,8 @@ import paratrain as pt
 
 def main():
     g = pt.init()
-    from paratrain.launch.link import _tool
-    qdisc = subprocess.run([_tool("tc"), "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    from paratrain.launch.link import tool
+    qdisc = subprocess.run([tool("tc"), "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
     t = torch.full((100_000,), float(g.rank + 1))
     g.all_reduce(t)
     ok = bool((t == g.world_size * (g.world_size + 1) / 2).all())
