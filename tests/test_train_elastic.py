@@ -126,7 +126,8 @@ def test_below_min_workers_two_at_once_a_failed_recovery_and_a_hang(runs):
     text = res.stdout + res.stderr
     assert "below --min-workers 3" in text, text[-3000:]
     assert "worker 3 sent no heartbeat" in text, text[-3000:]
-    hang = next(e for e in summary["elastic_events"] if e["workers"] == [3])
+    # (worker 0, set to die in the first re-form back to a commit at 10 or later, dies in that one)
+    hang = next(e for e in summary["elastic_events"] if 3 in e["workers"])
     assert hang["detect_s"] > 3, hang   # from its silence, not from when it was declared dead
     events = summary["elastic_events"]
     assert any(e["kind"] == "lost" and e["ranks"] == [1, 2] for e in events), events

@@ -66,7 +66,7 @@ KEY_ABORT = "elastic/abort"
 KEY_FINISHED = "elastic/finished"
 # Append-only logs, a JSON object per line (Lines reads them):
 KEY_REPORTS = "elastic/reports"     # other hosts' launchers: {"kind": "lost"|"started"|"finished", "id", "at"}
-KEY_KILL = "elastic/kill"           # the coordinator to those launchers: {"id"}, a worker to kill
+KEY_KILL = "elastic/kill"           # the coordinator to those launchers: {"id", "pid"}, a worker to kill
 KEY_DECLARED = "elastic/declared"   # the coordinator to the workers: {"id", "why"}, declared dead
 KEY_NEXT_ID = "elastic/next_id"     # a counter: the ids of replacements, unique over all hosts
 
@@ -166,13 +166,18 @@ class Heartbeat:
     def _run(self):
         """Beats for the life of the process (it ends with it: a daemon thread)."""
         try:
-            store, count, pid, next_beat = self.connect(), 0, os.getpid(), 0.0
+            store, count, pid, next_beat, warned = self.connect(), 0, os.getpid(), 0.0, False
             while True:
                 if time.monotonic() >= next_beat:
                     count += 1
                     store.set(self.key, f"{count} {pid}")
                     next_beat = time.monotonic() + self.period
-                self.watch(store)
+                try:
+                    self.watch(store)
+                except Exception as e:   # never the end of the beats: a silent worker is declared dead
+                    if not warned:
+                        print(f"paratrain: elastic: the heartbeat's watch failed ({e!r}); beating on", flush=True)
+                    warned = True
                 time.sleep(self.WATCH_S)
         except Exception:   # the launcher is gone: the main thread learns it from its own waits
             return

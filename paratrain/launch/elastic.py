@@ -32,6 +32,23 @@ their next commit (``elastic/generation`` moved).
 Below M workers it waits up to ``--elastic-timeout`` for replacements,
 then publishes why it gives up; no worker waits forever (Horovod's
 deadlock below min-np, horovod #3494, is the case this closes).
+
+A worker whose heartbeat stops (a hung process, or a host that stalls or
+loses its link) is declared dead at once (``elastic/declared``), without
+waiting for its launcher, which may be as silent as it is; the others give
+up on the world it is in (comm/abandon.py).
+
+With ``--replica-size R`` (a mesh: each data-parallel replica is R workers,
+its pipeline stages and tensor-parallel parts) a world is made of whole
+replicas only. A worker keeps its place in its replica (its part of the
+model) for life, and a replacement takes the dead worker's. A lost worker
+takes its replica out of the next world; the replica's other workers wait,
+alive, until a replacement makes it whole again (then it joins like any
+new worker) or the job ends (torchft's replica groups).
+
+Across hosts (``--nnodes``) the first host's launcher hosts the store and
+the coordinator; every other host's launcher follows it (elastic_follower.py).
+The first host is then the one point that must stay up.
 """
 import json
 import os
@@ -46,6 +63,7 @@ from datetime import timedelta
 
 from .. import config
 from . import forkserver
+from .elastic_follower import Follower, new_id
 from .parent import tie_to_parent
 from .watch import say
 from .worker import Worker
@@ -346,80 +364,6 @@ def start_coordinator(args, port, base):
                            replica=args.replica_size), None
     except Exception as e:   # torch's store: the port taken between our check and its bind
         return None, f"could not host the elastic rendezvous on {args.master_addr}:{port}: {e}"
-
-
-def new_id(store, first_ids):
-    """The next replacement's worker id: after the first workers', from a counter in the store."""
-    from ..comm import elastic_rendezvous as keys
-    return first_ids + store.add(keys.KEY_NEXT_ID, 1) - 1
-
-
-class Follower:
-    """The launcher of a host other than the first in an elastic job: it tells the
-    coordinator what it sees of its own workers (they died, started or ended), through
-    the store, and kills those of them the coordinator declares dead. It has the
-    Coordinator's interface for the launcher: lost, started, finished, new_id, stop."""
-
-    def __init__(self, host, port, workers, first_ids, timeout):
-        from ..comm import elastic_rendezvous as keys
-        from ..comm import rendezvous
-        self.keys = keys
-        self.store = rendezvous.connect_client(host, port, timeout)
-        self.first_ids = first_ids   # every host's first workers: replacements' ids come after
-        self.live, self.mine, self.per_host = set(workers), set(workers), len(workers)   # this host's
-        self._kills = keys.Lines(keys.KEY_KILL)
-        self._lock = threading.Lock()   # the store client: the watcher's thread and ours
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="paratrain-elastic-follower", daemon=True)
-        self._thread.start()
-
-    def _report(self, kind, worker_id, **more):
-        with self._lock:
-            self.keys.append_line(self.store, self.keys.KEY_REPORTS,
-                                  {"kind": kind, "id": worker_id, "at": time.time(), **more})
-
-    def lost(self, worker_id):
-        self.live.discard(worker_id)
-        self._report("lost", worker_id)
-
-    def started(self, worker_id, replacing):
-        self.live.add(worker_id)
-        self.mine.add(worker_id)
-        self._report("started", worker_id, replacing=replacing)
-
-    def finished(self, worker_id):
-        self.live.discard(worker_id)
-        self._report("finished", worker_id)
-
-    def room(self):
-        """May a replacement start here (fewer live than this host started with)?"""
-        return len(self.live) < self.per_host
-
-    def wait_for_other_hosts(self):
-        pass   # the store is the first host's
-
-    def new_id(self):
-        with self._lock:
-            return new_id(self.store, self.first_ids)
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self):
-        while not self._stop.wait(0.25):
-            try:
-                with self._lock:
-                    orders = self._kills.new(self.store)
-            except Exception:   # the first host is gone: its workers' own waits say so
-                return
-            for order in orders:
-                if order["id"] in self.mine:
-                    say(f"paratrain run: elastic: worker {order['id']} was declared dead (no heartbeat): killed")
-                    try:
-                        os.kill(order["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
 
 
 class Replacements:

@@ -1,0 +1,5 @@
+"""``paratrain simulate``: a cost model of a training step, calibrated on this machine.
+
+collectives.py: each collective's alpha-beta-gamma cost, by algorithm.
+calibrate.py: alpha, beta and gamma fitted to measured times.
+"""

@@ -1,0 +1,130 @@
+"""What each collective costs, by algorithm: the alpha-beta-gamma model of paratrain's own algorithms.
+
+Hockney's model with a reduction term, as Thakur, Rabenseifner & Gropp use it
+("Optimization of collective communication operations in MPICH", IJHPCA 2005):
+sending a message of n bytes over a link costs ``alpha + n beta``, and
+reducing n bytes costs ``n gamma``. An algorithm's cost is then three counts
+on its critical path - latency steps, bytes each rank sends, bytes each rank
+reduces - times the link's three constants (``Terms.seconds``). The counts
+are those the algorithms' own docstrings give (comm/algorithms/ring.py,
+tree.py, naive.py, comm/shm/direct.py, comm/hierarchical.py), here in one
+table so that a step's communication can be predicted for any P and n.
+
+``n`` is the buffer's bytes on each rank (for all_gather, the gathered
+output's; for reduce_scatter, the input's), P the ranks.
+"""
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced."""
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+    @classmethod
+    def from_rates(cls, gbps, latency_us, reduce_gbps=None):
+        """A link of ``gbps`` gigabits per second and ``latency_us`` microseconds per message;
+        reductions at ``reduce_gbps`` gigabits per second (None: free)."""
+        return cls(latency_us * 1e-6, 8 / (gbps * 1e9), 8 / (reduce_gbps * 1e9) if reduce_gbps else 0.0)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A cost as counts on the critical path: latency steps, bytes sent and bytes reduced per rank."""
+    steps: float
+    sent: float
+    reduced: float = 0.0
+
+    def seconds(self, link):
+        return self.steps * link.alpha + self.sent * link.beta + self.reduced * link.gamma
+
+    def __add__(self, other):
+        return Terms(self.steps + other.steps, self.sent + other.sent, self.reduced + other.reduced)
+
+
+NOTHING = Terms(0, 0, 0)
+
+
+def _log2_steps(P):
+    """Recursive doubling's steps: log2 of the largest power of two <= P, plus two when
+    P is not one (the extra ranks fold in first and get the result back last)."""
+    k = P.bit_length() - 1
+    return k, (2 if P != 1 << k else 0)
+
+
+def ring_all_reduce(P, n):
+    """Scatter-reduce then all-gather around the ring: 2(P-1) steps, 2(P-1)/P n sent."""
+    if P == 1:
+        return NOTHING
+    return Terms(2 * (P - 1), 2 * (P - 1) / P * n, (P - 1) / P * n)
+
+
+def tree_all_reduce(P, n):
+    """Recursive doubling: every step exchanges and combines the whole buffer."""
+    if P == 1:
+        return NOTHING
+    k, extra = _log2_steps(P)
+    return Terms(k + extra, (k + extra) * n, (k + (1 if extra else 0)) * n)
+
+
+def naive_all_reduce(P, n):
+    """Gather to rank 0, reduce there, send back: the root's P-1 receives and P-1 sends."""
+    if P == 1:
+        return NOTHING
+    return Terms(2 * (P - 1), 2 * (P - 1) * n, (P - 1) * n)
+
+
+SLOT_BYTES = 1 << 20   # comm/shm: a round of the direct algorithm moves at most this much per rank
+
+
+def direct_all_reduce(P, n, slot_bytes=SLOT_BYTES):
+    """Shared memory: each round is copy-in, reduce one part reading every input, copy-out,
+    pipelined one barrier per round (R + 1 barriers for R rounds). Bytes are memory
+    traffic, so beta here is a memcpy's seconds per byte."""
+    if P == 1:
+        return NOTHING
+    rounds = max(1, math.ceil(n / slot_bytes))
+    return Terms(rounds + 1, (3 * (P - 1) / P + 2 / P) * n, (P - 1) / P * n)
+
+
+ALL_REDUCE = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce,
+              "direct": direct_all_reduce}
+
+
+def all_reduce(algorithm, P, n):
+    try:
+        return ALL_REDUCE[algorithm](P, n)
+    except KeyError:
+        raise ValueError(f"no cost model for all_reduce algorithm {algorithm!r}; "
+                         f"known: {', '.join(ALL_REDUCE)}") from None
+
+
+def all_gather(P, n):
+    """Ring all-gather of an n-byte output: P-1 steps, each rank sends (P-1)/P of it."""
+    return Terms(P - 1, (P - 1) / P * n) if P > 1 else NOTHING
+
+
+def reduce_scatter(P, n):
+    """Ring reduce-scatter of an n-byte input: P-1 steps, (P-1)/P of it sent and reduced."""
+    return Terms(P - 1, (P - 1) / P * n, (P - 1) / P * n) if P > 1 else NOTHING
+
+
+def broadcast(P, n):
+    """Binomial tree: ceil(log2 P) steps, the whole buffer each."""
+    steps = math.ceil(math.log2(P)) if P > 1 else 0
+    return Terms(steps, steps * n)
+
+
+def hierarchical_all_reduce(hosts, per_host, n, intra, inter, inter_algorithm="ring"):
+    """Seconds of comm/hierarchical.py's all-reduce: reduce inside each host to its leader,
+    all-reduce among the host leaders over ``inter``, broadcast inside each host; ``intra``
+    is the host's shared-memory link (beta a memcpy's). Horovod's hierarchical all-reduce
+    (Sergeev & Del Balso, arXiv 1802.05799): the network carries one buffer per host."""
+    inside = NOTHING
+    if per_host > 1:   # a reduce to the leader (a reduce-scatter and a gather) and a broadcast, in memory
+        L = per_host
+        inside = Terms(2, (L - 1) / L * n + (L - 1) / L * n, (L - 1) / L * n) + Terms(1, n)
+    return inside.seconds(intra) + all_reduce(inter_algorithm, hosts, n).seconds(inter)

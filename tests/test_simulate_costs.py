@@ -1,0 +1,78 @@
+"""The cost model's formulas against hand-computed cases, and calibration recovering known
+constants from synthetic timings (paratrain/simulate)."""
+import numpy as np
+import pytest
+
+from paratrain.simulate import calibrate
+from paratrain.simulate.collectives import (Link, Terms, all_gather, all_reduce, broadcast,
+                                            hierarchical_all_reduce, reduce_scatter)
+
+MB = 1 << 20
+
+
+def test_ring_all_reduce_by_hand():
+    # 4 ranks, 8 MB: 6 steps; each rank sends 3/4 of the buffer twice and reduces 3/4 of it once
+    assert all_reduce("ring", 4, 8 * MB) == Terms(6, 12 * MB, 6 * MB)
+    link = Link(alpha=10e-6, beta=1e-9, gamma=0.5e-9)
+    assert all_reduce("ring", 4, 8 * MB).seconds(link) == pytest.approx(6 * 10e-6 + 12 * MB * 1e-9 + 6 * MB * 0.5e-9)
+    assert all_reduce("ring", 1, MB) == Terms(0, 0, 0)
+
+
+def test_tree_all_reduce_by_hand():
+    # a power of two: log2 P steps of the whole buffer; 6 ranks: 2 steps among 4, plus fold in and back
+    assert all_reduce("tree", 8, MB) == Terms(3, 3 * MB, 3 * MB)
+    assert all_reduce("tree", 6, MB) == Terms(4, 4 * MB, 3 * MB)
+    assert all_reduce("tree", 2, MB) == Terms(1, MB, MB)
+
+
+def test_naive_direct_and_the_other_collectives_by_hand():
+    assert all_reduce("naive", 3, MB) == Terms(4, 4 * MB, 2 * MB)   # the root: 2 receives, 2 sends
+    # shared memory, 2 ranks, 3 MB in 1 MB rounds: 4 barriers; (3/2 + 1) x 3 MB of memory traffic
+    assert all_reduce("direct", 2, 3 * MB) == Terms(4, 7.5 * MB, 1.5 * MB)
+    assert all_gather(4, 4 * MB) == Terms(3, 3 * MB)
+    assert reduce_scatter(4, 4 * MB) == Terms(3, 3 * MB, 3 * MB)
+    assert broadcast(5, MB) == Terms(3, 3 * MB)
+    with pytest.raises(ValueError, match="no cost model for all_reduce algorithm 'bogus'"):
+        all_reduce("bogus", 2, MB)
+
+
+def test_a_hierarchical_all_reduce_sends_one_buffer_per_host_over_the_network():
+    intra, inter = Link(1e-6, 0.1e-9), Link(50e-6, 8e-9)   # memory, and a 1 Gbit/s network
+    n, hosts, per_host = 16 * MB, 4, 8
+    inside = (2 * 7 / 8 * n) * 0.1e-9 + 3 * 1e-6 + n * 0.1e-9   # reduce to the leader, then broadcast
+    network = 6 * 50e-6 + 2 * 3 / 4 * n * 8e-9                  # a ring of the 4 leaders
+    assert hierarchical_all_reduce(hosts, per_host, n, intra, inter) == pytest.approx(inside + network)
+    flat = all_reduce("ring", hosts * per_host, n).seconds(inter)   # every rank on the network
+    assert hierarchical_all_reduce(hosts, per_host, n, intra, inter) < flat
+
+
+def test_link_from_rates():
+    link = Link.from_rates(gbps=10, latency_us=20, reduce_gbps=80)
+    assert link.alpha == pytest.approx(20e-6) and link.beta == pytest.approx(0.8e-9)
+    assert link.gamma == pytest.approx(0.1e-9)
+
+
+def test_calibration_recovers_known_constants_from_synthetic_timings():
+    true = Link(alpha=25e-6, beta=0.8e-9, gamma=0.3e-9)
+    rng = np.random.default_rng(0)
+    samples = []
+    for algorithm in ("ring", "tree"):   # two shares of reduced to sent bytes: gamma is told from beta
+        for P in (2, 3, 4):
+            for n in (4 << 10, 64 << 10, MB, 16 * MB, 64 * MB):
+                t = all_reduce(algorithm, P, n).seconds(true) * (1 + 0.01 * rng.standard_normal())
+                samples.append((algorithm, P, n, t))
+    got = calibrate.fit(samples)
+    assert got.alpha == pytest.approx(true.alpha, rel=0.05)
+    assert got.beta == pytest.approx(true.beta, rel=0.05)
+    assert got.gamma == pytest.approx(true.gamma, rel=0.15)
+    assert np.abs(calibrate.relative_errors(got, samples)).max() < 0.05
+
+
+def test_calibration_keeps_constants_non_negative_where_one_algorithm_cannot_tell_them_apart():
+    true = Link(alpha=10e-6, beta=1e-9)
+    samples = [("ring", P, n, all_reduce("ring", P, n).seconds(true)) for P in (2, 4) for n in (MB, 8 * MB, 64 << 10)]
+    got = calibrate.fit(samples)
+    assert min(got.alpha, got.beta, got.gamma) >= 0
+    assert np.abs(calibrate.relative_errors(got, samples)).max() < 1e-6   # beta and gamma share the bytes
+    with pytest.raises(ValueError, match="at least two measurements"):
+        calibrate.fit(samples[:1])
