@@ -8,6 +8,7 @@
     paratrain run -n 4 script.py args...     start workers running your script (like torchrun)
     paratrain trace runs/<id>                where each rank's step time went, stragglers, who was late
     paratrain server --servers 2             parameter servers on this host for a multi-node job
+    paratrain simulate --cluster C.toml --workload W.toml --workers 8,64,512   a step predicted (cost model)
     paratrain bench collectives -n 2         collectives beside Gloo and Open MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
     paratrain bench parameter-server         the parameter server beside all-reduce, BSP beside ASP/SSP
@@ -33,6 +34,8 @@ commands:
            `paratrain run --trace DIR`): compute, waiting, communication, idle, stragglers
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
+  simulate a training step predicted by a cost model for a cluster and a workload, at any
+           worker count (`paratrain simulate --cluster C.toml --workload W.toml --workers 8,64,512`)
   bench    benchmarks beside PyTorch, Gloo and Open MPI: `paratrain bench collectives -n 2`,
            `paratrain bench data-parallel`, `paratrain bench parameter-server`,
            `paratrain bench pipeline`, `paratrain bench tensor`, `paratrain bench zero`,
@@ -59,6 +62,9 @@ def main(argv=None):
     if cmd == "server":
         from .launch.serve import main as server_main
         return server_main(rest)
+    if cmd == "simulate":
+        from .simulate.command import main as simulate_main
+        return simulate_main(rest)
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
                    "pipeline": "pipeline", "tensor": "tensor", "zero": "zero",

@@ -1,0 +1,78 @@
+"""``paratrain simulate``: a training step predicted for a cluster and a workload, at any worker count.
+
+    paratrain simulate --cluster CLUSTER.toml --workload WORKLOAD.toml --strategy dp --workers 8,64,512
+    paratrain simulate ... --json          {"rows": [{"strategy", "workers", "step_ms", "samples_per_s",
+                                                      "efficiency", ...}]}
+
+Per worker count: the step time and its parts (compute, exposed communication),
+samples per second, and the scaling efficiency (a device's samples per second
+in the job over one device's alone). The formats of the two files: files.py.
+"""
+import argparse
+import json
+import sys
+
+from . import data_parallel
+from .files import load_cluster, load_workload
+
+STRATEGIES = {"dp": data_parallel}
+
+
+def _workers(text):
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--workers {text!r}: give worker counts, e.g. 8,64,512")
+    return counts
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="paratrain simulate", description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", required=True, metavar="CLUSTER.toml", help="the machines and their links")
+    p.add_argument("--workload", required=True, metavar="WORKLOAD.toml", help="the model and its step on one device")
+    p.add_argument("--strategy", default="dp", choices=sorted(STRATEGIES),
+                   help="dp: data parallelism with the all-reduce paratrain would choose (default)")
+    p.add_argument("--algorithm", choices=data_parallel.ALGORITHMS, default=None,
+                   help="force this all-reduce (default: the cheapest by the model)")
+    p.add_argument("--bucket-mb", type=float, default=data_parallel.BUCKET_MB,
+                   help=f"gradient bucket size (default {data_parallel.BUCKET_MB:g}, pt.DataParallel's)")
+    p.add_argument("--workers", type=_workers, default=[1, 8, 64], help="worker counts, comma-separated")
+    p.add_argument("--json", action="store_true", help="print {\"rows\": [...]} instead of a table")
+    return p
+
+
+def rows(cluster, workload, strategy, counts, algorithm=None, bucket_mb=data_parallel.BUCKET_MB):
+    out = []
+    for workers in counts:
+        s = STRATEGIES[strategy].step(workload, cluster, workers, algorithm, bucket_mb)
+        out.append({"strategy": strategy, "workers": workers, "step_ms": s.step_s * 1e3,
+                    "compute_ms": s.compute_s * 1e3, "exposed_comm_ms": s.exposed_s * 1e3,
+                    "comm_ms": s.comm_s * 1e3, "samples_per_s": s.samples_per_s, "efficiency": s.efficiency,
+                    "algorithm": s.algorithm})
+    return out
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        cluster, workload = load_cluster(args.cluster), load_workload(args.workload)
+        table = rows(cluster, workload, args.strategy, args.workers, args.algorithm, args.bucket_mb)
+    except ValueError as e:
+        print(f"paratrain simulate: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "workload": workload.name, "rows": table}, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"{workload.name} on {cluster.name}: {args.strategy}")
+    for name in ("workers", "step", "compute", "exposed comm", "samples/s", "efficiency", "algorithm"):
+        t.add_column(name, justify="right")
+    for r in table:
+        t.add_row(str(r["workers"]), f"{r['step_ms']:.1f} ms", f"{r['compute_ms']:.1f} ms",
+                  f"{r['exposed_comm_ms']:.1f} ms", f"{r['samples_per_s']:,.0f}", f"{r['efficiency']:.1%}",
+                  r["algorithm"])
+    Console(width=max(Console().width, 100)).print(t)
+    return 0
