@@ -76,3 +76,13 @@ def test_calibration_keeps_constants_non_negative_where_one_algorithm_cannot_tel
     assert np.abs(calibrate.relative_errors(got, samples)).max() < 1e-6   # beta and gamma share the bytes
     with pytest.raises(ValueError, match="at least two measurements"):
         calibrate.fit(samples[:1])
+
+
+def test_a_bench_report_becomes_samples_by_link():
+    report = {"config": {"nproc": 3}, "results": [
+        {"collective": "all_reduce", "engine": "paratrain", "bytes": MB, "median_us": 500.0, "run": "main"},
+        {"collective": "all_reduce", "engine": "paratrain/ring", "bytes": MB, "median_us": 900.0, "run": "main"},
+        {"collective": "all_reduce", "engine": "gloo", "bytes": MB, "median_us": 2000.0, "run": "main"},
+        {"collective": "all_gather", "engine": "paratrain", "bytes": MB, "median_us": 300.0, "run": "main"}]}
+    assert calibrate.samples_from_bench(report) == {"shm_direct": [("direct", 3, MB, 500e-6)],
+                                                    "shm": [("ring", 3, MB, 900e-6)]}

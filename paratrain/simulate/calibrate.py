@@ -18,6 +18,11 @@ things make it a careful one:
   separates gamma from beta.
 """
 import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 
@@ -58,3 +63,51 @@ def relative_errors(link, samples):
     """(prediction - measured) / measured, per sample."""
     A, t = terms_matrix(samples)
     return (A @ np.array([link.alpha, link.beta, link.gamma]) - t) / t
+
+
+# ---- this machine: `paratrain bench collectives`, fitted ----------------------------------
+
+ENGINES = {"paratrain": "direct", "paratrain/direct": "direct", "paratrain/ring": "ring", "paratrain/tree": "tree",
+           "paratrain/naive": "naive"}
+PATHS = {"direct": "shm_direct", "ring": "shm", "tree": "shm", "naive": "shm"}   # which link each one runs over
+SIZES = "64K,256K,1M,4M,16M"
+
+
+def samples_from_bench(report):
+    """{link name: [(algorithm, P, n, seconds)]} from a ``paratrain bench collectives`` JSON
+    report's all_reduce rows on one host: the shared-memory engine's direct algorithm runs
+    over memory copies and barriers ("shm_direct"), the message-passing ones over its
+    channels ("shm")."""
+    P = report["config"]["nproc"]
+    out = {}
+    for r in report["results"]:
+        algorithm = ENGINES.get(r["engine"])
+        if r["collective"] != "all_reduce" or algorithm is None or r.get("run", "main") != "main":
+            continue
+        out.setdefault(PATHS[algorithm], []).append((algorithm, P, r["bytes"], r["median_us"] * 1e-6))
+    return out
+
+
+def measure_here(ranks=(2, 3, 4), sizes=SIZES, runner=None):
+    """Run ``paratrain bench collectives`` (all_reduce; direct, ring and tree) at each rank
+    count; returns {link name: samples}."""
+    samples = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for P in ranks:
+            out = os.path.join(folder, str(P))
+            cmd = [sys.executable, "-m", "paratrain", "bench", "collectives", "-n", str(P), "--collectives",
+                   "all_reduce", "--sizes", sizes, "--algorithms", "ring,tree", "--no-mpi", "--no-gloo",
+                   "--out", out]
+            res = (runner or subprocess.run)(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"the collectives benchmark at {P} ranks failed:\n{res.stdout[-2000:]}"
+                                   f"{res.stderr[-2000:]}")
+            with open(os.path.join(out, "collectives.json")) as f:
+                for name, rows in samples_from_bench(json.load(f)).items():
+                    samples.setdefault(name, []).extend(rows)
+    return samples
+
+
+def fit_links(samples):
+    """{link name: Link} fitted to each link's samples."""
+    return {name: fit(rows) for name, rows in samples.items()}

@@ -3,6 +3,7 @@
     paratrain simulate --cluster CLUSTER.toml --workload WORKLOAD.toml --strategy dp --workers 8,64,512
     paratrain simulate ... --json          {"rows": [{"strategy", "workers", "step_ms", "samples_per_s",
                                                       "efficiency", ...}]}
+    paratrain simulate --calibrate         fit this machine's links to `paratrain bench collectives`, and store them
 
 Per worker count: the step time and its parts (compute, exposed communication),
 samples per second, and the scaling efficiency (a device's samples per second
@@ -10,6 +11,7 @@ in the job over one device's alone). The formats of the two files: files.py.
 """
 import argparse
 import json
+import os
 import sys
 
 from . import data_parallel
@@ -30,8 +32,13 @@ def _workers(text):
 
 def build_parser():
     p = argparse.ArgumentParser(prog="paratrain simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--cluster", required=True, metavar="CLUSTER.toml", help="the machines and their links")
-    p.add_argument("--workload", required=True, metavar="WORKLOAD.toml", help="the model and its step on one device")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure all_reduce here (paratrain bench collectives at 2-4 ranks), fit each link's alpha, "
+                        "beta and gamma, print measured against predicted, and store the fit (--calibration)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help=f"where the fit is stored (default {calibration_path()})")
+    p.add_argument("--cluster", metavar="CLUSTER.toml", help="the machines and their links")
+    p.add_argument("--workload", metavar="WORKLOAD.toml", help="the model and its step on one device")
     p.add_argument("--strategy", default="dp", choices=sorted(STRATEGIES),
                    help="dp: data parallelism with the all-reduce paratrain would choose (default)")
     p.add_argument("--algorithm", choices=data_parallel.ALGORITHMS, default=None,
@@ -54,8 +61,50 @@ def rows(cluster, workload, strategy, counts, algorithm=None, bucket_mb=data_par
     return out
 
 
+def calibration_path():
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "paratrain", "calibration.json")
+
+
+def calibrate_here(path):
+    """--calibrate: measure, fit, show the fit's errors, store it."""
+    from . import calibrate
+    print("paratrain simulate: measuring all_reduce here (paratrain bench collectives, 2, 3 and 4 ranks)...",
+          flush=True)
+    samples = calibrate.measure_here()
+    links = calibrate.fit_links(samples)
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="all_reduce here: measured against the fitted model")
+    for name in ("link", "algorithm", "ranks", "bytes", "measured", "predicted", "error"):
+        t.add_column(name, justify="right")
+    rows = []
+    for name, rows_of in samples.items():
+        errors = calibrate.relative_errors(links[name], rows_of)
+        for (algorithm, P, n, seconds), error in zip(rows_of, errors):
+            rows.append({"link": name, "algorithm": algorithm, "ranks": P, "bytes": n, "measured_s": seconds,
+                         "predicted_s": seconds * (1 + error), "error": float(error)})
+            t.add_row(name, algorithm, str(P), f"{n:,}", f"{seconds * 1e3:.3f} ms",
+                      f"{seconds * (1 + error) * 1e3:.3f} ms", f"{error:+.1%}")
+    Console(width=max(Console().width, 100)).print(t)
+    for name, link in links.items():
+        rate = 8 / link.beta / 1e9 if link.beta else float("inf")
+        print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
+              f"gamma {link.gamma * 1e9:.4f} ns/byte")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"links": {name: vars(link) for name, link in links.items()}, "samples": rows}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        return calibrate_here(args.calibration or calibration_path())
+    if args.cluster is None or args.workload is None:
+        parser.error("give --cluster and --workload (or --calibrate)")
     try:
         cluster, workload = load_cluster(args.cluster), load_workload(args.workload)
         table = rows(cluster, workload, args.strategy, args.workers, args.algorithm, args.bucket_mb)
