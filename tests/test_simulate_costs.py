@@ -27,8 +27,10 @@ def test_tree_all_reduce_by_hand():
 
 def test_naive_direct_and_the_other_collectives_by_hand():
     assert all_reduce("naive", 3, MB) == Terms(4, 4 * MB, 2 * MB)   # the root: 2 receives, 2 sends
-    # shared memory, 2 ranks, 3 MB in 1 MB rounds: 4 barriers; (3/2 + 1) x 3 MB of memory traffic
-    assert all_reduce("direct", 2, 3 * MB) == Terms(4, 7.5 * MB, 1.5 * MB)
+    # shared memory, 2 ranks, 3 MB in 1 MB rounds: 4 barriers; half copied in and out, a half copied
+    # back, the whole read to reduce; 256 KB: copied in whole, one barrier, both inputs reduced by each
+    assert all_reduce("direct", 2, 3 * MB) == Terms(4, 4.5 * MB, 3 * MB)
+    assert all_reduce("direct", 2, MB // 4) == Terms(1, MB // 4, MB // 2)
     assert all_gather(4, 4 * MB) == Terms(3, 3 * MB)
     assert reduce_scatter(4, 4 * MB) == Terms(3, 3 * MB, 3 * MB)
     assert broadcast(5, MB) == Terms(3, 3 * MB)

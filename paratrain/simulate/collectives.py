@@ -77,17 +77,23 @@ def naive_all_reduce(P, n):
     return Terms(2 * (P - 1), 2 * (P - 1) * n, (P - 1) * n)
 
 
-SLOT_BYTES = 1 << 20   # comm/shm: a round of the direct algorithm moves at most this much per rank
+SLOT_BYTES = 1 << 20      # comm/shm: a round of the direct algorithm moves at most this much per rank
+SMALL_BYTES = 512 << 10   # comm/shm/direct.py: below it (times P-1), every rank reduces the whole message
 
 
 def direct_all_reduce(P, n, slot_bytes=SLOT_BYTES):
-    """Shared memory: each round is copy-in, reduce one part reading every input, copy-out,
-    pipelined one barrier per round (R + 1 barriers for R rounds). Bytes are memory
-    traffic, so beta here is a memcpy's seconds per byte."""
+    """Shared memory (comm/shm/direct.py); bytes are memory traffic, so beta here is a
+    memcpy's seconds per byte and gamma a reduction's. A small message is copied in whole,
+    one barrier, and every rank reduces all P inputs. A larger one goes in rounds of
+    ``slot_bytes``, pipelined one barrier per round (R + 1 for R rounds): per rank the
+    (P-1)/P others reduce is copied in, its own part reduced from every input (n read)
+    and copied back (n/P), and the other (P-1)/P copied out."""
     if P == 1:
         return NOTHING
+    if n <= slot_bytes and n * (P - 1) <= SMALL_BYTES:
+        return Terms(1, n, P * n)
     rounds = max(1, math.ceil(n / slot_bytes))
-    return Terms(rounds + 1, (3 * (P - 1) / P + 2 / P) * n, (P - 1) / P * n)
+    return Terms(rounds + 1, (2 * (P - 1) / P + 1 / P) * n, n)
 
 
 ALL_REDUCE = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce,
