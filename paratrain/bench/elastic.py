@@ -52,19 +52,30 @@ COMMIT_EVERY = 10
 
 
 def one_round(args, victim, folder):
-    events = os.path.join(folder, f"events-{victim}.jsonl")
-    cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": victim,
-           "kill_step": args.kill_step, "zero": args.zero}
-    path = os.path.join(folder, f"cfg-{victim}.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    path, events = round_config(args, folder, f"paratrain-{victim}", kill_worker=victim, zero=args.zero)
     cmd = [sys.executable, "-m", "paratrain.run", "-n", str(args.workers), "--min-workers", "2", "--max-restarts",
            "1", "-m", "paratrain.bench.elastic_worker", path]
-    res = forkserver.run(cmd, timeout=600)
+    return measure(read_events(forkserver.run(cmd, timeout=600), events, "elastic"), args.workers)
+
+
+def round_config(args, folder, name, **more):
+    """A round's worker config, written to ``folder``: the job, where the workers' events go,
+    and ``more``. Returns (the config's path, the events' path)."""
+    events = os.path.join(folder, f"{name}-events.jsonl")
+    cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY,
+           "kill_step": args.kill_step, **more}
+    path = os.path.join(folder, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path, events
+
+
+def read_events(res, events, what):
+    """The workers' event lines of a round whose launcher ended as ``res``; a failed run ends the benchmark."""
     if res.returncode != 0:
-        raise SystemExit(f"the elastic run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        raise SystemExit(f"the {what} run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     with open(events) as f:
-        return measure([json.loads(line) for line in f], args.workers)
+        return [json.loads(line) for line in f]
 
 
 def cut_round(args, r, folder):
@@ -72,13 +83,9 @@ def cut_round(args, r, folder):
     cut at the kill step (elastic_worker: the victim runs ``cut``)."""
     from ..launch import netns_pair
     half = args.workers // 2
-    events = os.path.join(folder, f"cut-events-{r}")
     with netns_pair.HostPair() as hosts:
-        cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": half,
-               "kill_step": args.kill_step, "zero": args.zero, "cut": " ".join(hosts.cut_command(1))}
-        path = os.path.join(folder, f"cut-cfg-{r}.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
+        path, events = round_config(args, folder, f"cut-{r}", kill_worker=half, zero=args.zero,
+                                    cut=" ".join(hosts.cut_command(1)))
 
         def cmd(host):
             return hosts.run(host, [sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(host),
@@ -91,27 +98,17 @@ def cut_round(args, r, folder):
         finally:
             second.kill()   # its workers die with it (their parent-death signal)
             second.wait()
-    if res.returncode != 0:
-        raise SystemExit(f"the elastic run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    with open(events) as f:
-        return measure([json.loads(line) for line in f], args.workers)
+    return measure(read_events(res, events, "elastic"), args.workers)
 
 
 def torchrun_round(args, victim, folder):
-    events = os.path.join(folder, f"torchrun-events-{victim}.jsonl")
-    cfg = {"events": events, "batch": 16, "steps": args.steps, "commit_every": COMMIT_EVERY, "kill_worker": victim,
-           "kill_step": args.kill_step, "checkpoint": os.path.join(folder, f"torchrun-{victim}.pt")}
-    path = os.path.join(folder, f"torchrun-cfg-{victim}.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    path, events = round_config(args, folder, f"torchrun-{victim}", kill_worker=victim,
+                                checkpoint=os.path.join(folder, f"torchrun-{victim}.pt"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
            "--max-restarts", "1", "-m", "paratrain.bench.elastic_torchrun_worker", path]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        raise SystemExit(f"the torchrun run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    with open(events) as f:
-        return measure_torchrun([json.loads(line) for line in f])
+    return measure_torchrun(read_events(res, events, "torchrun"))
 
 
 def measure_torchrun(rows):

@@ -64,8 +64,8 @@ def run(fn):
             except (comm.CommError, WorldChanged) as e:
                 why = e   # also where the world broke again while re-forming (horovod #2995)
                 if isinstance(e, comm.CommError):   # the peers waiting for one another, not the dead, leave too
-                    elastic_world_broken(f"rank {comm.world().rank}: {str(e).splitlines()[0][:300]}"
-                                         if comm.is_initialized() else str(e).splitlines()[0][:300])
+                    line = str(e).splitlines()[0][:300]
+                    elastic_world_broken(f"rank {comm.world().rank}: {line}" if comm.is_initialized() else line)
     return wrapper
 
 

@@ -215,22 +215,24 @@ class Coordinator:
 
     # ---- replicas (--replica-size R): a world is whole replicas, each worker in its place ----
 
+    def _replicas(self, workers):
+        """{replica: the set of ``workers`` in it}."""
+        out = {}
+        for w in workers:
+            out.setdefault(self.slots[w][0], set()).add(w)
+        return out
+
     def _complete(self, workers):
         """Those of ``workers`` whose replica is whole among them (all of them when R = 1)."""
         if self.replica == 1:
             return set(workers)
-        places = {}
-        for w in workers:
-            places.setdefault(self.slots[w][0], set()).add(self.slots[w][1])
-        return {w for w in workers if len(places[self.slots[w][0]]) == self.replica}
+        return {w for r in self._replicas(workers).values() if len({self.slots[v][1] for v in r}) == self.replica
+                for w in r}
 
     def _parts_lost(self, workers):
         """With replicas: a new world needs one replica that was whole in the last one, the
         holder of every part's state; if none is left, the job ends, saying why."""
-        replicas = {}
-        for w in workers:
-            replicas.setdefault(self.slots[w][0], set()).add(w)
-        if self.replica == 1 or not self.formed or any(r <= self.members for r in replicas.values()):
+        if self.replica == 1 or not self.formed or any(r <= self.members for r in self._replicas(workers).values()):
             return False
         if not self.store.check([self.keys.KEY_ABORT]):
             self.store.set(self.keys.KEY_ABORT, "every replica of the last world lost a worker before the next "
@@ -241,9 +243,7 @@ class Coordinator:
         """The ranks of a new world: replicas that were whole in the last world first (so
         rank 0, and each place's first rank, holds a state to give), then the others; by
         replica, then by place in it (a worker keeps its place: its part of the model)."""
-        replicas = {}
-        for w in workers:
-            replicas.setdefault(self.slots[w][0], set()).add(w)
+        replicas = self._replicas(workers)
         order = sorted(replicas, key=lambda r: (not replicas[r] <= self.members, r))
         return [w for r in order for w in sorted(replicas[r], key=lambda w: self.slots[w][1])]
 

@@ -39,19 +39,19 @@ def check(args):
             return "--fail RANK:STEP:WHEN is for an elastic job (--min-workers); give RANK:STEP"
         return None
     from ..launch.elastic import check_sizes
+    r = replica_size(args)
     problem = check_sizes(args.min_workers, args.workers, args.max_workers, args.max_restarts,
-                          args.elastic_timeout, "--workers", replica_size(args))
+                          args.elastic_timeout, "--workers", r)
     if problem:
-        return problem + ("" if replica_size(args) == 1 else " (a replica: --pp x --tp workers)")
+        return problem + ("" if r == 1 else " (a replica: --pp x --tp workers)")
     module = strategies.STRATEGIES[args.strategy]
     if args.strategy not in getattr(module, "ELASTIC", ()):
         able = ", ".join(n for n, m in strategies.STRATEGIES.items() if n in getattr(m, "ELASTIC", ()))
         return (f"--strategy {args.strategy} is not elastic; --min-workers works with {able}"
                 + (" (the parameter server under --consistency asp or ssp goes on without a lost worker "
                    "by itself)" if args.strategy == "ps" else ""))
-    if replica_size(args) > 1 and args.compression != "none":
+    if r > 1 and args.compression != "none":
         return "--compression with --tp is not elastic yet: drop one of them"
-    r = replica_size(args)
     top, replicas = (args.max_workers or args.workers) // r, args.workers // r
     if args.batch_size is not None and batch_mode(args) == "keep" and args.batch_size * replicas < top:
         return (f"--elastic-batch keep: a global batch of {args.batch_size * replicas} cannot give each of "
