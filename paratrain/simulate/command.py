@@ -5,8 +5,9 @@
                                                       "efficiency", ...}]}
     paratrain simulate --calibrate         fit this machine's links to `paratrain bench collectives`, and store them
 
-Per worker count: the step time and its parts (compute, exposed communication),
-samples per second, and the scaling efficiency (a device's samples per second
+Per strategy (``--strategy all``: every one, by paratrain compare's names)
+and worker count: the step time and its parts (compute, exposed communication,
+a pipeline's bubble, compression's encoding), samples per second, and the scaling efficiency (a device's samples per second
 in the job over one device's alone). The formats of the two files: files.py.
 """
 import argparse
@@ -16,8 +17,8 @@ import sys
 
 from . import data_parallel
 from .files import load_cluster, load_workload
-
-STRATEGIES = {"dp": data_parallel}
+from .step import Unavailable
+from .strategies import STRATEGIES, predict
 
 
 def _workers(text):
@@ -39,25 +40,37 @@ def build_parser():
                    help=f"where the fit is stored (default {calibration_path()})")
     p.add_argument("--cluster", metavar="CLUSTER.toml", help="the machines and their links")
     p.add_argument("--workload", metavar="WORKLOAD.toml", help="the model and its step on one device")
-    p.add_argument("--strategy", default="dp", choices=sorted(STRATEGIES),
-                   help="dp: data parallelism with the all-reduce paratrain would choose (default)")
+    p.add_argument("--strategy", default="dp", choices=[*STRATEGIES, "all"],
+                   help="dp: data parallelism with the all-reduce paratrain would choose (default); all: every "
+                        "strategy, side by side")
     p.add_argument("--algorithm", choices=data_parallel.ALGORITHMS, default=None,
                    help="force this all-reduce (default: the cheapest by the model)")
     p.add_argument("--bucket-mb", type=float, default=data_parallel.BUCKET_MB,
                    help=f"gradient bucket size (default {data_parallel.BUCKET_MB:g}, pt.DataParallel's)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeline: stages per replica (default: a host's devices)")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step (default 4)")
+    p.add_argument("--tp", type=int, default=None, help="tensor: devices per tensor group (default: a host's)")
+    p.add_argument("--servers", type=int, default=None, help="ps-*: parameter servers (default: one a host)")
     p.add_argument("--workers", type=_workers, default=[1, 8, 64], help="worker counts, comma-separated")
     p.add_argument("--json", action="store_true", help="print {\"rows\": [...]} instead of a table")
     return p
 
 
-def rows(cluster, workload, strategy, counts, algorithm=None, bucket_mb=data_parallel.BUCKET_MB):
+def rows(cluster, workload, strategy, counts, **options):
+    """A row per (strategy, workers); ``strategy`` "all" is every one. A strategy that
+    cannot run there gets a row with its ``unavailable`` reason and no times."""
     out = []
-    for workers in counts:
-        s = STRATEGIES[strategy].step(workload, cluster, workers, algorithm, bucket_mb)
-        out.append({"strategy": strategy, "workers": workers, "step_ms": s.step_s * 1e3,
-                    "compute_ms": s.compute_s * 1e3, "exposed_comm_ms": s.exposed_s * 1e3,
-                    "comm_ms": s.comm_s * 1e3, "samples_per_s": s.samples_per_s, "efficiency": s.efficiency,
-                    "algorithm": s.algorithm})
+    for name in (STRATEGIES if strategy == "all" else [strategy]):
+        for workers in counts:
+            s = predict(name, workload, cluster, workers, **options)
+            if isinstance(s, Unavailable):
+                out.append({"strategy": name, "workers": workers, "unavailable": str(s)})
+                continue
+            out.append({"strategy": name, "workers": workers, "step_ms": s.step_s * 1e3,
+                        "compute_ms": s.compute_s * 1e3, "exposed_comm_ms": s.exposed_s * 1e3,
+                        "bubble_ms": s.bubble_s * 1e3, "extra_ms": s.extra_s * 1e3, "comm_ms": s.comm_s * 1e3,
+                        "samples_per_s": s.samples_per_s, "efficiency": s.efficiency, "how": s.how})
     return out
 
 
@@ -107,7 +120,9 @@ def main(argv=None):
         parser.error("give --cluster and --workload (or --calibrate)")
     try:
         cluster, workload = load_cluster(args.cluster), load_workload(args.workload)
-        table = rows(cluster, workload, args.strategy, args.workers, args.algorithm, args.bucket_mb)
+        table = rows(cluster, workload, args.strategy, args.workers, algorithm=args.algorithm,
+                     bucket_mb=args.bucket_mb, stages=args.stages, microbatches=args.microbatches, tp=args.tp,
+                     servers=args.servers)
     except ValueError as e:
         print(f"paratrain simulate: error: {e}", file=sys.stderr)
         return 2
@@ -117,11 +132,17 @@ def main(argv=None):
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"{workload.name} on {cluster.name}: {args.strategy}")
-    for name in ("workers", "step", "compute", "exposed comm", "samples/s", "efficiency", "algorithm"):
+    for name in ("strategy", "workers", "step", "compute", "exposed comm", "bubble", "encoding", "samples/s",
+                 "efficiency"):
         t.add_column(name, justify="right")
+    t.add_column("how", justify="left")
     for r in table:
-        t.add_row(str(r["workers"]), f"{r['step_ms']:.1f} ms", f"{r['compute_ms']:.1f} ms",
-                  f"{r['exposed_comm_ms']:.1f} ms", f"{r['samples_per_s']:,.0f}", f"{r['efficiency']:.1%}",
-                  r["algorithm"])
-    Console(width=max(Console().width, 100)).print(t)
+        if "unavailable" in r:
+            t.add_row(r["strategy"], str(r["workers"]), *["-"] * 7, r["unavailable"])
+            continue
+        t.add_row(r["strategy"], str(r["workers"]), *(f"{r[k]:.1f} ms" for k in
+                                                      ("step_ms", "compute_ms", "exposed_comm_ms", "bubble_ms",
+                                                       "extra_ms")),
+                  f"{r['samples_per_s']:,.0f}", f"{r['efficiency']:.1%}", r["how"])
+    Console(width=max(Console().width, 150)).print(t)
     return 0

@@ -24,34 +24,12 @@ slowdown of compute that shares memory bandwidth with communication, and
 stragglers.
 """
 import math
-from dataclasses import dataclass
 
 from .collectives import all_reduce, hierarchical_all_reduce
+from .step import Step, serial_channel
 
 ALGORITHMS = ("ring", "tree", "hierarchical")
 BUCKET_MB = 25.0   # pt.DataParallel's default
-
-
-@dataclass(frozen=True)
-class Step:
-    workers: int
-    compute_s: float
-    exposed_s: float
-    comm_s: float       # every all-reduce's time, hidden or not
-    algorithm: str
-    batch_per_device: int
-
-    @property
-    def step_s(self):
-        return self.compute_s + self.exposed_s
-
-    @property
-    def samples_per_s(self):
-        return self.workers * self.batch_per_device / self.step_s
-
-    @property
-    def efficiency(self):
-        return self.compute_s / self.step_s
 
 
 def placement(cluster, workers):
@@ -63,13 +41,28 @@ def placement(cluster, workers):
     return math.ceil(workers / per_host), per_host
 
 
+def slowest_link(cluster, workers):
+    """The link a flat collective over ``workers`` devices is paced by: the network once they span hosts."""
+    return cluster.inter if placement(cluster, workers)[0] > 1 else cluster.intra
+
+
 def all_reduce_seconds(cluster, workers, n, algorithm):
     """One all-reduce of n bytes over ``workers`` devices of ``cluster`` by ``algorithm``."""
     hosts, per_host = placement(cluster, workers)
     if algorithm == "hierarchical":
         return hierarchical_all_reduce(hosts, per_host, n, cluster.intra, cluster.inter)
-    link = cluster.inter if hosts > 1 else cluster.intra   # a flat ring or tree: the slowest hop paces it
-    return all_reduce(algorithm, workers, n).seconds(link)
+    return all_reduce(algorithm, workers, n).seconds(slowest_link(cluster, workers))
+
+
+def group_all_reduce_seconds(cluster, size, across_hosts, n, algorithm=None):
+    """An all-reduce over a group of ``size`` devices that is not the whole job (a stage's or
+    a tensor group's replicas): over the network when ``across_hosts``, by ``algorithm`` or
+    the cheaper of ring and tree."""
+    if size == 1:
+        return 0.0
+    link = cluster.inter if across_hosts else cluster.intra
+    algorithms = (algorithm,) if algorithm and algorithm != "hierarchical" else ("ring", "tree")
+    return min(all_reduce(a, size, n).seconds(link) for a in algorithms)
 
 
 def choose(cluster, workers, n):
@@ -84,21 +77,42 @@ def buckets(total, bucket_bytes):
     return [bucket_bytes] * full + ([rest] if rest else [])
 
 
-def step(workload, cluster, workers, algorithm=None, bucket_mb=BUCKET_MB):
-    """The predicted data-parallel Step on ``workers`` devices."""
+def overlapped(workload, total, seconds_of, bucket_mb=BUCKET_MB, overlap=True):
+    """(exposed, every transfer's time) of ``total`` gradient bytes sent in buckets of
+    ``bucket_mb`` by ``seconds_of(bucket bytes)``: each bucket ready as backward produces its
+    last byte (at an even rate; with ``overlap`` False, all at backward's end), sent one
+    at a time."""
     compute = workload.step_compute_s
+    produced, jobs = 0, []
+    for size in buckets(total, bucket_mb * (1 << 20)):
+        produced += size
+        ready = workload.forward_s + workload.backward_s * produced / total if overlap else compute
+        jobs.append((ready, seconds_of(size)))
+    ends = serial_channel(jobs)
+    return max(0.0, ends[-1] - compute) if ends else 0.0, sum(seconds for _, seconds in jobs)
+
+
+def step(workload, cluster, workers, algorithm=None, bucket_mb=BUCKET_MB, **_):
+    """The predicted data-parallel Step on ``workers`` devices (pt.DataParallel)."""
     placement(cluster, workers)
     if workers == 1:
-        return Step(1, compute, 0.0, 0.0, "none", workload.batch_per_device)
-    sizes = buckets(workload.gradient_bytes, bucket_mb * (1 << 20))
-    chosen = algorithm or choose(cluster, workers, sizes[0])
-    forward = compute * (1 - workload.backward_fraction)
-    backward = compute * workload.backward_fraction
-    produced, free_at, comm = 0, 0.0, 0.0
-    for size in sizes:
-        produced += size
-        ready = forward + backward * produced / workload.gradient_bytes
-        seconds = all_reduce_seconds(cluster, workers, size, chosen)
-        free_at = max(ready, free_at) + seconds
-        comm += seconds
-    return Step(workers, compute, max(0.0, free_at - compute), comm, chosen, workload.batch_per_device)
+        return Step(1, workload.step_compute_s, how="none", batch_per_device=workload.batch_per_device)
+    chosen = algorithm or choose(cluster, workers, min(workload.gradient_bytes, bucket_mb * (1 << 20)))
+    exposed, comm = overlapped(workload, workload.gradient_bytes,
+                               lambda size: all_reduce_seconds(cluster, workers, size, chosen), bucket_mb)
+    return Step(workers, workload.step_compute_s, exposed, comm_s=comm, how=chosen,
+                batch_per_device=workload.batch_per_device)
+
+
+def naive_step(workload, cluster, workers, algorithm=None, **_):
+    """pt.DataParallelNaive: every gradient tensor all-reduced after backward, one after
+    another, none hidden; a tensor per layer (one message if the workload gives no layers)."""
+    placement(cluster, workers)
+    if workers == 1:
+        return Step(1, workload.step_compute_s, how="none", batch_per_device=workload.batch_per_device)
+    tensors = workload.layers or 1
+    size = workload.gradient_bytes / tensors
+    chosen = algorithm or choose(cluster, workers, size)
+    comm = tensors * all_reduce_seconds(cluster, workers, size, chosen)
+    return Step(workers, workload.step_compute_s, comm, comm_s=comm, how=f"{chosen}, after backward",
+                batch_per_device=workload.batch_per_device)

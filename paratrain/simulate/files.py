@@ -7,16 +7,25 @@
     intra_node_gbps = 80                batch_per_device = 64
     intra_node_latency_us = 5           step_compute_ms = 490      # forward + backward, one device
     inter_node_gbps = 25                backward_fraction = 0.667  # optional (2/3)
-    inter_node_latency_us = 10
-    reduce_gbps = 1000                  # optional (gamma)
+    inter_node_latency_us = 10          # optional, for pipeline and tensor parallelism,
+    reduce_gbps = 1000     # optional   # ZeRO-3's units and PowerSGD:
+    encode_gbps = 2000     # optional   layers = 24
+                                        hidden = 1024
+                                        seq_len = 512
+                                        activation_bytes = 16_777_216  # one layer's output, one batch
 
-The keys are fixed (users' files depend on them); more keys are allowed and
+``reduce_gbps`` is gamma (reductions; default free), ``encode_gbps`` the rate
+compression streams through gradients (default reduce_gbps, else the
+intra-node rate). The keys are fixed (users' files depend on them); more keys are allowed and
 ignored. A missing or ill-typed key is an error that names the file and key.
 """
 import tomllib
 from dataclasses import dataclass
 
 from .collectives import Link
+from .step import Unavailable
+
+REQUIRED = object()
 
 
 @dataclass(frozen=True)
@@ -26,10 +35,19 @@ class Cluster:
     devices_per_node: int
     intra: Link
     inter: Link
+    encode_gbps: float = None    # how fast a device streams through gradients to compress them
 
     @property
     def devices(self):
         return self.nodes * self.devices_per_node
+
+    @property
+    def encode_beta(self):
+        """Seconds per gradient byte of one compression pass: ``encode_gbps``, else the
+        reduction rate, else the intra-node rate."""
+        if self.encode_gbps:
+            return 8 / (self.encode_gbps * 1e9)
+        return self.intra.gamma or self.intra.beta
 
 
 @dataclass(frozen=True)
@@ -40,10 +58,35 @@ class Workload:
     batch_per_device: int
     step_compute_s: float
     backward_fraction: float = 2 / 3
+    layers: int = None           # repeated blocks: what a pipeline cuts between, ZeRO-3 gathers one by one
+    hidden: int = None           # width: the activations' size, and PowerSGD's matrices
+    seq_len: int = None          # tokens per sample (1 for an image model's features)
+    activation_bytes: float = None   # one layer's output for one device's batch (default batch x seq x hidden x 4)
 
     @property
     def gradient_bytes(self):
         return self.params * self.bytes_per_param
+
+    @property
+    def forward_s(self):
+        return self.step_compute_s * (1 - self.backward_fraction)
+
+    @property
+    def backward_s(self):
+        return self.step_compute_s * self.backward_fraction
+
+    def layer_activation_bytes(self, why):
+        """One layer's output for one device's batch; ``why`` names the strategy that needs it."""
+        if self.activation_bytes:
+            return self.activation_bytes
+        if self.hidden:
+            return self.batch_per_device * (self.seq_len or 1) * self.hidden * 4
+        raise Unavailable(f"{why} sends activations: give the workload's activation_bytes, or hidden (and seq_len)")
+
+    def need_layers(self, why):
+        if not self.layers:
+            raise Unavailable(f"{why} cuts the model between its layers: give the workload's layers")
+        return self.layers
 
 
 def _read(path):
@@ -56,9 +99,9 @@ def _read(path):
         raise ValueError(f"{path} is not valid TOML: {e}") from None
 
 
-def _get(data, path, key, kind, positive=True, default=None):
+def _get(data, path, key, kind, positive=True, default=REQUIRED):
     if key not in data:
-        if default is not None:
+        if default is not REQUIRED:
             return default
         raise ValueError(f"{path}: missing key {key!r}")
     value = data[key]
@@ -76,7 +119,8 @@ def load_cluster(path):
                              _get(data, path, f"{where}_node_latency_us", float), reduce_gbps)
              for where in ("intra", "inter")]
     return Cluster(str(data.get("name", path)), _get(data, path, "nodes", int),
-                   _get(data, path, "devices_per_node", int), *links)
+                   _get(data, path, "devices_per_node", int), *links,
+                   _get(data, path, "encode_gbps", float, default=None))
 
 
 def load_workload(path):
@@ -86,4 +130,6 @@ def load_workload(path):
         raise ValueError(f"{path}: backward_fraction = {fraction!r}; give a share of the step, between 0 and 1")
     return Workload(str(data.get("name", path)), _get(data, path, "params", int),
                     _get(data, path, "bytes_per_param", float), _get(data, path, "batch_per_device", int),
-                    _get(data, path, "step_compute_ms", float) / 1e3, fraction)
+                    _get(data, path, "step_compute_ms", float) / 1e3, fraction,
+                    *(_get(data, path, key, int, default=None) for key in ("layers", "hidden", "seq_len")),
+                    _get(data, path, "activation_bytes", float, default=None))

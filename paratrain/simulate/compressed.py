@@ -1,0 +1,71 @@
+"""Compressed data parallelism, predicted: fewer bytes on the wire, bought with encoding.
+
+The buckets go as in data_parallel.py (overlapped with backward, one at a
+time); what changes is what each bucket costs:
+
+- top-k (Lin et al., arXiv 1712.01887; parallel/compression/topk.py): each
+  rank's k = ratio x entries as int32 indices and fp32 values, all-gathered
+  (sparse gradients do not sum on the way), then every rank adds up P k of
+  them. 8 k bytes a rank instead of 4 k / ratio.
+- PowerSGD (Vogels et al., arXiv 1905.13727; parallel/compression/powersgd.py):
+  each m x n matrix goes as two all-reduces of rank-r factors, (m + n) r
+  numbers. The workload's layers are taken as ``hidden`` x ``hidden``
+  matrices, so a bucket of B bytes sends 2 r B / hidden.
+
+Encoding reads a bucket a few times (top-k: the magnitudes, the selection,
+the gather, the error feedback; PowerSGD: two products with the thin factor,
+the error feedback, the decompression): ``ENCODE_PASSES`` passes at the
+cluster's ``encode_gbps`` (a device's rate of streaming through gradient
+memory; default its ``reduce_gbps``, else its intra-node rate). It adds to
+the step: the encoder runs on the device that computes. What this leaves
+out: top-k's warm-up (denser early steps) and the small tensors sent whole.
+"""
+from . import data_parallel
+from .collectives import all_gather
+from .step import Step, Unavailable
+
+ENCODE_PASSES = 4
+TOPK_RATIO = 0.01      # paratrain train --compression topk's default
+POWERSGD_RANK = 4      # and powersgd's
+
+
+def encode_seconds(cluster, n):
+    return ENCODE_PASSES * n * cluster.encode_beta
+
+
+def topk_seconds(cluster, workers, n, ratio):
+    """One bucket of n gradient bytes by top-k: the all-gather of every rank's pairs, and the sum."""
+    k = max(1, round(ratio * n / 4))
+    link = data_parallel.slowest_link(cluster, workers)
+    return all_gather(workers, workers * k * 8).seconds(link) + workers * k * 4 * link.gamma
+
+
+def powersgd_seconds(cluster, workers, n, rank, hidden, algorithm):
+    """One bucket of n gradient bytes by PowerSGD: two all-reduces of the factors (P, then Q)."""
+    factors = n * rank / hidden
+    return 2 * data_parallel.all_reduce_seconds(cluster, workers, factors, algorithm)
+
+
+def _step(workload, cluster, workers, seconds_of, how, bucket_mb):
+    data_parallel.placement(cluster, workers)
+    if workers == 1:
+        return Step(1, workload.step_compute_s, how="none", batch_per_device=workload.batch_per_device)
+    exposed, comm = data_parallel.overlapped(workload, workload.gradient_bytes, seconds_of, bucket_mb)
+    return Step(workers, workload.step_compute_s, exposed, comm_s=comm, how=how,
+                batch_per_device=workload.batch_per_device,
+                extra_s=encode_seconds(cluster, workload.gradient_bytes))
+
+
+def topk_step(workload, cluster, workers, ratio=TOPK_RATIO, bucket_mb=data_parallel.BUCKET_MB, **_):
+    return _step(workload, cluster, workers, lambda n: topk_seconds(cluster, workers, n, ratio),
+                 f"top-k {ratio:g}, all-gather", bucket_mb)
+
+
+def powersgd_step(workload, cluster, workers, rank=POWERSGD_RANK, algorithm=None,
+                  bucket_mb=data_parallel.BUCKET_MB, **_):
+    if not workload.hidden:
+        raise Unavailable("powersgd factors the layers' matrices: give the workload's hidden")
+    chosen = algorithm or data_parallel.choose(cluster, workers, workload.gradient_bytes * rank / workload.hidden)
+    return _step(workload, cluster, workers,
+                 lambda n: powersgd_seconds(cluster, workers, n, rank, workload.hidden, chosen),
+                 f"PowerSGD rank {rank}, {chosen}", bucket_mb)

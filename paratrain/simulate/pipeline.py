@@ -1,0 +1,57 @@
+"""A pipeline-parallel step, predicted by running the engine's own schedule with each action's cost.
+
+``stages`` devices hold a replica, cut between its layers; ``workers /
+stages`` replicas average their stages' gradients after the pipeline drains.
+A replica's batch is its devices' batches together, cut into
+``microbatches``; so a stage runs forward on a micro-batch in forward / m
+and backward in backward / m of one device's step (each stage holds 1/p of
+the layers and p/m of a device's samples... per micro-batch: 1/m of a
+device's work). Between stages go a micro-batch's activations, and their
+gradients back: (p/m) x the workload's activation bytes each, over the link
+the stages span.
+
+The step is the makespan of ``schedules.simulate`` (the order
+parallel/pipeline/schedules.py gives every rank, run against each other)
+with F = f + send, B = b + send (zb-h1: B and W half of the backward each):
+the bubble is what the schedule leaves idle (GPipe's and 1F1B's (p-1)/(m+p-1)
+of the step when sends are free; ZB-H1 about a third of that), not a
+formula laid over it.
+"""
+from ..parallel.pipeline import schedules
+from . import data_parallel
+from .step import Step, Unavailable
+
+SCHEDULES = {"pipeline": "1f1b", "pipeline-zb": "zb-h1"}
+MICROBATCHES = 4   # paratrain train --strategy pipeline's default
+
+
+def default_stages(cluster, workers):
+    """As many stages as a host holds devices (activations cross fast links), at most ``workers``."""
+    return min(workers, cluster.devices_per_node)
+
+
+def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=MICROBATCHES, algorithm=None, **_):
+    hosts, _per_host = data_parallel.placement(cluster, workers)
+    p = stages or default_stages(cluster, workers)
+    if workers % p:
+        raise Unavailable(f"{workers} workers are not a multiple of {p} stages")
+    if workload.need_layers("a pipeline") < p:
+        raise Unavailable(f"{p} stages, but the workload has {workload.layers} layers")
+    m = microbatches
+    if p == 1:
+        return data_parallel.step(workload, cluster, workers, algorithm)
+    link = data_parallel.slowest_link(cluster, p)
+    activations = workload.layer_activation_bytes("a pipeline") * p / m
+    send = link.alpha + activations * link.beta
+    f, b = workload.forward_s / m, workload.backward_s / m
+    cost = {"F": f + send, "B": b / 2 + send, "W": b / 2} if schedule in schedules.SPLIT_BACKWARD \
+        else {"F": f + send, "B": b + send}
+    makespan, _busy, _trace = schedules.simulate(schedule, p, m, cost=cost)
+    sends = 2 * m * send
+    replicas = workers // p
+    grads = data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, workload.gradient_bytes / p,
+                                                   algorithm)
+    compute = workload.step_compute_s
+    return Step(workers, compute, sends + grads, bubble_s=max(0.0, makespan - compute - sends),
+                comm_s=sends + grads, how=f"{schedule}, {p} stages x {replicas}, {m} micro-batches",
+                batch_per_device=workload.batch_per_device)

@@ -1,0 +1,33 @@
+"""The strategies ``paratrain simulate`` predicts, by ``paratrain compare``'s names.
+
+Each entry is a function (workload, cluster, workers, **options) -> Step; the
+options a strategy does not take it ignores (algorithm, bucket_mb, stages,
+microbatches, tp, servers). One that cannot run raises step.Unavailable
+with the reason, which ``predict`` returns in place of the Step.
+"""
+from functools import partial
+
+from . import compressed, data_parallel, parameter_server, pipeline, tensor, zero
+from .step import Unavailable
+
+STRATEGIES = {
+    "dp": data_parallel.step,
+    "dp-naive": data_parallel.naive_step,
+    **{name: partial(parameter_server.step, consistency=c) for name, c in parameter_server.CONSISTENCY.items()},
+    **{name: partial(pipeline.step, schedule=s) for name, s in pipeline.SCHEDULES.items()},
+    "tensor": tensor.step,
+    "zero1": partial(zero.step, stage=1),
+    "zero2": partial(zero.step, stage=2),
+    "zero3": partial(zero.step, stage=3),
+    "topk": compressed.topk_step,
+    "powersgd": compressed.powersgd_step,
+}
+
+
+def predict(strategy, workload, cluster, workers, **options):
+    """The Step, or the Unavailable saying why not (a worker count the cluster cannot hold
+    raises ValueError: that is the user's mistake, not the strategy's)."""
+    try:
+        return STRATEGIES[strategy](workload, cluster, workers, **options)
+    except Unavailable as e:
+        return e
