@@ -8,6 +8,7 @@
     paratrain run -n 4 script.py args...     start workers running your script (like torchrun)
     paratrain trace runs/<id>                where each rank's step time went, stragglers, who was late
     paratrain server --servers 2             parameter servers on this host for a multi-node job
+    paratrain compare --model gpt --workers 2   every strategy trained for the same budget, side by side
     paratrain simulate --cluster C.toml --workload W.toml --workers 8,64,512   a step predicted (cost model)
     paratrain bench collectives -n 2         collectives beside Gloo and Open MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
@@ -34,6 +35,8 @@ commands:
            `paratrain run --trace DIR`): compute, waiting, communication, idle, stragglers
   server   run parameter servers on this host for workers on other machines
            (`paratrain server --servers 2 --port 29600`, then `paratrain run --ps-addrs ...`)
+  compare  train one model under every strategy for the same budget and compare them
+           (`paratrain compare --model gpt --workers 2`): runs/compare-<id>/compare.md, .json, .png
   simulate a training step predicted by a cost model for a cluster and a workload, at any
            worker count (`paratrain simulate --cluster C.toml --workload W.toml --workers 8,64,512`)
   bench    benchmarks beside PyTorch, Gloo and Open MPI: `paratrain bench collectives -n 2`,
@@ -62,6 +65,9 @@ def main(argv=None):
     if cmd == "server":
         from .launch.serve import main as server_main
         return server_main(rest)
+    if cmd == "compare":
+        from .compare.command import main as compare_main
+        return compare_main(rest)
     if cmd == "simulate":
         from .simulate.command import main as simulate_main
         return simulate_main(rest)

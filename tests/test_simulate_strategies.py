@@ -60,14 +60,14 @@ def test_tensor_parallelism_pays_four_activation_all_reduces_a_layer():
 
 
 def test_zero_moves_an_all_reduce_s_bytes_in_stages_1_and_2_and_half_again_in_3():
-    w = gpt_like()
+    w = gpt_like(params=100 * MB // 4)   # stages 1 and 2: four 25 MB buckets; stage 3: the 8 layers
     link = HOST.intra
-    g = all_gather(4, w.gradient_bytes / 8).seconds(link)
-    rs = reduce_scatter(4, w.gradient_bytes / 8).seconds(link)
+    g, rs = all_gather(4, 25 * MB).seconds(link), reduce_scatter(4, 25 * MB).seconds(link)
     one, two, three = (predict(f"zero{k}", w, HOST, 4) for k in (1, 2, 3))
-    assert one.comm_s == pytest.approx(8 * (g + rs)) == two.comm_s
-    assert three.comm_s == pytest.approx(8 * (2 * g + rs))
-    assert one.exposed_s == pytest.approx(8 * (g + rs))     # all after backward
+    assert one.comm_s == pytest.approx(4 * (g + rs)) == two.comm_s
+    g3, rs3 = all_gather(4, w.gradient_bytes / 8).seconds(link), reduce_scatter(4, w.gradient_bytes / 8).seconds(link)
+    assert three.comm_s == pytest.approx(8 * (2 * g3 + rs3))
+    assert one.exposed_s == pytest.approx(4 * (g + rs))     # all after backward
     assert two.exposed_s < one.exposed_s                    # the reduce-scatters hide in backward
     # stage 3 on a free link is pure compute; on a link too slow to hide, the channel is the step
     assert predict("zero3", w, Cluster("free", 1, 8, FREE, FREE), 4).exposed_s == pytest.approx(0)
@@ -136,3 +136,25 @@ def test_simulate_all_gives_a_row_per_strategy_and_count(capsys):
     assert [(r["strategy"], r["workers"]) for r in rows] == [(s, n) for s in STRATEGIES for n in (8, 512)]
     unavailable = {r["strategy"] for r in rows if "unavailable" in r}
     assert unavailable == {"pipeline", "pipeline-zb", "tensor", "powersgd"}   # VGG's file gives no layers nor width
+
+
+def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_cluster(tmp_path, capsys):
+    from paratrain.simulate import here
+    from paratrain.train.tasks import build_task
+    w = load_workload("mlp")
+    task = build_task("mlp")
+    assert w.params == sum(p.numel() for p in task.model.parameters()) and w.batch_per_device == 64
+    assert w.layers == 3 and w.hidden == 512 and w.step_compute_s > 0
+    (tmp_path / "w.toml").write_text('model = "mlp"\nbatch_per_device = 8\nstep_compute_ms = 5\n')
+    w8 = load_workload(tmp_path / "w.toml")
+    assert (w8.batch_per_device, w8.step_compute_s, w8.params) == (8, 0.005, w.params)
+    calibration = tmp_path / "calibration.json"
+    with pytest.raises(ValueError, match="run `paratrain simulate --calibrate` first"):
+        here.cluster_here(calibration)
+    calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10}}}))
+    cluster = here.cluster_here(calibration)
+    assert cluster.intra == Link(1e-5, 1e-10, 2e-10) and cluster.nodes == 1
+    assert data_parallel.step(w, cluster, 2).how == "direct"   # what paratrain runs inside a host
+    assert command.main(["--cluster", "here", "--calibration", str(calibration), "--workload", "mlp",
+                         "--workers", "1,2", "--json"]) == 0
+    assert [r["workers"] for r in json.loads(capsys.readouterr().out)["rows"]] == [1, 2]

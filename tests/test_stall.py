@@ -114,7 +114,8 @@ def test_sigusr1_dumps_the_flight_recorder(tmp_path):
         dump = json.loads((flight / "rank-0.json").read_text())
         assert dump["reason"] == "SIGUSR1"
         assert [r["op"] for r in dump["records"]][-1] == "all_reduce"
-        assert "time.sleep(30)" in dump["stacks"]["MainThread"]
+        # the script's own frame (the signal may land just before its sleep begins, on a busy machine)
+        assert 'wait.py", line' in dump["stacks"]["MainThread"]
     finally:
         proc.kill()
         proc.wait()

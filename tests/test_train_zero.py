@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from test_train import front_end, ok, run_dirs, side_by_side
+from test_train import _digits_params, front_end, ok, run_dirs, side_by_side
 
 
 def _run(folder):
@@ -40,7 +40,14 @@ def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(
     ok(dp_on)
     ok(res)
     assert "starts afresh" not in res.stdout
-    _same(_run(tmp_path / "dp-on")[1], _run(tmp_path / "z-on")[1])
+    z1_run, z1 = _run(tmp_path / "z-on")
+    _same(_run(tmp_path / "dp-on")[1], z1)
+    # the bytes each rank handed to collectives: stage 1 reduce-scatters and gathers n a step (2
+    # steps here, n padded to a multiple of 3 a unit); stage 3 gathers twice more (and to evaluate)
+    n = sum(p.numel() * 4 for p in _digits_params())
+    stage1 = json.loads((z1_run / "summary.json").read_text())["bytes_communicated"]
+    assert 2 * 2 * n <= stage1 <= 2 * 2 * n * 1.01, (stage1, n)
+    assert summary["bytes_communicated"] >= 4 * 3 * n
 
 
 @pytest.mark.timeout(60)

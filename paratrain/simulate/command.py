@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from . import data_parallel
+from . import data_parallel, here
 from .files import load_cluster, load_workload
 from .step import Unavailable
 from .strategies import STRATEGIES, predict
@@ -38,12 +38,14 @@ def build_parser():
                         "beta and gamma, print measured against predicted, and store the fit (--calibration)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help=f"where the fit is stored (default {calibration_path()})")
-    p.add_argument("--cluster", metavar="CLUSTER.toml", help="the machines and their links")
-    p.add_argument("--workload", metavar="WORKLOAD.toml", help="the model and its step on one device")
+    p.add_argument("--cluster", metavar="CLUSTER.toml", help="the machines and their links; here: this machine, "
+                                                           "its links from --calibrate")
+    p.add_argument("--workload", metavar="WORKLOAD.toml", help="the model and its step on one device; or a built-in "
+                                                             "model's name (gpt, mlp-large, ...), measured here")
     p.add_argument("--strategy", default="dp", choices=[*STRATEGIES, "all"],
                    help="dp: data parallelism with the all-reduce paratrain would choose (default); all: every "
                         "strategy, side by side")
-    p.add_argument("--algorithm", choices=data_parallel.ALGORITHMS, default=None,
+    p.add_argument("--algorithm", choices=data_parallel.FORCIBLE, default=None,
                    help="force this all-reduce (default: the cheapest by the model)")
     p.add_argument("--bucket-mb", type=float, default=data_parallel.BUCKET_MB,
                    help=f"gradient bucket size (default {data_parallel.BUCKET_MB:g}, pt.DataParallel's)")
@@ -119,7 +121,9 @@ def main(argv=None):
     if args.cluster is None or args.workload is None:
         parser.error("give --cluster and --workload (or --calibrate)")
     try:
-        cluster, workload = load_cluster(args.cluster), load_workload(args.workload)
+        cluster = here.cluster_here(args.calibration or calibration_path()) if args.cluster == "here" \
+            else load_cluster(args.cluster)
+        workload = load_workload(args.workload)
         table = rows(cluster, workload, args.strategy, args.workers, algorithm=args.algorithm,
                      bucket_mb=args.bucket_mb, stages=args.stages, microbatches=args.microbatches, tp=args.tp,
                      servers=args.servers)

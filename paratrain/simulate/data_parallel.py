@@ -28,7 +28,8 @@ import math
 from .collectives import all_reduce, hierarchical_all_reduce
 from .step import Step, serial_channel
 
-ALGORITHMS = ("ring", "tree", "hierarchical")
+ALGORITHMS = ("ring", "tree", "hierarchical")   # what paratrain chooses from across hosts
+FORCIBLE = ("ring", "tree", "direct", "hierarchical")
 BUCKET_MB = 25.0   # pt.DataParallel's default
 
 
@@ -68,7 +69,7 @@ def group_all_reduce_seconds(cluster, size, across_hosts, n, algorithm=None):
 def choose(cluster, workers, n):
     """The algorithm paratrain would run for n bytes there: the cheapest by this model."""
     hosts, _ = placement(cluster, workers)
-    candidates = ALGORITHMS if hosts > 1 else ("ring", "tree")
+    candidates = ALGORITHMS if hosts > 1 else cluster.host_algorithms
     return min(candidates, key=lambda a: all_reduce_seconds(cluster, workers, n, a))
 
 

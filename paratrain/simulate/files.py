@@ -19,6 +19,7 @@ compression streams through gradients (default reduce_gbps, else the
 intra-node rate). The keys are fixed (users' files depend on them); more keys are allowed and
 ignored. A missing or ill-typed key is an error that names the file and key.
 """
+import dataclasses
 import tomllib
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class Cluster:
     intra: Link
     inter: Link
     encode_gbps: float = None    # how fast a device streams through gradients to compress them
+    host_algorithms: tuple = ("ring", "tree")   # the all-reduces paratrain chooses from inside a host
 
     @property
     def devices(self):
@@ -124,7 +126,22 @@ def load_cluster(path):
 
 
 def load_workload(path):
+    """A WORKLOAD.toml, or a built-in model's name (``gpt``), whose step is then measured
+    here (here.py), as is a file's ``model = "gpt"`` (its other keys then override)."""
+    from . import here
+    from ..train.tasks import TASKS
+    if str(path) in TASKS:
+        return here.workload_of(str(path))
     data = _read(path)
+    if "model" in data:
+        measured = here.workload_of(data["model"], _get(data, path, "batch_per_device", int, default=None))
+        keys = {"name": str, "params": int, "bytes_per_param": float, "backward_fraction": float, "layers": int,
+                "hidden": int, "seq_len": int, "activation_bytes": float}
+        changes = {k: (str(data[k]) if kind is str else _get(data, path, k, kind)) for k, kind in keys.items()
+                   if k in data}
+        if "step_compute_ms" in data:
+            changes["step_compute_s"] = _get(data, path, "step_compute_ms", float) / 1e3
+        return dataclasses.replace(measured, **changes)
     fraction = _get(data, path, "backward_fraction", float, default=2 / 3)
     if not 0 < fraction < 1:
         raise ValueError(f"{path}: backward_fraction = {fraction!r}; give a share of the step, between 0 and 1")

@@ -13,15 +13,24 @@ and all-gathers over every worker, one at a time:
   before its backward, each prefetched as the unit before starts, and its
   gradients reduce-scattered after its backward.
 
-Units are the workload's layers (one unit if it gives none).
+Units are as parallel/zero/layout.py lays them out: stages 1 and 2, buckets of
+up to 25 MB (few, large collectives); stage 3, the workload's layers (one unit
+if it gives none).
 """
+import math
+
 from . import data_parallel
 from .collectives import all_gather, reduce_scatter
 from .step import Step, serial_channel
 
+MB = 1 << 20
 
-def _unit_costs(workload, cluster, workers):
-    units = workload.layers or 1
+
+BUCKET_MB = 25.0   # pt.ZeRO's bucket_mb
+
+
+def _unit_costs(workload, cluster, workers, stage):
+    units = (workload.layers or 1) if stage == 3 else max(1, math.ceil(workload.gradient_bytes / (BUCKET_MB * MB)))
     n = workload.gradient_bytes / units
     link = data_parallel.slowest_link(cluster, workers)
     return units, all_gather(workers, n).seconds(link), reduce_scatter(workers, n).seconds(link)
@@ -56,7 +65,7 @@ def step(workload, cluster, workers, stage=2, **_):
     data_parallel.placement(cluster, workers)
     if workers == 1:
         return Step(1, workload.step_compute_s, how=f"stage {stage}", batch_per_device=workload.batch_per_device)
-    units, gather, scatter = _unit_costs(workload, cluster, workers)
+    units, gather, scatter = _unit_costs(workload, cluster, workers, stage)
     comm = units * (gather + scatter)
     if stage == 1:
         exposed = comm

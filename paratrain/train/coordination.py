@@ -38,6 +38,18 @@ job cannot continue: the other workers fail at their next ticket.
 With all-reduce the reports travel through the process group instead
 (``GroupBoard``: an all_gather of a few numbers), the channel those workers
 already share.
+
+Stopping on a wall-clock budget
+-------------------------------
+``paratrain compare --budget`` gives every strategy the same seconds. Workers
+in lockstep must stop after the same number of batches, or the last ones
+wait for a collective the others never join, so they agree (``agree_stop``):
+over the process group, a one-number MAX all-reduce each step of "my clock
+is past the budget"; through the store (the parameter server under BSP, where
+no worker is more than a clock ahead of another), rank 0 names the last batch
+two ahead of its own and every worker reads it before taking the next. Under
+ASP and SSP nobody waits for a round, so each worker stops on its own clock,
+as it does when the pool runs dry.
 """
 import json
 import time
@@ -46,11 +58,12 @@ import torch
 
 # The numbers each worker reports at the end, in this order (GroupBoard sends them as float64).
 REPORT_FIELDS = ("rank", "batches", "compute_s", "slowdown_s", "slowed_steps", "comm_wait_s", "loop_s",
-                 "last_loss")
+                 "last_loss", "peak_memory_mb")
 BEAT_EVERY = 0.5   # seconds between a worker's heartbeats
 STALL_MIN = 5.0    # a silent worker is given up on after max(STALL_MIN, STALL_STEPS x its mean step)
 STALL_STEPS = 20
 POLL = 0.02
+STOP_KEY = "train/stop_after"
 
 
 class Lockstep:
@@ -98,6 +111,7 @@ class StoreBoard:
     def __init__(self, store, rank, world_size, timeout):
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self._last_beat = 0.0
+        self._stop_named, self._stop_at = False, None
 
     @classmethod
     def connect(cls, rank, world_size, timeout):
@@ -119,6 +133,18 @@ class StoreBoard:
         if force or now - self._last_beat >= BEAT_EVERY:
             self._last_beat = now
             self.store.set(f"train/beat/{self.rank}", f"{batches} {seconds:.6f}")
+
+    def agree_stop(self, over, done, shared):
+        """Whether this worker stops after ``done`` batches, ``over`` saying its own clock is past
+        the budget (see the module's docstring)."""
+        if shared:
+            return over
+        if self.rank == 0 and over and not self._stop_named:
+            self.store.set(STOP_KEY, str(done + 2))
+            self._stop_named = True
+        if self._stop_at is None and self.store.check([STOP_KEY]):
+            self._stop_at = int(self.store.get(STOP_KEY))
+        return self._stop_at is not None and done >= self._stop_at
 
     def gather(self, report):
         """Every worker: hand in its report. Rank 0: returns (reports by rank, lost workers),
@@ -175,6 +201,11 @@ class GroupBoard:
 
     def beat(self, batches, seconds, force=False):
         pass
+
+    def agree_stop(self, over, done, shared):
+        flag = torch.tensor([1.0 if over else 0.0], dtype=torch.float64)
+        self.group.all_reduce(flag, op="max")
+        return bool(flag.item())
 
     def gather(self, report):
         mine = torch.tensor([float(report[k]) for k in REPORT_FIELDS], dtype=torch.float64)

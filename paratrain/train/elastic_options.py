@@ -38,6 +38,8 @@ def check(args):
         if any(when != "step" for _, _, when in args.fail):
             return "--fail RANK:STEP:WHEN is for an elastic job (--min-workers); give RANK:STEP"
         return None
+    if getattr(args, "budget", None):
+        return "a wall-clock budget is not for an elastic job: give --steps"
     from ..launch.elastic import check_sizes
     r = replica_size(args)
     problem = check_sizes(args.min_workers, args.workers, args.max_workers, args.max_restarts,

@@ -67,6 +67,7 @@ def build_parser():
                    help="seconds a worker waits in a call before it logs which ranks it waits for and their "
                         "stacks (default 60)")
     p.add_argument("--trace-every-other", action="store_true", help=argparse.SUPPRESS)  # bench trace: A/B steps
+    p.add_argument("--budget", type=positive_float, default=None, help=argparse.SUPPRESS)  # compare: seconds
     p.add_argument("--runs", default="runs", help="folder for run directories (default ./runs)")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # set by the front-end for the workers
     layout.add_options(p)

@@ -30,12 +30,15 @@ def job_numbers(reports, lost, batch_size, mean_loss=False, ranks_per_batch=1):
             "share": int(rep["batches"]) / total if total else 0.0,
             "compute_s": rep["compute_s"], "slowdown_s": rep["slowdown_s"],
             "slowed_steps": int(rep["slowed_steps"]), "comm_wait_s": rep["comm_wait_s"],
-            "loop_s": rep["loop_s"], "last_loss": rep["last_loss"]})
+            "loop_s": rep["loop_s"], "last_loss": rep["last_loss"],
+            "peak_memory_mb": rep.get("peak_memory_mb")})
     out = {
         "batches_total": total,
         "samples_per_s": total * batch_size / ranks_per_batch / wall if wall > 0 else 0.0,
         "time_wall_training_s": wall,
         "per_worker": per_worker,
+        "peak_memory_mb": max((p["peak_memory_mb"] for p in per_worker if p["peak_memory_mb"] is not None),
+                              default=None),
         "lost_workers": list(lost) or None,
     }
     if mean_loss:

@@ -32,6 +32,7 @@ from ..trace import recorder as trace
 from . import checkpoint as ckpt
 from . import elastic_options, strategies
 from .fail import die_if_due
+from .memory import peak_memory_mb, resident_mb
 from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
 from .progress import ProgressReporter
 from .slowdown import Slowdown
@@ -40,16 +41,20 @@ from .tensorboard import Board
 from .tasks import build_task
 
 
+UNBOUNDED = 10 ** 9   # the steps of a run that stops on its budget
+
+
 class Settings:
     """The task's defaults, overridden by whatever the user gave on the command line."""
 
     def __init__(self, task, args):
         d = task.defaults
-        self.steps = args.steps or d["steps"]
+        self.budget = getattr(args, "budget", None)   # seconds of training (paratrain compare), then stop
+        self.steps = args.steps or (UNBOUNDED if self.budget else d["steps"])
         self.batch_size = args.batch_size or d["batch_size"]
         self.lr = args.lr or d["lr"]
         self.optimizer = args.optimizer or d["optimizer"]
-        self.eval_every = args.eval_every or d.get("eval_every") or max(1, self.steps // 5)
+        self.eval_every = args.eval_every or d.get("eval_every") or max(1, min(self.steps, d["steps"]) // 5)
         self.checkpoint_every = args.checkpoint_every
         self.steps_per_epoch = None
 
@@ -95,6 +100,7 @@ class TrainingRun:
 
     def __init__(self, args):
         self.args = args
+        self.memory_before = resident_mb()   # the interpreter and its libraries, before the task
         chosen = strategies.STRATEGIES[args.strategy]
         self.task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
         self.settings = Settings(self.task, args)
@@ -106,11 +112,13 @@ class TrainingRun:
         self.slow = Slowdown.from_args(args, self.strategy.rank)
         self.run_dir = args.run_dir
         self.log = MetricsLog(self.run_dir) if self.lead else None
-        self.progress = ProgressReporter(self.settings.steps, enabled=self.lead)
+        # (a run on a --budget has no step count to show; compare draws its own bar)
+        self.progress = ProgressReporter(self.settings.steps, enabled=self.lead and not self.settings.budget)
         worker = config.get("PARATRAIN_ELASTIC")   # elastic: a worker's id, for life (its rank moves)
         self.board_tb = Board(self.run_dir, self.strategy.rank if worker is None else worker, self.lead) \
             if args.tensorboard else None
         self.loss = float("nan")   # the last step's logged loss
+        self.stopped_at = None     # the step a --budget ended the run at
         self.last_eval = {}
         self.train_seconds = self.loop_seconds = 0.0
         self.t_start = None
@@ -191,6 +199,10 @@ class TrainingRun:
                 self.record_step(done, dt, compute, slept, wait, sent, evaluation)
             if s.checkpoint_every and done % s.checkpoint_every == 0 and done < s.steps:
                 self.save(done)
+            if s.budget and self.board.agree_stop(time.perf_counter() - self.t_start >= s.budget, done,
+                                                  self.pool.shared):
+                self.stopped_at = done
+                break
             fetched = time.perf_counter()
         self.loop_seconds = time.perf_counter() - self.t_start
 
@@ -246,12 +258,16 @@ class TrainingRun:
         self.board.beat(self.pool.taken, self.loop_seconds, force=True)
         if self.lead and strategy.finish_changes_weights:
             self.last_eval = self.task.evaluate(self.task.model)  # e.g. the servers' final weights
-        self.save(self.settings.steps)
+        self.save(self.steps_done)
         report = {"rank": strategy.rank, "batches": self.pool.taken, "compute_s": slow.compute_s,
                   "slowdown_s": slow.slept_s, "slowed_steps": slow.slowed_steps,
                   "comm_wait_s": strategy.stats.wait_seconds, "loop_s": self.loop_seconds,
-                  "last_loss": self.loss}
+                  "last_loss": self.loss, "peak_memory_mb": peak_memory_mb(self.memory_before)}
         return self.board.gather(report)
+
+    @property
+    def steps_done(self):
+        return self.stopped_at or self.settings.steps
 
     def write_summary(self, reports, lost):
         """Rank 0: summary.json and the loss plot, from every worker's report; returns the summary."""
@@ -266,7 +282,7 @@ class TrainingRun:
         total_s = time.perf_counter() - self.t_start   # (before the strategy's fields, which may ask the network)
         summary = {
             "model": task.name, "strategy": args.strategy, **strategies.summary_fields(args, strategy),
-            "workers": P, "steps": s.steps, "resumed_from": self.start or None,
+            "workers": P, "steps": self.steps_done, "resumed_from": self.start or None,
             "batch_per_worker": s.batch_size, "final_loss": self.loss, **self.last_eval,
             **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss,
                           ranks_per_batch=P // strategy.data_replicas),

@@ -104,6 +104,7 @@ class ZeRO:
                     self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u)))
         self.gathering = (Gathering(self.units, self.group, prefetch, self._backward_started) if stage == 3
                           else None)
+        self._moved = 0   # bytes of the buffers this rank reduce-scattered and gathered after a step
 
     def regroup(self, group):
         """Go on over ``group``, a world of another size that pt.elastic formed: this engine
@@ -134,6 +135,12 @@ class ZeRO:
         self._hooks = []
         if self.gathering:
             self.gathering.close()
+
+    def bytes_moved(self):
+        """Bytes of the buffers this rank handed to its collectives so far (the reduce-scatters'
+        inputs and the all-gathers' outputs): 2 n a step in stages 1 and 2, 3 n in stage 3
+        (Rajbhandari et al., sec. 7), n being the parameters' bytes."""
+        return self._moved + (self.gathering.gathered_bytes if self.gathering else 0)
 
     @property
     def prefetched(self):
@@ -202,6 +209,7 @@ class ZeRO:
         mine = torch.empty(u.chunk, dtype=flat.dtype)
         with trace.label(u.name):
             self.group.reduce_scatter(mine, flat, op="avg")
+        self._moved += flat.nbytes
         if u.shard.grad is None:
             u.shard.grad = mine
         else:
@@ -246,6 +254,7 @@ class ZeRO:
             for u in self.units:
                 with trace.label(u.name):
                     self.group.all_gather(u.flat, u.shard.detach().clone())
+                self._moved += u.flat.nbytes
 
     def zero_grad(self):
         for u in self.units:

@@ -138,6 +138,7 @@ class Gathering:
         self._scopes = []          # per hook pair running: ((module, unit), saved-tensor hooks entered, its data)
         self._backward_seen = set()
         self.prefetched = 0        # gathers started ahead of their unit (for tests and the curious)
+        self.gathered_bytes = 0    # bytes of the buffers gathered into (the engine's bytes_moved)
         self.hooks = []            # the module hooks' handles (close() removes them)
         for u in units:
             self._live[_storage(u.flat)] = u
@@ -176,6 +177,7 @@ class Gathering:
             try:
                 with trace.label(u.name):
                     self.group.all_gather(untracked(u.flat), u.shard.detach())
+                    self.gathered_bytes += u.flat.nbytes
             except Exception as e:   # the same error (a CommError stays one: pt.elastic answers it), told where
                 e.add_note(f"ZeRO stage 3: while gathering unit {u.name}'s parameters")
                 raise
@@ -203,6 +205,7 @@ class Gathering:
         with trace.label(u.name):
             self._pending[id(u)] = self.group.all_gather(untracked(u.flat), u.shard.detach(), async_op=True)
         self.prefetched += 1
+        self.gathered_bytes += u.flat.nbytes
 
     def _wait_for(self, u):
         work = self._pending.pop(id(u), None)

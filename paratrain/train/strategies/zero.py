@@ -87,13 +87,16 @@ class ZeroStep(GroupStep):
         self.engine = pt.ZeRO(task.model, cls, stage=args.stage or DEFAULT_STAGE, group=group, **kwargs)
         self.model, self.adam = self.engine, cls is torch.optim.Adam
         self.numel = sum(q.numel() for q in task.model.parameters())
-        self.stats, self.held = CommStats(), None
+        self.stats, self.held, self._moved = CommStats(), None, 0
         self.sharded = args.checkpoint_format == "sharded"
 
     def after_backward(self):
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
         self.engine.step()
         self.engine.zero_grad()
+        moved = self.engine.bytes_moved()   # (counted from 0 again when an elastic world re-lays it out)
+        self.stats.bytes += moved - self._moved if moved >= self._moved else moved
+        self._moved = moved
 
     # ---- elastic (--min-workers) ----
 

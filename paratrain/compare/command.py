@@ -1,0 +1,146 @@
+"""``paratrain compare``: train one model under every strategy for the same budget, and compare.
+
+    paratrain compare --model gpt --workers 2                  every strategy, 30 s each
+    paratrain compare --model digits --strategies dp,zero3,topk --steps 50 --target-loss 0.3
+
+Each strategy runs as an ordinary ``paratrain train`` run (its folder, its
+summary, its trace with --trace) under ``runs/compare-<id>/``, one after
+another, the same model, data, seed and batch for all; then compare.md (the
+table), compare.json ({"rows": [...]}) and compare.png (loss against wall
+time; memory and bytes per step) are written beside them. A strategy that
+cannot run with these workers or this model is listed with train's reason.
+"""
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from . import report
+from .strategies import NAMES, parse_names, train_flags, why_not
+
+DEFAULT_BUDGET_S = 30.0
+PRELOAD = ("torch", "torch._dynamo", "matplotlib.figure", "matplotlib.backends.backend_agg")
+
+
+@contextlib.contextmanager
+def one_fork_server():
+    """Every run's workers forked from one process that imported torch once
+    (launch/forkserver.py), rather than each worker of each run importing it anew;
+    unless PARATRAIN_FORKSERVER already names one."""
+    from .. import config
+    if config.get("PARATRAIN_FORKSERVER"):
+        yield
+        return
+    from ..launch import forkserver
+    address = forkserver.private_address()
+    proc = forkserver.start_server(address, ",".join(PRELOAD), stderr=subprocess.DEVNULL)
+    os.environ["PARATRAIN_FORKSERVER"] = address
+    try:
+        yield
+    finally:
+        os.environ.pop("PARATRAIN_FORKSERVER", None)
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+
+
+def budget_seconds(text):
+    """--budget: seconds, as 90, 90s or 1.5m."""
+    t = text.strip().lower()
+    scale = 60.0 if t.endswith("m") else 1.0
+    try:
+        value = float(t.rstrip("sm")) * scale
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--budget {text!r}: give seconds, e.g. 120s or 2m")
+    return value
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="paratrain compare", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="digits", help="the built-in model every strategy trains (default digits)")
+    p.add_argument("--workers", "-n", type=int, default=2, help="workers for each strategy (default 2)")
+    p.add_argument("--strategies", default="all",
+                   help=f"comma-separated, from {', '.join(NAMES)}; or all (the default)")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--budget", type=budget_seconds, default=None,
+                      help=f"wall-clock seconds of training for each strategy, e.g. 120s (default "
+                           f"{DEFAULT_BUDGET_S:g}s)")
+    when.add_argument("--steps", type=int, default=None, help="the same optimizer steps for each, instead")
+    p.add_argument("--target-loss", type=float, default=None, metavar="X",
+                   help="also report each strategy's time until its loss first reached X")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per worker per step (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true", help="trace every run (paratrain trace on its folder)")
+    p.add_argument("--runs", default="runs", help="where compare-<id>/ goes (default ./runs)")
+    return p
+
+
+def common_flags(args, folder):
+    flags = ["--model", args.model, "--workers", str(args.workers), "--runs", folder, "--seed", str(args.seed)]
+    flags += ["--steps", str(args.steps)] if args.steps else ["--budget", repr(args.budget or DEFAULT_BUDGET_S)]
+    if args.target_loss:
+        flags += ["--target-loss", repr(args.target_loss)]
+    if args.batch_size:
+        flags += ["--batch-size", str(args.batch_size)]
+    return flags + (["--trace"] if args.trace else [])
+
+
+def run_one(name, flags, folder):
+    """Train ``name`` as ``paratrain train`` does, in this process (its workers are the
+    launcher's, as always; this saves a Python and torch start per strategy); returns its
+    row, or one saying why it did not finish. Its output goes to logs/<name>.log."""
+    from ..train.job import main as train
+    log = os.path.join(folder, "logs", f"{name}.log")
+    before = set(os.listdir(folder))
+    argv = [*flags, *train_flags(name, int(flags[3]))]
+    with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        print("paratrain train " + " ".join(argv), flush=True)
+        try:
+            rc = train(argv)
+        except Exception as e:   # (the run's own errors are its workers'; this is the front-end's)
+            print(f"paratrain compare: {name}: {type(e).__name__}: {e}", flush=True)
+            rc = 1
+    made = sorted(set(os.listdir(folder)) - before)
+    if rc != 0 or not made or not os.path.exists(os.path.join(folder, made[-1], "summary.json")):
+        return {"strategy": name, "unavailable": f"the run failed (exit {rc}); see {log}"}
+    return report.row_from_run(name, os.path.join(folder, made[-1]))
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        names = parse_names(args.strategies)
+    except ValueError as e:
+        print(f"paratrain compare: error: {e}", file=sys.stderr)
+        return 2
+    folder = os.path.join(args.runs, f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.join(folder, "logs"), exist_ok=True)
+    flags = common_flags(args, folder)
+    how_long = f"{args.steps} steps" if args.steps else f"{args.budget or DEFAULT_BUDGET_S:g} s"
+    title = f"{args.model} on {args.workers} workers, {how_long} each"
+    print(f"paratrain compare: {title}; runs in {folder}", flush=True)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    rows = []
+    with one_fork_server(), Progress(TextColumn("{task.description}"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as bar:
+        task = bar.add_task("compare", total=len(names))
+        for name in names:
+            reason = why_not(name, flags)
+            if reason:
+                rows.append({"strategy": name, "unavailable": reason})
+            else:
+                bar.update(task, description=f"training {name}")
+                rows.append(run_one(name, flags, folder))
+                r = rows[-1]
+                bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
+                                                 f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
+            bar.advance(task)
+    paths = report.write(folder, rows, title)
+    print(report.markdown(rows, title))
+    print("wrote " + ", ".join(paths))
+    return 0 if any("unavailable" not in r for r in rows) else 1

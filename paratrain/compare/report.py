@@ -1,0 +1,113 @@
+"""What compare shows: a row per strategy from its run folder, and the three files.
+
+Each strategy's row comes from its run's summary.json and metrics.jsonl:
+
+- samples_per_s: the job's (summary.py: every batch over the longest loop);
+- step_ms: the loop's wall time over the steps a worker took (their mean:
+  under ASP and SSP workers take different numbers);
+- bytes_per_step: what rank 0 sent a step (compressed: what went on the wire);
+- peak_memory_mb: the largest worker's peak resident growth (train/memory.py);
+- loss: the last logged; time_to_target_s with --target-loss.
+
+compare.png: loss against wall time, a line per strategy, and bars of memory
+and bytes per step.
+"""
+import json
+import os
+
+from ..train.metrics import read_metrics
+
+MB = 1 << 20
+
+
+def row_from_run(name, run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    taken = [p["batches"] for p in s["per_worker"]] or [s["steps"]]
+    steps = sum(taken) / len(taken)
+    row = {"strategy": name, "samples_per_s": s["samples_per_s"],
+           "step_ms": 1e3 * s["time_wall_training_s"] / steps if steps else None,
+           "steps": s["steps"], "loss": s["final_loss"],
+           "bytes_per_step": (s.get("bytes_communicated") or 0) / s["steps"] if s["steps"] else None,
+           "peak_memory_mb": s.get("peak_memory_mb"), "run_dir": run_dir}
+    if "time_to_target_s" in s:
+        row["time_to_target_s"] = s["time_to_target_s"]
+    return row
+
+
+def _cell(value, fmt):
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(rows, title):
+    lines = [f"# {title}", "",
+             "| strategy | samples/s | step | bytes/step | peak memory/worker | loss | time to target |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "unavailable" in r:
+            lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |")
+            continue
+        target = r.get("time_to_target_s")
+        lines.append(f"| {r['strategy']} | {_cell(r['samples_per_s'], ',.0f')} | {_cell(r['step_ms'], '.1f')} ms | "
+                     f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
+                     f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
+                     f"{'-' if target is None else f'{target:.1f} s'} |")
+    return "\n".join(lines) + "\n"
+
+
+def smoothed(values, share=0.05):
+    """Each value's mean with the ones before it, over a window of ``share`` of them: a
+    step's loss moves by more than the strategies differ."""
+    import numpy as np
+    window = max(1, int(len(values) * share))
+    sums = np.cumsum(np.concatenate([[0.0], np.asarray(values, dtype=float)]))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (sums[1:] - sums[np.arange(1, len(values) + 1) - counts]) / counts
+
+
+def plot(rows, path, title):
+    """Loss against wall time (a line per strategy) beside bars of memory and bytes per step."""
+    from matplotlib import cm
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    ran = [r for r in rows if "unavailable" not in r]
+    fig = Figure(figsize=(13, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 2, 1)
+    colors = [cm.tab20(i % 20) for i in range(len(ran))]
+    for r, color, style in zip(ran, colors, ["-", "--", ":", "-."] * len(ran)):
+        pts = [(m["time"], m["loss"]) for m in read_metrics(os.path.join(r["run_dir"], "metrics.jsonl"))
+               if "time" in m and "loss" in m]
+        ax.plot([t for t, _ in pts], smoothed([v for _, v in pts]), style, color=color, linewidth=1.3,
+                label=r["strategy"])
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("training loss (rank 0's log, mean of the last 5% of steps)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ran:
+        ax.legend(fontsize=8)
+    bars = fig.add_subplot(1, 2, 2)
+    x = range(len(ran))
+    memory = [r["peak_memory_mb"] or 0 for r in ran]
+    sent = [(r["bytes_per_step"] or 0) / MB for r in ran]
+    bars.bar([i - 0.2 for i in x], memory, width=0.4, color="tab:blue", label="peak memory / worker (MiB)")
+    other = bars.twinx()
+    other.bar([i + 0.2 for i in x], sent, width=0.4, color="tab:orange", label="sent / step (MiB)")
+    bars.set_xticks(list(x), [r["strategy"] for r in ran], rotation=45, ha="right", fontsize=8)
+    bars.set_ylabel("peak memory per worker (MiB)", color="tab:blue")
+    other.set_ylabel("bytes sent per step, rank 0 (MiB)", color="tab:orange")
+    bars.set_title("memory and communication")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write(folder, rows, title):
+    """compare.md, compare.json and compare.png in ``folder``; returns their paths."""
+    paths = [os.path.join(folder, f"compare.{ext}") for ext in ("md", "json", "png")]
+    with open(paths[0], "w") as f:
+        f.write(markdown(rows, title))
+    with open(paths[1], "w") as f:
+        json.dump({"title": title, "rows": rows}, f, indent=1)
+    plot(rows, paths[2], title)
+    return paths

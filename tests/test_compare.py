@@ -1,0 +1,48 @@
+"""`paratrain compare`: every strategy trains the digits task for the same short budget, and
+the table, JSON and plot say what each did (against the runs' own folders and the model's size)."""
+import json
+import math
+
+import pytest
+
+from paratrain.compare import command
+from paratrain.compare.strategies import NAMES
+
+
+def _digits_bytes():
+    from paratrain.train.tasks import build_task
+    return sum(p.numel() * 4 for p in build_task("digits").model.parameters())
+
+
+@pytest.mark.timeout(240)
+def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(tmp_path, capsys):
+    assert command.main(["--model", "digits", "--workers", "2", "--budget", "0.4s", "--runs", str(tmp_path)]) == 0
+    (folder,) = tmp_path.glob("compare-*")
+    assert (folder / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| dp |" in (folder / "compare.md").read_text()
+    rows = {r["strategy"]: r for r in json.loads((folder / "compare.json").read_text())["rows"]}
+    assert list(rows) == list(NAMES)
+    assert "not digits" in rows["tensor"]["unavailable"]   # train's own reason: --tp cuts transformers
+    ran = {name: r for name, r in rows.items() if "unavailable" not in r}
+    assert set(ran) == set(NAMES) - {"tensor"}, {n: r.get("unavailable") for n, r in rows.items()}
+    n = _digits_bytes()
+    for name, r in ran.items():
+        summary = json.loads((folder / r["run_dir"].split("/")[-1] / "summary.json").read_text())
+        assert r["samples_per_s"] == summary["samples_per_s"] > 0 and math.isfinite(r["loss"]) and r["step_ms"] > 0
+        assert r["peak_memory_mb"] > 0
+        taken = [p["batches"] for p in summary["per_worker"]]
+        if name not in ("ps-asp", "ps-ssp"):   # lockstep: the budget's stop was agreed, the same step for all
+            assert taken == [summary["steps"]] * 2, (name, taken, summary["steps"])
+    # what each sends a step, against the model's n bytes of gradients
+    assert ran["dp"]["bytes_per_step"] == ran["dp-naive"]["bytes_per_step"] == n
+    for stage in ("zero1", "zero2"):
+        assert 2 * n <= ran[stage]["bytes_per_step"] <= 2.01 * n
+    assert ran["zero3"]["bytes_per_step"] >= 3 * n
+    assert ran["topk"]["bytes_per_step"] < 0.2 * n and ran["powersgd"]["bytes_per_step"] < n
+    out = capsys.readouterr().out
+    assert "wrote" in out and "compare.png" in out
+
+
+def test_compare_refuses_an_unknown_strategy(capsys):
+    assert command.main(["--strategies", "dp,ring"]) == 2
+    assert "unknown strategy 'ring'" in capsys.readouterr().err
