@@ -10,6 +10,7 @@
     paratrain server --servers 2             parameter servers on this host for a multi-node job
     paratrain compare --model gpt --workers 2   every strategy trained for the same budget, side by side
     paratrain simulate --cluster C.toml --workload W.toml --workers 8,64,512   a step predicted (cost model)
+    paratrain plan --model gpt --workers 4   the layouts the workers allow, predicted and ranked
     paratrain bench collectives -n 2         collectives beside Gloo and Open MPI
     paratrain bench data-parallel            DataParallel beside PyTorch DDP
     paratrain bench parameter-server         the parameter server beside all-reduce, BSP beside ASP/SSP
@@ -39,6 +40,8 @@ commands:
            (`paratrain compare --model gpt --workers 2`): runs/compare-<id>/compare.md, .json, .png
   simulate a training step predicted by a cost model for a cluster and a workload, at any
            worker count (`paratrain simulate --cluster C.toml --workload W.toml --workers 8,64,512`)
+  plan     the layouts N workers allow for a model (dp x pp x tp, ZeRO, compression),
+           predicted, ranked, each with its command (`paratrain plan --model gpt --workers 4`)
   bench    benchmarks beside PyTorch, Gloo and Open MPI: `paratrain bench collectives -n 2`,
            `paratrain bench data-parallel`, `paratrain bench parameter-server`,
            `paratrain bench pipeline`, `paratrain bench tensor`, `paratrain bench zero`,
@@ -68,6 +71,9 @@ def main(argv=None):
     if cmd == "compare":
         from .compare.command import main as compare_main
         return compare_main(rest)
+    if cmd == "plan":
+        from .simulate.plan import main as plan_main
+        return plan_main(rest)
     if cmd == "simulate":
         from .simulate.command import main as simulate_main
         return simulate_main(rest)

@@ -203,7 +203,7 @@ def passed_on_every_rank(res, what, n):
 # A test elsewhere joins with @pytest.mark.quick.
 QUICK_MODULES = {"test_algorithms", "test_config", "test_elastic_sampler", "test_ps_logic", "test_ps_sparse",
                  "test_ps_wire", "test_readme", "test_simulate_costs", "test_simulate_step",
-                 "test_simulate_strategies", "test_ssp_simulation",
+                 "test_simulate_strategies", "test_plan", "test_ssp_simulation",
                  "test_strategies", "test_tasks", "test_trace_logic", "test_units", "test_wire"}
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from paratrain.compare import command
 from paratrain.compare.strategies import NAMES
+from paratrain.simulate import memory
 
 
 def _digits_bytes():
@@ -15,11 +16,16 @@ def _digits_bytes():
 
 
 @pytest.mark.timeout(240)
-def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(tmp_path, capsys):
+def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "config"      # a calibration of this machine's links: each row gets a prediction too
+    (config / "paratrain").mkdir(parents=True)
+    (config / "paratrain" / "calibration.json").write_text(
+        json.dumps({"links": {"shm_direct": {"alpha": 2e-5, "beta": 2e-10, "gamma": 4e-10}}}))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
     assert command.main(["--model", "digits", "--workers", "2", "--budget", "0.4s", "--runs", str(tmp_path)]) == 0
     (folder,) = tmp_path.glob("compare-*")
     assert (folder / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| dp |" in (folder / "compare.md").read_text()
+    assert "| dp |" in (folder / "compare.md").read_text() and "predicted step" in (folder / "compare.md").read_text()
     rows = {r["strategy"]: r for r in json.loads((folder / "compare.json").read_text())["rows"]}
     assert list(rows) == list(NAMES)
     assert "not digits" in rows["tensor"]["unavailable"]   # train's own reason: --tp cuts transformers
@@ -29,7 +35,7 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
     for name, r in ran.items():
         summary = json.loads((folder / r["run_dir"].split("/")[-1] / "summary.json").read_text())
         assert r["samples_per_s"] == summary["samples_per_s"] > 0 and math.isfinite(r["loss"]) and r["step_ms"] > 0
-        assert r["peak_memory_mb"] > 0
+        assert r["peak_memory_mb"] > 0 and r["predicted_step_ms"] > 0
         taken = [p["batches"] for p in summary["per_worker"]]
         if name not in ("ps-asp", "ps-ssp"):   # lockstep: the budget's stop was agreed, the same step for all
             assert taken == [summary["steps"]] * 2, (name, taken, summary["steps"])
@@ -39,6 +45,11 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
         assert 2 * n <= ran[stage]["bytes_per_step"] <= 2.01 * n
     assert ran["zero3"]["bytes_per_step"] >= 3 * n
     assert ran["topk"]["bytes_per_step"] < 0.2 * n and ran["powersgd"]["bytes_per_step"] < n
+    # plan's state formula (ZeRO's paper) against the bytes pt.ZeRO held (SGD with momentum: K = 4)
+    for stage in (1, 2, 3):
+        summary = json.loads((folder / ran[f"zero{stage}"]["run_dir"].split("/")[-1] / "summary.json").read_text())
+        held = sum(summary["zero_bytes_per_worker"].values())
+        assert abs(held - memory.state_bytes(f"zero{stage}", n / 4, memory.SGD_MOMENTUM, 2)) <= 0.05 * held
     out = capsys.readouterr().out
     assert "wrote" in out and "compare.png" in out
 

@@ -11,42 +11,15 @@ time; memory and bytes per step) are written beside them. A strategy that
 cannot run with these workers or this model is listed with train's reason.
 """
 import argparse
-import contextlib
 import os
-import shutil
-import subprocess
 import sys
 import time
 
 from . import report
-from .strategies import NAMES, parse_names, train_flags, why_not
+from .runs import one_fork_server, run_one
+from .strategies import NAMES, parse_names, why_not
 
 DEFAULT_BUDGET_S = 30.0
-PRELOAD = ("torch", "torch._dynamo", "matplotlib.figure", "matplotlib.backends.backend_agg")
-
-
-@contextlib.contextmanager
-def one_fork_server():
-    """Every run's workers forked from one process that imported torch once
-    (launch/forkserver.py), rather than each worker of each run importing it anew;
-    unless PARATRAIN_FORKSERVER already names one."""
-    from .. import config
-    if config.get("PARATRAIN_FORKSERVER"):
-        yield
-        return
-    from ..launch import forkserver
-    address = forkserver.private_address()
-    proc = forkserver.start_server(address, ",".join(PRELOAD), stderr=subprocess.DEVNULL)
-    os.environ["PARATRAIN_FORKSERVER"] = address
-    try:
-        yield
-    finally:
-        os.environ.pop("PARATRAIN_FORKSERVER", None)
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
-
-
 def budget_seconds(text):
     """--budget: seconds, as 90, 90s or 1.5m."""
     t = text.strip().lower()
@@ -90,25 +63,23 @@ def common_flags(args, folder):
     return flags + (["--trace"] if args.trace else [])
 
 
-def run_one(name, flags, folder):
-    """Train ``name`` as ``paratrain train`` does, in this process (its workers are the
-    launcher's, as always; this saves a Python and torch start per strategy); returns its
-    row, or one saying why it did not finish. Its output goes to logs/<name>.log."""
-    from ..train.job import main as train
-    log = os.path.join(folder, "logs", f"{name}.log")
-    before = set(os.listdir(folder))
-    argv = [*flags, *train_flags(name, int(flags[3]))]
-    with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        print("paratrain train " + " ".join(argv), flush=True)
-        try:
-            rc = train(argv)
-        except Exception as e:   # (the run's own errors are its workers'; this is the front-end's)
-            print(f"paratrain compare: {name}: {type(e).__name__}: {e}", flush=True)
-            rc = 1
-    made = sorted(set(os.listdir(folder)) - before)
-    if rc != 0 or not made or not os.path.exists(os.path.join(folder, made[-1], "summary.json")):
-        return {"strategy": name, "unavailable": f"the run failed (exit {rc}); see {log}"}
-    return report.row_from_run(name, os.path.join(folder, made[-1]))
+def add_predictions(args, rows):
+    """``predicted_step_ms`` on each row that ran, from simulate's model of this machine,
+    when ``paratrain simulate --calibrate`` has stored its links."""
+    from ..simulate import here, plan
+    from ..simulate.command import calibration_path
+    if not os.path.exists(calibration_path()):
+        return
+    try:
+        cluster = here.cluster_here(calibration_path())
+        steps = plan.predict_compare(args.model, args.workers, [r["strategy"] for r in rows if "step_ms" in r],
+                                     cluster, args.batch_size)
+    except ValueError as e:
+        print(f"paratrain compare: no predictions: {e}")
+        return
+    for r in rows:
+        if r["strategy"] in steps:
+            r["predicted_step_ms"] = steps[r["strategy"]] * 1e3
 
 
 def main(argv=None):
@@ -140,6 +111,7 @@ def main(argv=None):
                 bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
                                                  f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
             bar.advance(task)
+    add_predictions(args, rows)
     paths = report.write(folder, rows, title)
     print(report.markdown(rows, title))
     print("wrote " + ", ".join(paths))

@@ -3,8 +3,8 @@
 Each strategy's row comes from its run's summary.json and metrics.jsonl:
 
 - samples_per_s: the job's (summary.py: every batch over the longest loop);
-- step_ms: the loop's wall time over the steps a worker took (their mean:
-  under ASP and SSP workers take different numbers);
+- step_ms: the median of rank 0's step times (metrics.jsonl's step_seconds:
+  the step itself, without the evaluations and checkpoints between steps);
 - bytes_per_step: what rank 0 sent a step (compressed: what went on the wire);
 - peak_memory_mb: the largest worker's peak resident growth (train/memory.py);
 - loss: the last logged; time_to_target_s with --target-loss.
@@ -14,6 +14,7 @@ and bytes per step.
 """
 import json
 import os
+import statistics
 
 from ..train.metrics import read_metrics
 
@@ -23,10 +24,9 @@ MB = 1 << 20
 def row_from_run(name, run_dir):
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
-    taken = [p["batches"] for p in s["per_worker"]] or [s["steps"]]
-    steps = sum(taken) / len(taken)
+    steps = [m["step_seconds"] for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step_seconds" in m]
     row = {"strategy": name, "samples_per_s": s["samples_per_s"],
-           "step_ms": 1e3 * s["time_wall_training_s"] / steps if steps else None,
+           "step_ms": 1e3 * statistics.median(steps) if steps else None,
            "steps": s["steps"], "loss": s["final_loss"],
            "bytes_per_step": (s.get("bytes_communicated") or 0) / s["steps"] if s["steps"] else None,
            "peak_memory_mb": s.get("peak_memory_mb"), "run_dir": run_dir}
@@ -40,15 +40,19 @@ def _cell(value, fmt):
 
 
 def markdown(rows, title):
+    predicted = any("predicted_step_ms" in r for r in rows)
     lines = [f"# {title}", "",
-             "| strategy | samples/s | step | bytes/step | peak memory/worker | loss | time to target |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| strategy | samples/s | step | " + ("predicted step | " if predicted else "")
+             + "bytes/step | peak memory/worker | loss | time to target |",
+             "| --- | ---: | ---: | " + ("---: | " if predicted else "") + "---: | ---: | ---: | ---: |"]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |")
+            lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |" + (" |" if predicted else ""))
             continue
         target = r.get("time_to_target_s")
+        guess = f"{_cell(r.get('predicted_step_ms'), '.1f')} ms | " if predicted else ""
         lines.append(f"| {r['strategy']} | {_cell(r['samples_per_s'], ',.0f')} | {_cell(r['step_ms'], '.1f')} ms | "
+                     f"{guess}"
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
                      f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
                      f"{'-' if target is None else f'{target:.1f} s'} |")

@@ -46,10 +46,14 @@ def parse_names(text):
     return list(dict.fromkeys(names))
 
 
+def refused(argv):
+    """Why ``paratrain train argv`` would refuse to start, or None when it runs."""
+    from ..train import layout, options
+    args = options.build_parser().parse_args(argv)
+    return layout.resolve(args, argv) or options.check(args)
+
+
 def why_not(name, common):
     """Why ``paratrain train`` would refuse this strategy with the ``common`` flags (model,
     workers, ...), or None when it runs."""
-    from ..train import layout, options
-    argv = [*common, *train_flags(name, int(common[common.index("--workers") + 1]))]
-    args = options.build_parser().parse_args(argv)
-    return layout.resolve(args, argv) or options.check(args)
+    return refused([*common, *train_flags(name, int(common[common.index("--workers") + 1]))])

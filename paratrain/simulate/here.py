@@ -3,7 +3,7 @@
 - ``workload_of("gpt")``: a WORKLOAD for a built-in model (``model = "gpt"`` in
   a WORKLOAD.toml, or ``--workload gpt``): its parameters and shape from the
   task itself, and ``step_compute_ms`` timed here, forward and backward of one
-  worker's default batch in one process on one thread (the median of a few
+  worker's default batch in one process on one thread (the fastest of ten
   steps after a warm-up), as ``paratrain train``'s workers compute.
 - ``cluster_here()``: ``--cluster here``, this host as one node of as many
   devices as it has cores, its link the one ``paratrain simulate --calibrate``
@@ -12,13 +12,12 @@
 """
 import json
 import os
-import statistics
 import time
 
 from .collectives import Link
-from .files import Cluster, Workload
+from .system import Cluster, Workload
 
-WARMUP, TIMED = 2, 5
+WARMUP, TIMED = 3, 10
 
 
 def _shape(task):
@@ -33,8 +32,35 @@ def _shape(task):
     return None, None, None
 
 
+def matrix_width(model):
+    """The width h for which PowerSGD's factors of h x h matrices are as large a share as of
+    this model's weights (each viewed as shape[0] x the rest): sum(m n) / sum(m + n)."""
+    shapes = [(p.shape[0], p[0].numel()) for p in model.parameters() if p.dim() >= 2]
+    return round(sum(m * n for m, n in shapes) / sum(m + n for m, n in shapes)) if shapes else None
+
+
+def layer_outputs(task, batch_size):
+    """(layers, mean bytes of a layer's output for ``batch_size`` samples), measured: the
+    model's modules that hold parameters directly (a convolution, a linear layer), in one
+    forward with hooks. For models whose task does not say its shape (the digits CNN)."""
+    import torch
+    leaves = [m for m in task.model.modules() if any(True for _ in m.parameters(recurse=False))]
+    sizes = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel() * out.element_size()))
+             for m in leaves]
+    try:
+        x, _ = next(iter(torch.utils.data.DataLoader(task.train_set, batch_size=batch_size)))
+        with torch.no_grad():
+            task.model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return len(leaves), (sum(sizes) / len(sizes) if sizes else None)
+
+
 def time_step(task, batch_size, warmup=WARMUP, timed=TIMED):
-    """Median seconds of forward + backward of ``batch_size`` samples on this process."""
+    """Seconds of forward + backward of ``batch_size`` samples on this process: the fastest of
+    ``timed`` steps after ``warmup`` (on a shared machine, interference only ever adds time)."""
     import torch
     loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
     batches = iter(loader)
@@ -46,27 +72,43 @@ def time_step(task, batch_size, warmup=WARMUP, timed=TIMED):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         task.model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return min(times)
+
+
+_TIMED = {}
+
+
+def step_seconds(model, batch, seed=0):
+    """Forward + backward of ``batch`` samples of built-in ``model`` here, on one thread
+    (as paratrain train's workers, --threads 1); measured once per (model, batch)."""
+    import torch
+    from ..train.tasks import build_task
+    if (model, batch) not in _TIMED:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _TIMED[model, batch] = time_step(build_task(model, seed=seed), batch)
+        finally:
+            torch.set_num_threads(threads)
+    return _TIMED[model, batch]
 
 
 def workload_of(model, batch_size=None, seed=0):
     """The Workload of built-in model ``model``, its step timed here on one thread."""
-    import torch
     from ..train.tasks import TASKS, build_task
     if model not in TASKS:
         raise ValueError(f"model = {model!r}: not a built-in model; choose from {', '.join(TASKS)}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # as paratrain train's workers (--threads 1)
-    try:
-        task = build_task(model, seed=seed)
-        batch = batch_size or task.defaults["batch_size"]
-        seconds = time_step(task, batch)
-    finally:
-        torch.set_num_threads(threads)
+    task = build_task(model, seed=seed)
+    batch = batch_size or task.defaults["batch_size"]
+    seconds = step_seconds(model, batch, seed)
     layers, hidden, seq_len = _shape(task)
+    activations = None
+    if layers is None:
+        layers, activations = layer_outputs(task, batch)
+        hidden = matrix_width(task.model)
     params = sum(p.numel() for p in task.model.parameters())
     return Workload(f"{model} (measured here)", params, 4, batch, seconds, layers=layers, hidden=hidden,
-                    seq_len=seq_len)
+                    seq_len=seq_len, activation_bytes=activations)
 
 
 def cluster_here(calibration):

@@ -1,0 +1,242 @@
+"""``paratrain plan``: the layouts the workers allow, predicted, ranked, and the command for each.
+
+    paratrain plan --model gpt --workers 2 [--cluster here|CLUSTER.toml] [--memory-gb M] [--verify] [--json]
+
+The layouts: every strategy of ``paratrain compare`` (compare/strategies.py)
+at its ``paratrain train`` defaults, and besides them each pipeline depth p
+that divides the workers (p <= the model's layers) with 4 and 8
+micro-batches, and each tensor size t that divides them; a pipeline's or a
+tensor group's workers share one batch (``paratrain train``'s rule), the
+other workers' replicas average their gradients. ``paratrain train`` itself
+refuses what cannot run (tensor parallelism of a CNN, a width t does not
+divide), so plan offers only commands that run. Each is predicted by
+simulate's model of its strategy on the cluster (default: this machine,
+calibrated) for the model measured here; those predicted to hold more than
+``--memory-gb`` a worker are dropped; the rest are ranked by step time for
+the same samples, that is by samples/s (a pipeline's step takes one batch
+where data parallelism's takes one a worker).
+``--verify`` runs the first three here and prints predicted against
+measured. Not enumerated yet: pipeline and tensor together (3D), and ZeRO or
+compression inside a pipeline or tensor group.
+"""
+import argparse
+import dataclasses
+import json
+import sys
+
+from . import here, memory
+from .step import Unavailable
+from .strategies import predict
+
+MICROBATCHES = (4, 8)
+
+
+@dataclasses.dataclass
+class Layout:
+    strategy: str          # compare's name
+    flags: list            # its paratrain train flags
+    dp: int
+    pp: int = 1
+    tp: int = 1
+    microbatches: int = None
+
+    @property
+    def options(self):
+        return {"stages": self.pp if self.pp > 1 else None, "tp": self.tp if self.tp > 1 else 1,
+                "microbatches": self.microbatches or 4}
+
+
+def layouts(workers, layers=None):
+    """Every layout of ``workers`` workers plan considers (whether train accepts it is asked later)."""
+    from ..compare.strategies import NAMES, train_flags
+    out = [Layout(name, train_flags(name, workers), workers) for name in NAMES
+           if name not in ("pipeline", "pipeline-zb", "tensor")]
+    for p in (d for d in range(2, workers + 1) if workers % d == 0 and (layers is None or d <= layers)):
+        for m in MICROBATCHES:
+            for name, schedule in (("pipeline", []), ("pipeline-zb", ["--schedule", "zb-h1"])):
+                out.append(Layout(name, ["--strategy", "pipeline", "--stages", str(p), "--microbatches", str(m),
+                                         *schedule], workers // p, pp=p, microbatches=m))
+    for t in (d for d in range(2, workers + 1) if workers % d == 0):
+        out.append(Layout("tensor", ["--strategy", "allreduce", "--tp", str(t)], workers // t, tp=t))
+    return out
+
+
+def compare_layout(name, workers):
+    """The Layout ``paratrain compare`` runs strategy ``name`` as (its train flags' defaults:
+    a pipeline of every worker with 4 micro-batches, a tensor group of every worker)."""
+    from ..compare.strategies import train_flags
+    if name in ("pipeline", "pipeline-zb"):
+        return Layout(name, train_flags(name, workers), 1, pp=workers, microbatches=4)
+    if name == "tensor":
+        return Layout(name, train_flags(name, workers), 1, tp=workers)
+    return Layout(name, train_flags(name, workers), workers)
+
+
+def predict_compare(model, workers, names, cluster, batch_size=None):
+    """{name: predicted step seconds} of compare's runs, for the model measured here."""
+    from ..train.tasks import build_task
+    task = build_task(model)
+    workload = here.workload_of(model, batch_size)
+    K = memory.ADAM if task.defaults["optimizer"] == "adam" else memory.SGD_MOMENTUM
+    out = {}
+    for name in names:
+        step, _ = predicted(compare_layout(name, workers), workload, cluster, K,
+                            _heads(model) if task.blocks else None, lambda b: here.step_seconds(model, b))
+        if not isinstance(step, Unavailable):
+            out[name] = step.step_s
+    return out
+
+
+def _heads(model):
+    from ..train.tasks import build_task
+    c = build_task(model).config
+    return c.get("n_head") or c.get("heads")
+
+
+def compute_seconds(layout, workload, timed=None):
+    """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
+    replica of its own; a pipeline stage's share of its micro-batches, each timed at its own
+    size (a small batch runs less efficiently: ``timed(batch)`` measures it), and a tensor
+    worker's 1/t of the batch's."""
+    if layout.pp > 1:
+        m = layout.microbatches or 1
+        small = max(1, workload.batch_per_device // m)
+        return m * (timed(small) if timed else workload.step_compute_s * small / workload.batch_per_device) / layout.pp
+    return workload.step_compute_s / layout.tp
+
+
+def predicted(layout, workload, cluster, optimizer_bytes, heads=None, timed=None):
+    """(Step or Unavailable, predicted bytes a worker holds) for ``layout``, the workers of a
+    pipeline or tensor group sharing one batch of ``workload``'s."""
+    share = layout.pp * layout.tp
+    per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
+                                     step_compute_s=compute_seconds(layout, workload, timed),
+                                     activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
+    step = predict(layout.strategy, per_worker, cluster, layout.dp * share, **layout.options)
+    in_flight = layout.pp if layout.pp > 1 else 1   # 1F1B holds up to p micro-batches at the first stage
+    samples = workload.batch_per_device / (layout.microbatches or 1) * in_flight if layout.pp > 1 \
+        else workload.batch_per_device
+    layers = (workload.layers or 1) / layout.pp
+    held = memory.state_bytes(layout.strategy, workload.params, optimizer_bytes, layout.dp * share, layout.pp,
+                              layout.tp) + memory.activation_bytes(workload, samples, heads, layers) / layout.tp
+    return step, held
+
+
+def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
+    """[(Layout, Step, bytes held)] best first, and [(Layout, why not)] for the rest."""
+    from ..compare.strategies import refused
+    from ..train.tasks import build_task
+    task = build_task(model)
+    workload = here.workload_of(model, batch_size)
+    K = memory.ADAM if task.defaults["optimizer"] == "adam" else memory.SGD_MOMENTUM
+    heads = _heads(model) if task.blocks else None
+    common = common or ["--model", model, "--workers", str(workers)]
+    ranked, dropped = [], []
+    for layout in layouts(workers, workload.layers):
+        why = refused([*common, *layout.flags])
+        step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
+                                                        lambda b: here.step_seconds(model, b))
+        if why or isinstance(step, Unavailable):
+            dropped.append((layout, why or str(step)))
+        elif memory_gb and held > memory_gb * 2 ** 30:
+            dropped.append((layout, f"predicted {held / 2 ** 30:.2f} GiB a worker, over --memory-gb {memory_gb:g}"))
+        else:
+            ranked.append((layout, step, held))
+    ranked.sort(key=lambda r: -r[1].samples_per_s)   # step times of different batches do not compare
+    return ranked, dropped
+
+
+def command_line(model, workers, layout):
+    return " ".join(["paratrain train", "--model", model, "--workers", str(workers), *layout.flags])
+
+
+def row(model, workers, layout, step, held):
+    return {"strategy": layout.strategy, "command": command_line(model, workers, layout),
+            "dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "microbatches": layout.microbatches,
+            "predicted_step_ms": step.step_s * 1e3, "predicted_samples_per_s": step.samples_per_s,
+            "predicted_memory_mb": held / memory.MB, "how": step.how}
+
+
+def build_parser():
+    from .command import calibration_path
+    p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt", help="the built-in model (default gpt)")
+    p.add_argument("--workers", "-n", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--cluster", default="here", help="here (this machine, calibrated; default) or a CLUSTER.toml")
+    p.add_argument("--calibration", default=None, help=f"the calibration --cluster here reads "
+                                                        f"(default {calibration_path()})")
+    p.add_argument("--memory-gb", type=float, default=None, help="drop layouts predicted to hold more a worker")
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--verify", action="store_true", help="run the first 3 here and print predicted against measured")
+    p.add_argument("--steps", type=int, default=30, help="--verify: steps of each run (default 30)")
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
+    return p
+
+
+def main(argv=None):
+    from .command import calibration_path
+    from .files import load_cluster
+    args = build_parser().parse_args(argv)
+    try:
+        cluster = here.cluster_here(args.calibration or calibration_path()) if args.cluster == "here" \
+            else load_cluster(args.cluster)
+        ranked, dropped = rank(args.model, args.workers, cluster, args.memory_gb)
+    except ValueError as e:
+        print(f"paratrain plan: error: {e}", file=sys.stderr)
+        return 2
+    rows = [row(args.model, args.workers, *r) for r in ranked]
+    if args.verify:
+        rows[:3] = verify(args, ranked[:3], rows[:3])
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "layouts": rows,
+                          "rejected": [{"strategy": l.strategy, "flags": l.flags, "why": w} for l, w in dropped]},
+                         indent=1))
+        return 0 if rows else 1
+    show(args, cluster, rows, dropped)
+    return 0 if rows else 1
+
+
+def show(args, cluster, rows, dropped):
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"paratrain plan: {args.model} on {args.workers} workers, {cluster.name}")
+    for name in ("#", "strategy", "dp x pp x tp", "micro-batches", "step", "samples/s", "memory/worker"):
+        t.add_column(name, justify="right")
+    measured = any("measured_step_ms" in r for r in rows)
+    if measured:
+        t.add_column("measured step", justify="right")
+        t.add_column("measured memory", justify="right")
+    t.add_column("command", justify="left")
+    for i, r in enumerate(rows[:max(args.top, 3 if measured else 0)], 1):
+        cells = [str(i), r["strategy"], f"{r['dp']} x {r['pp']} x {r['tp']}", str(r["microbatches"] or "-"),
+                 f"{r['predicted_step_ms']:.1f} ms", f"{r['predicted_samples_per_s']:,.0f}",
+                 f"{r['predicted_memory_mb']:.0f} MiB"]
+        if measured:
+            cells += [f"{r['measured_step_ms']:.1f} ms" if "measured_step_ms" in r else "",
+                      f"{r['measured_memory_mb']:.0f} MiB" if r.get("measured_memory_mb") else ""]
+        t.add_row(*cells, r["command"])
+    Console(width=max(Console().width, 160)).print(t)
+    if dropped:
+        print(f"{len(dropped)} layouts left out, e.g. {dropped[0][0].strategy} "
+              f"({' '.join(dropped[0][0].flags)}): {dropped[0][1]}")
+
+
+def verify(args, ranked, rows):
+    """Run each layout here (as compare runs a strategy) and add what was measured to its row."""
+    import os
+    import tempfile
+
+    from ..compare.runs import one_fork_server, run_one
+    folder = tempfile.mkdtemp(prefix="paratrain-plan-")
+    os.makedirs(os.path.join(folder, "logs"))
+    common = ["--model", args.model, "--workers", str(args.workers), "--runs", folder, "--steps", str(args.steps)]
+    out = []
+    with one_fork_server():
+        for (layout, _, _), r in zip(ranked, rows):
+            got = run_one(f"{len(out) + 1}-{layout.strategy}", common, folder, layout.flags)
+            r = dict(r)
+            if "unavailable" not in got:
+                r.update(measured_step_ms=got["step_ms"], measured_samples_per_s=got["samples_per_s"],
+                         measured_memory_mb=got["peak_memory_mb"], run_dir=got["run_dir"])
+            out.append(r)
+    return out
