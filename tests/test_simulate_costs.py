@@ -63,7 +63,8 @@ def test_calibration_recovers_known_constants_from_synthetic_timings():
             for n in (4 << 10, 64 << 10, MB, 16 * MB, 64 * MB):
                 t = all_reduce(algorithm, P, n).seconds(true) * (1 + 0.01 * rng.standard_normal())
                 samples.append((algorithm, P, n, t))
-    got = calibrate.fit(samples)
+    got, k = calibrate.fit(samples)
+    assert k == 1.0
     assert got.alpha == pytest.approx(true.alpha, rel=0.05)
     assert got.beta == pytest.approx(true.beta, rel=0.05)
     assert got.gamma == pytest.approx(true.gamma, rel=0.15)
@@ -73,11 +74,22 @@ def test_calibration_recovers_known_constants_from_synthetic_timings():
 def test_calibration_keeps_constants_non_negative_where_one_algorithm_cannot_tell_them_apart():
     true = Link(alpha=10e-6, beta=1e-9)
     samples = [("ring", P, n, all_reduce("ring", P, n).seconds(true)) for P in (2, 4) for n in (MB, 8 * MB, 64 << 10)]
-    got = calibrate.fit(samples)
+    got, _ = calibrate.fit(samples)
     assert min(got.alpha, got.beta, got.gamma) >= 0
     assert np.abs(calibrate.relative_errors(got, samples)).max() < 1e-6   # beta and gamma share the bytes
     with pytest.raises(ValueError, match="at least two measurements"):
         calibrate.fit(samples[:1])
+
+
+def test_calibration_recovers_how_ranks_sharing_cores_slow_each_other():
+    """4 ranks on 2 cores taking (4/2)^2 the time of ranks with a core each: the fit finds
+    the exponent and the constants of one core."""
+    true = Link(alpha=20e-6, beta=0.5e-9, gamma=0.2e-9)
+    samples = [(a, P, n, all_reduce(a, P, n).seconds(true) * calibrate.oversubscribed(P, 2, 2.0))
+               for a in ("ring", "tree") for P in (2, 3, 4) for n in (64 << 10, MB, 16 * MB)]
+    got, k = calibrate.fit(samples, cores=2)
+    assert k == 2.0 and got.beta == pytest.approx(true.beta, rel=0.01)
+    assert np.abs(calibrate.relative_errors(got, samples, 2, k)).max() < 1e-6
 
 
 def test_a_bench_report_becomes_samples_by_link():

@@ -9,6 +9,13 @@ things make it a careful one:
   64 MiB one hundreds of milliseconds; unweighted, the large messages alone
   would set every constant and alpha would be noise. Each row is divided by
   its measured time.
+- Ranks beyond the cores share them: at P ranks on C cores each rank runs
+  C/P of the time, so every term of a collective over shared memory takes
+  at least P/C times as long, and more (a rank that waits spins on a core
+  another needs; the ranks' copies contend for one memory bus):
+  (P/C)^k, ``oversubscribed``. The fit tries k from 1 to 3 and keeps the
+  best, dividing it out, so the constants are a core's own; predictions for
+  P > C put it back.
 - Constants are not negative. With one algorithm the bytes reduced are a
   fixed share of the bytes sent (ring: a half), so gamma cannot be told from
   beta and the plain solution may trade one against the other below zero.
@@ -29,19 +36,39 @@ import numpy as np
 from .collectives import Link, all_reduce
 
 
-def terms_matrix(samples):
+CONTENTION = tuple(1 + i / 4 for i in range(9))   # the exponents k the fit tries
+
+
+def oversubscribed(P, cores, contention=1.0):
+    """How many times longer a collective of P ranks takes when they share ``cores`` cores:
+    (P / cores)^contention (1 when each has its own, or ``cores`` is None)."""
+    return max(1.0, P / cores) ** contention if cores else 1.0
+
+
+def terms_matrix(samples, cores=None, contention=1.0):
     """(rows of [steps, sent, reduced], measured seconds) for samples (algorithm, P, n, seconds)."""
     rows, times = [], []
     for algorithm, P, n, seconds in samples:
         t = all_reduce(algorithm, P, n)
-        rows.append([t.steps, t.sent, t.reduced])
+        k = oversubscribed(P, cores, contention)
+        rows.append([k * t.steps, k * t.sent, k * t.reduced])
         times.append(seconds)
     return np.array(rows, dtype=np.float64), np.array(times, dtype=np.float64)
 
 
-def fit(samples):
-    """The Link whose predictions are closest to ``samples``' times in relative terms."""
-    A, t = terms_matrix(samples)
+def fit(samples, cores=None):
+    """(the Link, the contention exponent) whose predictions are closest to ``samples``'
+    times in relative terms, the ranks sharing ``cores`` cores (None: each has its own)."""
+    if len(samples) < 2 or not all(s[-1] > 0 for s in samples):
+        raise ValueError("calibration needs at least two measurements, each of a positive time")
+    tried = [(_fit_constants(samples, cores, k), k) for k in (CONTENTION if cores else (1.0,))]
+    (link, _), k = min(tried, key=lambda r: r[0][1])
+    return link, k
+
+
+def _fit_constants(samples, cores, contention):
+    """(Link, squared relative error) of the best non-negative constants for one exponent."""
+    A, t = terms_matrix(samples, cores, contention)
     if len(t) < 2 or not (t > 0).all():
         raise ValueError("calibration needs at least two measurements, each of a positive time")
     A, b = A / t[:, None], np.ones_like(t)   # relative error: (prediction - t) / t
@@ -56,12 +83,12 @@ def fit(samples):
             error = float(np.sum((A @ full - b) ** 2))
             if error < best_error:
                 best, best_error = full, error
-    return Link(*map(float, best))
+    return Link(*map(float, best)), best_error
 
 
-def relative_errors(link, samples):
+def relative_errors(link, samples, cores=None, contention=1.0):
     """(prediction - measured) / measured, per sample."""
-    A, t = terms_matrix(samples)
+    A, t = terms_matrix(samples, cores, contention)
     return (A @ np.array([link.alpha, link.beta, link.gamma]) - t) / t
 
 
@@ -108,6 +135,6 @@ def measure_here(ranks=(2, 3, 4), sizes=SIZES, runner=None):
     return samples
 
 
-def fit_links(samples):
-    """{link name: Link} fitted to each link's samples."""
-    return {name: fit(rows) for name, rows in samples.items()}
+def fit_links(samples, cores=None):
+    """{link name: (Link, contention exponent)} fitted to each link's samples."""
+    return {name: fit(rows, cores) for name, rows in samples.items()}

@@ -30,6 +30,10 @@ class Link:
         reductions at ``reduce_gbps`` gigabits per second (None: free)."""
         return cls(latency_us * 1e-6, 8 / (gbps * 1e9), 8 / (reduce_gbps * 1e9) if reduce_gbps else 0.0)
 
+    def slowed(self, k):
+        """This link when each rank has 1/k of a core (k ranks to a core): every term k times."""
+        return self if k == 1 else Link(self.alpha * k, self.beta * k, self.gamma * k)
+
 
 @dataclass(frozen=True)
 class Terms:

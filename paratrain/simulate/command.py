@@ -87,7 +87,8 @@ def calibrate_here(path):
     print("paratrain simulate: measuring all_reduce here (paratrain bench collectives, 2, 3 and 4 ranks)...",
           flush=True)
     samples = calibrate.measure_here()
-    links = calibrate.fit_links(samples)
+    cores = os.cpu_count()
+    links = calibrate.fit_links(samples, cores)
     from rich.console import Console
     from rich.table import Table
     t = Table(title="all_reduce here: measured against the fitted model")
@@ -95,20 +96,27 @@ def calibrate_here(path):
         t.add_column(name, justify="right")
     rows = []
     for name, rows_of in samples.items():
-        errors = calibrate.relative_errors(links[name], rows_of)
+        link, contention = links[name]
+        errors = calibrate.relative_errors(link, rows_of, cores, contention)
         for (algorithm, P, n, seconds), error in zip(rows_of, errors):
             rows.append({"link": name, "algorithm": algorithm, "ranks": P, "bytes": n, "measured_s": seconds,
                          "predicted_s": seconds * (1 + error), "error": float(error)})
             t.add_row(name, algorithm, str(P), f"{n:,}", f"{seconds * 1e3:.3f} ms",
                       f"{seconds * (1 + error) * 1e3:.3f} ms", f"{error:+.1%}")
     Console(width=max(Console().width, 100)).print(t)
-    for name, link in links.items():
+    for name in links:
+        large = [abs(r["error"]) for r in rows if r["link"] == name and r["bytes"] >= 1 << 20]
+        if large:
+            print(f"{name}: |error| at 1 MiB and above: median {sorted(large)[len(large) // 2]:.1%}, "
+                  f"max {max(large):.1%}")
+    for name, (link, contention) in links.items():
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
-              f"gamma {link.gamma * 1e9:.4f} ns/byte")
+              f"gamma {link.gamma * 1e9:.4f} ns/byte; ranks sharing cores: (P/cores)^{contention:g}")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"links": {name: vars(link) for name, link in links.items()}, "samples": rows}, f, indent=1)
+        json.dump({"links": {name: vars(link) for name, (link, _) in links.items()}, "cores": cores,
+                   "contention": {name: k for name, (_, k) in links.items()}, "samples": rows}, f, indent=1)
     print(f"wrote {path}")
     return 0
 

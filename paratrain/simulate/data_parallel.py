@@ -25,6 +25,7 @@ stragglers.
 """
 import math
 
+from .calibrate import oversubscribed
 from .collectives import all_reduce, hierarchical_all_reduce
 from .step import Step, serial_channel
 
@@ -43,8 +44,12 @@ def placement(cluster, workers):
 
 
 def slowest_link(cluster, workers):
-    """The link a flat collective over ``workers`` devices is paced by: the network once they span hosts."""
-    return cluster.inter if placement(cluster, workers)[0] > 1 else cluster.intra
+    """The link a flat collective over ``workers`` devices is paced by: the network once they span
+    hosts; inside one, its memory, slowed when more processes than cores share it."""
+    hosts, per_host = placement(cluster, workers)
+    if hosts > 1:
+        return cluster.inter
+    return cluster.intra.slowed(oversubscribed(per_host, cluster.cores, cluster.contention))
 
 
 def all_reduce_seconds(cluster, workers, n, algorithm):

@@ -115,13 +115,17 @@ def cluster_here(calibration):
     """This host as a cluster, its link from the stored calibration (``calibration`` its path)."""
     try:
         with open(calibration) as f:
-            links = json.load(f)["links"]
-        link = Link(**links.get("shm_direct") or next(iter(links.values())))
+            stored = json.load(f)
+        links = stored["links"]
+        name = "shm_direct" if "shm_direct" in links else next(iter(links))
+        link = Link(**links[name])
+        contention = float(stored.get("contention", {}).get(name, 1.0))
     except FileNotFoundError:
         raise ValueError(f"--cluster here needs this machine's links: run `paratrain simulate --calibrate` "
                          f"first (no {calibration})") from None
     except (ValueError, KeyError, TypeError, StopIteration):
         raise ValueError(f"{calibration} is not a calibration paratrain wrote: run `paratrain simulate "
                          "--calibrate` again") from None
-    return Cluster(f"this host ({os.cpu_count()} cores, calibrated)", 1, os.cpu_count() or 1, link, link,
-                   host_algorithms=("direct",))
+    cores = stored.get("cores") or os.cpu_count()
+    return Cluster(f"this host ({cores} cores, calibrated)", 1, max(cores, 8), link, link,
+                   host_algorithms=("direct",), cores=cores, contention=contention)

@@ -25,6 +25,7 @@ import json
 import sys
 
 from . import here, memory
+from .calibrate import oversubscribed
 from .step import Unavailable
 from .strategies import predict
 
@@ -112,6 +113,9 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, timed=None
     per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
                                      step_compute_s=compute_seconds(layout, workload, timed),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
+    if cluster.cores:   # more workers than cores: each computes on a share of one
+        per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s
+                                         * oversubscribed(layout.dp * share, cluster.cores))
     step = predict(layout.strategy, per_worker, cluster, layout.dp * share, **layout.options)
     in_flight = layout.pp if layout.pp > 1 else 1   # 1F1B holds up to p micro-batches at the first stage
     samples = workload.batch_per_device / (layout.microbatches or 1) * in_flight if layout.pp > 1 \

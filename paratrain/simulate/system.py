@@ -15,6 +15,8 @@ class Cluster:
     inter: Link
     encode_gbps: float = None    # how fast a device streams through gradients to compress them
     host_algorithms: tuple = ("ring", "tree")   # the all-reduces paratrain chooses from inside a host
+    cores: int = None            # cores a host's devices share (this machine's processes), None: one each
+    contention: float = 1.0      # k in (P/cores)^k: how ranks sharing cores slow a collective (calibrate.py)
 
     @property
     def devices(self):
