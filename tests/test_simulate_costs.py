@@ -100,3 +100,13 @@ def test_a_bench_report_becomes_samples_by_link():
         {"collective": "all_gather", "engine": "paratrain", "bytes": MB, "median_us": 300.0, "run": "main"}]}
     assert calibrate.samples_from_bench(report) == {"shm_direct": [("direct", 3, MB, 500e-6)],
                                                     "shm": [("ring", 3, MB, 900e-6)]}
+
+
+def test_a_rank_count_held_out_is_predicted_from_the_others():
+    true = Link(alpha=20e-6, beta=0.5e-9, gamma=0.2e-9)
+    samples = [(a, P, n, all_reduce(a, P, n).seconds(true)) for a in ("ring", "tree") for P in (2, 3, 4)
+               for n in (64 << 10, MB, 16 * MB)]
+    assert max(calibrate.held_out_errors(samples)) < 1e-6          # the model is the truth: exact
+    bent = [(a, P, n, t * (1.5 if P == 3 else 1.0)) for a, P, n, t in samples]
+    assert min(calibrate.held_out_errors(bent)) > 0.3               # 3 ranks 1.5x slower than the model
+    assert calibrate.held_out_errors(samples, held=5) is None

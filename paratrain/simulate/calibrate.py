@@ -138,3 +138,15 @@ def measure_here(ranks=(2, 3, 4), sizes=SIZES, runner=None):
 def fit_links(samples, cores=None):
     """{link name: (Link, contention exponent)} fitted to each link's samples."""
     return {name: fit(rows, cores) for name, rows in samples.items()}
+
+
+def held_out_errors(samples, cores=None, held=3, min_bytes=1 << 20):
+    """|relative errors| of the ``held``-rank samples of at least ``min_bytes`` under a fit to
+    the other rank counts: how well the model carries to a rank count it was not fitted on.
+    None when there is nothing to hold out."""
+    rest = [s for s in samples if s[1] != held]
+    test = [s for s in samples if s[1] == held and s[2] >= min_bytes]
+    if len(rest) < 2 or not test:
+        return None
+    link, k = fit(rest, cores)
+    return [abs(float(e)) for e in relative_errors(link, test, cores, k)]

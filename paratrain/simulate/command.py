@@ -109,6 +109,10 @@ def calibrate_here(path):
         if large:
             print(f"{name}: |error| at 1 MiB and above: median {sorted(large)[len(large) // 2]:.1%}, "
                   f"max {max(large):.1%}")
+        held = calibrate.held_out_errors(samples[name], cores)
+        if held:
+            print(f"{name}: fitted without 3 ranks, predicting them: median {sorted(held)[len(held) // 2]:.1%}, "
+                  f"max {max(held):.1%}")
     for name, (link, contention) in links.items():
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
