@@ -93,6 +93,32 @@ def step_seconds(model, batch, seed=0):
     return _TIMED[model, batch]
 
 
+def stage_seconds(model, batch, stages, seed=0, repeats=7):
+    """Forward + backward of one ``batch``-sample micro-batch through the slowest of
+    ``stages`` pipeline stages of built-in ``model``, here on one thread: each layer timed
+    alone (parallel/pipeline/split.py's measure_layers, as paratrain train's pipeline times
+    them to cut), the layers cut as it cuts them (balanced by time), the largest stage's sum."""
+    import torch
+    from ..parallel.pipeline.partition import balance
+    from ..parallel.pipeline.split import _layers_for, measure_layers
+    from ..parallel.pipeline.trace import trace
+    from ..train.tasks import build_task
+    key = (model, batch, "stages", stages)
+    if key not in _TIMED:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            task = build_task(model, seed=seed)
+            sample = torch.stack([task.train_set[i][0] for i in range(batch)])
+            gm = trace(task.model, sample).gm
+            costs = measure_layers(gm, task.model, _layers_for(gm, stages), sample, repeats=repeats)
+        finally:
+            torch.set_num_threads(threads)
+        starts = balance(costs, stages) + [len(costs)]
+        _TIMED[key] = max(sum(costs[a:b]) for a, b in zip(starts, starts[1:])) / 1e3
+    return _TIMED[key]
+
+
 def workload_of(model, batch_size=None, seed=0):
     """The Workload of built-in model ``model``, its step timed here on one thread."""
     from ..train.tasks import TASKS, build_task

@@ -82,7 +82,7 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     out = {}
     for name in names:
         step, _ = predicted(compare_layout(name, workers), workload, cluster, K,
-                            _heads(model) if task.blocks else None, lambda b: here.step_seconds(model, b))
+                            _heads(model) if task.blocks else None, lambda b, p: here.stage_seconds(model, b, p))
         if not isinstance(step, Unavailable):
             out[name] = step.step_s
     return out
@@ -94,24 +94,26 @@ def _heads(model):
     return c.get("n_head") or c.get("heads")
 
 
-def compute_seconds(layout, workload, timed=None):
+def compute_seconds(layout, workload, stage_timed=None):
     """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
-    replica of its own; a pipeline stage's share of its micro-batches, each timed at its own
-    size (a small batch runs less efficiently: ``timed(batch)`` measures it), and a tensor
-    worker's 1/t of the batch's."""
+    replica of its own; for a pipeline, its micro-batches through the slowest stage, each
+    timed at its own size (``stage_timed(batch, stages)`` measures one: a small batch runs
+    less efficiently, and the stages are not equal); a tensor worker's 1/t of the batch's."""
     if layout.pp > 1:
         m = layout.microbatches or 1
         small = max(1, workload.batch_per_device // m)
-        return m * (timed(small) if timed else workload.step_compute_s * small / workload.batch_per_device) / layout.pp
+        one = stage_timed(small, layout.pp) if stage_timed else \
+            workload.step_compute_s * small / workload.batch_per_device / layout.pp
+        return m * one
     return workload.step_compute_s / layout.tp
 
 
-def predicted(layout, workload, cluster, optimizer_bytes, heads=None, timed=None):
+def predicted(layout, workload, cluster, optimizer_bytes, heads=None, stage_timed=None):
     """(Step or Unavailable, predicted bytes a worker holds) for ``layout``, the workers of a
     pipeline or tensor group sharing one batch of ``workload``'s."""
     share = layout.pp * layout.tp
     per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
-                                     step_compute_s=compute_seconds(layout, workload, timed),
+                                     step_compute_s=compute_seconds(layout, workload, stage_timed),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
     if cluster.cores:   # more workers than cores: each computes on a share of one
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s
@@ -139,7 +141,7 @@ def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
     for layout in layouts(workers, workload.layers):
         why = refused([*common, *layout.flags])
         step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
-                                                        lambda b: here.step_seconds(model, b))
+                                                        lambda b, p: here.stage_seconds(model, b, p))
         if why or isinstance(step, Unavailable):
             dropped.append((layout, why or str(step)))
         elif memory_gb and held > memory_gb * 2 ** 30:
