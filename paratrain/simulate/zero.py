@@ -36,28 +36,28 @@ def _unit_costs(workload, cluster, workers, stage):
     return units, all_gather(workers, n).seconds(link), reduce_scatter(workers, n).seconds(link)
 
 
+def _pass(units, t, channel, ready, each, gather, scatter=None):
+    """One direction over the units on one channel: a unit computes for ``each`` once its
+    gather is in (``ready``), the next unit's gather is issued as it starts, and (backward,
+    ``scatter``) its reduce-scatter as it ends. Returns (compute's end, channel's end)."""
+    for k in range(units):
+        start = max(t, ready)
+        if k + 1 < units:
+            channel = max(channel, start) + gather
+            ready = channel
+        t = start + each
+        if scatter is not None:
+            channel = max(channel, t) + scatter
+    return t, channel
+
+
 def stage3_exposed(units, forward, backward, gather, scatter):
     """(end of the step) - (compute) for stage 3's gathers and reduce-scatters on one channel:
     forward runs unit by unit once its gather is in, the next gather issued as a unit
     starts; backward likewise in reverse, each unit's reduce-scatter issued as it ends."""
-    f, b = forward / units, backward / units
-    t, channel = 0.0, gather
-    ready = channel                       # unit 0's gather: nothing to hide it
-    for k in range(units):
-        start = max(t, ready)
-        if k + 1 < units:
-            channel = max(channel, start) + gather
-            ready = channel
-        t = start + f
+    t, channel = _pass(units, 0.0, gather, gather, forward / units, gather)   # unit 0's gather: nothing hides it
     channel = max(channel, t) + gather    # the last unit's again, for its backward
-    ready = channel
-    for k in range(units):
-        start = max(t, ready)
-        if k + 1 < units:
-            channel = max(channel, start) + gather
-            ready = channel
-        t = start + b
-        channel = max(channel, t) + scatter
+    t, channel = _pass(units, t, channel, channel, backward / units, gather, scatter)
     return max(t, channel) - (forward + backward)
 
 
