@@ -20,6 +20,7 @@
     paratrain bench compression              gradient compression beside DDP's, over a slow link
     paratrain bench trace                    what --trace costs, and how well the ranks' clocks line up
 """
+import importlib
 import sys
 
 USAGE = """usage: paratrain <command> [args]
@@ -50,33 +51,19 @@ commands:
 `paratrain <command> --help` for a command's options."""
 
 
+# each command's module (imported only when it runs: `paratrain run` must not wait for what `train` needs)
+COMMANDS = {"train": "train.job", "run": "launch.local", "trace": "trace.command", "server": "launch.serve",
+            "compare": "compare.command", "plan": "simulate.plan", "simulate": "simulate.command"}
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        from .train.job import main as train_main
-        return train_main(rest)
-    if cmd == "run":
-        from .launch.local import main as run_main
-        return run_main(rest)
-    if cmd == "trace":
-        from .trace.command import main as trace_main
-        return trace_main(rest)
-    if cmd == "server":
-        from .launch.serve import main as server_main
-        return server_main(rest)
-    if cmd == "compare":
-        from .compare.command import main as compare_main
-        return compare_main(rest)
-    if cmd == "plan":
-        from .simulate.plan import main as plan_main
-        return plan_main(rest)
-    if cmd == "simulate":
-        from .simulate.command import main as simulate_main
-        return simulate_main(rest)
+    if cmd in COMMANDS:
+        return importlib.import_module(f".{COMMANDS[cmd]}", __package__).main(rest)
     if cmd == "bench":
         benches = {"collectives": "collectives", "data-parallel": "data_parallel", "parameter-server": "parameter_server",
                    "pipeline": "pipeline", "tensor": "tensor", "zero": "zero",
@@ -84,7 +71,6 @@ def main(argv=None):
         if not rest or rest[0] not in benches:
             print(f"usage: paratrain bench {{{','.join(benches)}}} [options]", file=sys.stderr)
             return 2
-        import importlib
         return importlib.import_module(f".bench.{benches[rest[0]]}", __package__).main(rest[1:])
     print(f"paratrain: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
