@@ -10,6 +10,8 @@
   fitted (calibration.json); the direct all-reduce's constants, since that is
   what paratrain runs inside a host.
 """
+import contextlib
+import functools
 import json
 import os
 import time
@@ -78,18 +80,32 @@ def time_step(task, batch_size, warmup=WARMUP, timed=TIMED):
 _TIMED = {}
 
 
-def step_seconds(model, batch, seed=0):
-    """Forward + backward of ``batch`` samples of built-in ``model`` here, on one thread
-    (as paratrain train's workers, --threads 1); measured once per (model, batch)."""
-    import torch
+@functools.lru_cache(maxsize=None)
+def task_of(model, seed=0):
+    """Built-in ``model``'s task, built once (the gpt task reads its text each time it is built);
+    the timings below run forward and backward on it and leave its parameters as they were."""
     from ..train.tasks import build_task
+    return build_task(model, seed=seed)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Compute on one thread, as paratrain train's workers do (--threads 1)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def step_seconds(model, batch, seed=0):
+    """Forward + backward of ``batch`` samples of built-in ``model`` here, on one thread;
+    measured once per (model, batch)."""
     if (model, batch) not in _TIMED:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _TIMED[model, batch] = time_step(build_task(model, seed=seed), batch)
-        finally:
-            torch.set_num_threads(threads)
+        with one_thread():
+            _TIMED[model, batch] = time_step(task_of(model, seed), batch)
     return _TIMED[model, batch]
 
 
@@ -102,18 +118,13 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7):
     from ..parallel.pipeline.partition import balance
     from ..parallel.pipeline.split import _layers_for, measure_layers
     from ..parallel.pipeline.trace import trace
-    from ..train.tasks import build_task
     key = (model, batch, "stages", stages)
     if key not in _TIMED:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            task = build_task(model, seed=seed)
+        task = task_of(model, seed)
+        with one_thread():
             sample = torch.stack([task.train_set[i][0] for i in range(batch)])
             gm = trace(task.model, sample).gm
             costs = measure_layers(gm, task.model, _layers_for(gm, stages), sample, repeats=repeats)
-        finally:
-            torch.set_num_threads(threads)
         starts = balance(costs, stages) + [len(costs)]
         _TIMED[key] = max(sum(costs[a:b]) for a, b in zip(starts, starts[1:])) / 1e3
     return _TIMED[key]
@@ -121,10 +132,10 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7):
 
 def workload_of(model, batch_size=None, seed=0):
     """The Workload of built-in model ``model``, its step timed here on one thread."""
-    from ..train.tasks import TASKS, build_task
+    from ..train.tasks import TASKS
     if model not in TASKS:
         raise ValueError(f"model = {model!r}: not a built-in model; choose from {', '.join(TASKS)}")
-    task = build_task(model, seed=seed)
+    task = task_of(model, seed)
     batch = batch_size or task.defaults["batch_size"]
     seconds = step_seconds(model, batch, seed)
     layers, hidden, seq_len = _shape(task)

@@ -75,23 +75,23 @@ def compare_layout(name, workers):
 
 def predict_compare(model, workers, names, cluster, batch_size=None):
     """{name: predicted step seconds} of compare's runs, for the model measured here."""
-    from ..train.tasks import build_task
-    task = build_task(model)
     workload = here.workload_of(model, batch_size)
-    K = memory.ADAM if task.defaults["optimizer"] == "adam" else memory.SGD_MOMENTUM
+    K, heads = _optimizer_and_heads(model)
     out = {}
     for name in names:
-        step, _ = predicted(compare_layout(name, workers), workload, cluster, K,
-                            _heads(model) if task.blocks else None, lambda b, p: here.stage_seconds(model, b, p))
+        step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads,
+                            lambda b, p: here.stage_seconds(model, b, p))
         if not isinstance(step, Unavailable):
             out[name] = step.step_s
     return out
 
 
-def _heads(model):
-    from ..train.tasks import build_task
-    c = build_task(model).config
-    return c.get("n_head") or c.get("heads")
+def _optimizer_and_heads(model):
+    """(bytes of optimizer state a parameter, attention heads or None) of built-in ``model``:
+    Adam's two moments or SGD's momentum, as its task trains it; heads for a transformer."""
+    task = here.task_of(model)
+    K = memory.ADAM if task.defaults["optimizer"] == "adam" else memory.SGD_MOMENTUM
+    return K, (task.config.get("n_head") or task.config.get("heads")) if task.blocks else None
 
 
 def compute_seconds(layout, workload, stage_timed=None):
@@ -131,11 +131,8 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, stage_time
 def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
     """[(Layout, Step, bytes held)] best first, and [(Layout, why not)] for the rest."""
     from ..compare.strategies import refused
-    from ..train.tasks import build_task
-    task = build_task(model)
     workload = here.workload_of(model, batch_size)
-    K = memory.ADAM if task.defaults["optimizer"] == "adam" else memory.SGD_MOMENTUM
-    heads = _heads(model) if task.blocks else None
+    K, heads = _optimizer_and_heads(model)
     common = common or ["--model", model, "--workers", str(workers)]
     ranked, dropped = [], []
     for layout in layouts(workers, workload.layers):
