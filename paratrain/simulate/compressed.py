@@ -49,7 +49,7 @@ def powersgd_seconds(cluster, workers, n, rank, hidden, algorithm):
 def _step(workload, cluster, workers, seconds_of, how, bucket_mb):
     data_parallel.placement(cluster, workers)
     if workers == 1:
-        return Step(1, workload.step_compute_s, how="none", batch_per_device=workload.batch_per_device)
+        return Step.alone(workload)
     exposed, comm = data_parallel.overlapped(workload, workload.gradient_bytes, seconds_of, bucket_mb)
     return Step(workers, workload.step_compute_s, exposed, comm_s=comm, how=how,
                 batch_per_device=workload.batch_per_device,

@@ -102,7 +102,7 @@ def step(workload, cluster, workers, algorithm=None, bucket_mb=BUCKET_MB, **_):
     """The predicted data-parallel Step on ``workers`` devices (pt.DataParallel)."""
     placement(cluster, workers)
     if workers == 1:
-        return Step(1, workload.step_compute_s, how="none", batch_per_device=workload.batch_per_device)
+        return Step.alone(workload)
     chosen = algorithm or choose(cluster, workers, min(workload.gradient_bytes, bucket_mb * (1 << 20)))
     exposed, comm = overlapped(workload, workload.gradient_bytes,
                                lambda size: all_reduce_seconds(cluster, workers, size, chosen), bucket_mb)
@@ -115,7 +115,7 @@ def naive_step(workload, cluster, workers, algorithm=None, **_):
     another, none hidden; a tensor per layer (one message if the workload gives no layers)."""
     placement(cluster, workers)
     if workers == 1:
-        return Step(1, workload.step_compute_s, how="none", batch_per_device=workload.batch_per_device)
+        return Step.alone(workload)
     tensors = workload.layers or 1
     size = workload.gradient_bytes / tensors
     chosen = algorithm or choose(cluster, workers, size)

@@ -3,12 +3,11 @@
 ``stages`` devices hold a replica, cut between its layers; ``workers /
 stages`` replicas average their stages' gradients after the pipeline drains.
 A replica's batch is its devices' batches together, cut into
-``microbatches``; so a stage runs forward on a micro-batch in forward / m
-and backward in backward / m of one device's step (each stage holds 1/p of
-the layers and p/m of a device's samples... per micro-batch: 1/m of a
-device's work). Between stages go a micro-batch's activations, and their
-gradients back: (p/m) x the workload's activation bytes each, over the link
-the stages span.
+``microbatches``; a micro-batch holds p/m of a device's samples and a stage
+1/p of the layers, so a stage runs forward on a micro-batch in forward / m
+and backward in backward / m of one device's step. Between stages go a
+micro-batch's activations, and their gradients back: (p/m) x the workload's
+activation bytes each, over the link the stages span.
 
 The step is the makespan of ``schedules.simulate`` (the order
 parallel/pipeline/schedules.py gives every rank, run against each other)

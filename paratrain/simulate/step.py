@@ -26,6 +26,11 @@ class Step:
     batch_per_device: int = 1
     extra_s: float = 0.0        # compute a strategy adds (compression's encoding, the servers' update)
 
+    @classmethod
+    def alone(cls, workload, how="none"):
+        """One device on its own: all compute, nothing to send."""
+        return cls(1, workload.step_compute_s, how=how, batch_per_device=workload.batch_per_device)
+
     @property
     def step_s(self):
         return self.compute_s + self.extra_s + self.exposed_s + self.bubble_s

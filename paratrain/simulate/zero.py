@@ -64,7 +64,7 @@ def stage3_exposed(units, forward, backward, gather, scatter):
 def step(workload, cluster, workers, stage=2, **_):
     data_parallel.placement(cluster, workers)
     if workers == 1:
-        return Step(1, workload.step_compute_s, how=f"stage {stage}", batch_per_device=workload.batch_per_device)
+        return Step.alone(workload, f"stage {stage}")
     units, gather, scatter = _unit_costs(workload, cluster, workers, stage)
     comm = units * (gather + scatter)
     if stage == 1:
