@@ -148,6 +148,9 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
     (tmp_path / "w.toml").write_text('model = "mlp"\nbatch_per_device = 8\nstep_compute_ms = 5\n')
     w8 = load_workload(tmp_path / "w.toml")
     assert (w8.batch_per_device, w8.step_compute_s, w8.params) == (8, 0.005, w.params)
+    (tmp_path / "bad.toml").write_text('model = "mlp"\nbackward_fraction = 1.5\n')
+    with pytest.raises(ValueError, match="backward_fraction = 1.5; give a share of the step"):
+        load_workload(tmp_path / "bad.toml")
     calibration = tmp_path / "calibration.json"
     with pytest.raises(ValueError, match="run `paratrain simulate --calibrate` first"):
         here.cluster_here(calibration)

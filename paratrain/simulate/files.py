@@ -62,6 +62,13 @@ def load_cluster(path):
                    _get(data, path, "encode_gbps", float, default=None))
 
 
+def _backward_fraction(data, path):
+    fraction = _get(data, path, "backward_fraction", float, default=2 / 3)
+    if not 0 < fraction < 1:
+        raise ValueError(f"{path}: backward_fraction = {fraction!r}; give a share of the step, between 0 and 1")
+    return fraction
+
+
 def load_workload(path):
     """A WORKLOAD.toml, or a built-in model's name (``gpt``), whose step is then measured
     here (here.py), as is a file's ``model = "gpt"`` (its other keys then override)."""
@@ -72,16 +79,16 @@ def load_workload(path):
     data = _read(path)
     if "model" in data:
         measured = here.workload_of(data["model"], _get(data, path, "batch_per_device", int, default=None))
-        keys = {"name": str, "params": int, "bytes_per_param": float, "backward_fraction": float, "layers": int,
+        keys = {"name": str, "params": int, "bytes_per_param": float, "layers": int,
                 "hidden": int, "seq_len": int, "activation_bytes": float}
         changes = {k: (str(data[k]) if kind is str else _get(data, path, k, kind)) for k, kind in keys.items()
                    if k in data}
+        if "backward_fraction" in data:
+            changes["backward_fraction"] = _backward_fraction(data, path)
         if "step_compute_ms" in data:
             changes["step_compute_s"] = _get(data, path, "step_compute_ms", float) / 1e3
         return dataclasses.replace(measured, **changes)
-    fraction = _get(data, path, "backward_fraction", float, default=2 / 3)
-    if not 0 < fraction < 1:
-        raise ValueError(f"{path}: backward_fraction = {fraction!r}; give a share of the step, between 0 and 1")
+    fraction = _backward_fraction(data, path)
     return Workload(str(data.get("name", path)), _get(data, path, "params", int),
                     _get(data, path, "bytes_per_param", float), _get(data, path, "batch_per_device", int),
                     _get(data, path, "step_compute_ms", float) / 1e3, fraction,
