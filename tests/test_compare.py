@@ -8,6 +8,7 @@ import pytest
 from paratrain.compare import command
 from paratrain.compare.strategies import NAMES
 from paratrain.simulate import memory
+from paratrain.train.metrics import read_metrics
 
 
 def _digits_bytes():
@@ -44,7 +45,11 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
     for stage in ("zero1", "zero2"):
         assert 2 * n <= ran[stage]["bytes_per_step"] <= 2.01 * n
     assert ran["zero3"]["bytes_per_step"] >= 3 * n
-    assert ran["topk"]["bytes_per_step"] < 0.2 * n and ran["powersgd"]["bytes_per_step"] < n
+    # top-k's density warms up from 25% (DGC): 8 bytes an entry sent, half of n at first, falling
+    # step by step; a short budget may end inside the warm-up, so the mean depends on the steps taken
+    topk = [m["bytes"] for m in read_metrics(ran["topk"]["run_dir"] + "/metrics.jsonl")]
+    assert topk[0] <= 0.51 * n and all(b <= a for a, b in zip(topk, topk[1:])) and topk[-1] < topk[0]
+    assert ran["topk"]["bytes_per_step"] < 0.51 * n and ran["powersgd"]["bytes_per_step"] < 0.2 * n
     # plan's state formula (ZeRO's paper) against the bytes pt.ZeRO held (SGD with momentum: K = 4)
     for stage in (1, 2, 3):
         summary = json.loads((folder / ran[f"zero{stage}"]["run_dir"].split("/")[-1] / "summary.json").read_text())
