@@ -82,10 +82,14 @@ def test_calibration_keeps_constants_non_negative_where_one_algorithm_cannot_tel
 
 
 def test_calibration_recovers_how_ranks_sharing_cores_slow_each_other():
-    """4 ranks on 2 cores taking (4/2)^2 the time of ranks with a core each: the fit finds
-    the exponent and the constants of one core."""
+    """Ranks on 2 cores taking ceil(P/2) (P/2)^(k-1) the time of ranks with a core each, as
+    many as work at once: recursive doubling at 3 ranks folds the third in, and it waits
+    while two exchange; the ring keeps all 3 at work. The fit finds the exponent and the
+    constants of one core."""
+    from paratrain.simulate.collectives import busy_ranks
+    assert busy_ranks("tree", 3) == 2 and busy_ranks("tree", 4) == 4 and busy_ranks("ring", 3) == 3
     true = Link(alpha=20e-6, beta=0.5e-9, gamma=0.2e-9)
-    samples = [(a, P, n, all_reduce(a, P, n).seconds(true) * calibrate.oversubscribed(P, 2, 2.0))
+    samples = [(a, P, n, all_reduce(a, P, n).seconds(true) * calibrate.oversubscribed(busy_ranks(a, P), 2, 2.0))
                for a in ("ring", "tree") for P in (2, 3, 4) for n in (64 << 10, MB, 16 * MB)]
     got, k = calibrate.fit(samples, cores=2)
     assert k == 2.0 and got.beta == pytest.approx(true.beta, rel=0.01)
@@ -110,3 +114,31 @@ def test_a_rank_count_held_out_is_predicted_from_the_others():
     bent = [(a, P, n, t * (1.5 if P == 3 else 1.0)) for a, P, n, t in samples]
     assert min(calibrate.held_out_errors(bent)) > 0.3               # 3 ranks 1.5x slower than the model
     assert calibrate.held_out_errors(samples, held=5) is None
+
+
+def test_a_two_rate_link_charges_the_bytes_past_its_cache_more():
+    link = Link(alpha=0.0, beta=1e-9, gamma=0.0, cache_bytes=MB, beyond=0.5e-9)
+    assert all_reduce("ring", 2, MB).seconds(link) == pytest.approx(MB * 1e-9)   # sends n; fits: one rate
+    # 4 MB: 4 MB sent and 2 MB reduced, three quarters of it from beyond the cache
+    assert all_reduce("ring", 2, 4 * MB).seconds(link) == pytest.approx(4 * MB * 1e-9 + 6 * MB * 0.75 * 0.5e-9)
+    assert link.slowed(2).beyond == pytest.approx(1e-9) and link.slowed(2).cache_bytes == MB
+
+
+def test_calibration_recovers_a_cache_size_and_the_rate_beyond_it():
+    true = Link(alpha=20e-6, beta=0.2e-9, gamma=0.1e-9, cache_bytes=MB, beyond=0.3e-9)
+    samples = [(a, P, n, all_reduce(a, P, n).seconds(true)) for a in ("ring", "tree") for P in (2, 4)
+               for n in (64 << 10, 256 << 10, MB, 4 * MB, 16 * MB)]
+    one_rate, _ = calibrate.fit(samples, caches=(0,))
+    got, _ = calibrate.fit(samples)
+    assert got.cache_bytes == MB and got.beyond == pytest.approx(true.beyond, rel=0.01)
+    assert np.abs(calibrate.relative_errors(got, samples)).max() < 1e-6
+    assert np.abs(calibrate.relative_errors(one_rate, samples)).max() > 0.1
+
+
+def test_ranks_sharing_cores_go_at_the_pace_of_the_most_crowded_core():
+    assert calibrate.oversubscribed(2, 2, 2.0) == 1.0 and calibrate.oversubscribed(4, None, 2.0) == 1.0
+    assert calibrate.oversubscribed(3, 2, 1.0) == 2.0            # two ranks on one core: twice the time
+    assert calibrate.oversubscribed(3, 2, 2.0) == pytest.approx(2 * 1.5)
+    assert calibrate.oversubscribed(4, 2, 2.0) == pytest.approx(4.0)
+    assert calibrate.time_shared(3, 2) == 1.5 and calibrate.time_shared(1, 2) == 1.0
+

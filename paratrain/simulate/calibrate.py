@@ -9,13 +9,16 @@ things make it a careful one:
   64 MiB one hundreds of milliseconds; unweighted, the large messages alone
   would set every constant and alpha would be noise. Each row is divided by
   its measured time.
-- Ranks beyond the cores share them: at P ranks on C cores each rank runs
-  C/P of the time, so every term of a collective over shared memory takes
-  at least P/C times as long, and more (a rank that waits spins on a core
-  another needs; the ranks' copies contend for one memory bus):
-  (P/C)^k, ``oversubscribed``. The fit tries k from 1 to 3 and keeps the
-  best, dividing it out, so the constants are a core's own; predictions for
-  P > C put it back.
+- Ranks beyond the cores share them. A collective is as slow as its
+  slowest rank, and a collective's phases are shorter than the scheduler's
+  balancing, so the ranks on the most crowded core set the pace: ceil(P/C)
+  times the work (3 ranks on 2 cores run as 2 on one core, not 1.5); and the
+  ranks' copies contend for one memory bus, a further (P/C)^(k-1):
+  ``oversubscribed``. The fit tries k from 1 to 3 and keeps the best,
+  dividing it out, so the constants are a core's own; predictions for P > C
+  put it back. Only the ranks at work count (collectives.busy_ranks: the
+  extra ranks of recursive doubling wait). (Compute, a step long, is
+  balanced by the scheduler: P/C, ``time_shared``.)
 - Constants are not negative. With one algorithm the bytes reduced are a
   fixed share of the bytes sent (ring: a half), so gamma cannot be told from
   beta and the plain solution may trade one against the other below zero.
@@ -23,8 +26,15 @@ things make it a careful one:
   non-negative solution (Lawson & Hanson's NNLS, by enumeration: three
   unknowns). Measuring two algorithms with different shares (ring and tree)
   separates gamma from beta.
+- Memory has two rates. A buffer that fits a core's cache (here 1-2 MiB of
+  L2) copies and reduces faster than one streamed from the shared L3 or
+  DRAM, so one beta is too slow for 256 KiB and too fast for 16 MiB. The fit
+  also tries a cache size from CACHES, charging the share of the bytes past
+  it a fourth constant, ``beyond`` (collectives.Link), and keeps it when it
+  fits better; with it, the same enumeration is over four unknowns.
 """
 import itertools
+import math
 import json
 import os
 import subprocess
@@ -33,63 +43,77 @@ import tempfile
 
 import numpy as np
 
-from .collectives import Link, all_reduce
+from .collectives import Link, all_reduce, busy_ranks
 
 
 CONTENTION = tuple(1 + i / 4 for i in range(9))   # the exponents k the fit tries
+CACHES = (0, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)   # cache sizes it tries (0: one rate)
 
 
 def oversubscribed(P, cores, contention=1.0):
     """How many times longer a collective of P ranks takes when they share ``cores`` cores:
-    (P / cores)^contention (1 when each has its own, or ``cores`` is None)."""
-    return max(1.0, P / cores) ** contention if cores else 1.0
+    ceil(P / cores) (P / cores)^(contention - 1); 1 when each has its own, or ``cores`` is None."""
+    if not cores or P <= cores:
+        return 1.0
+    return math.ceil(P / cores) * (P / cores) ** (contention - 1)
 
 
-def terms_matrix(samples, cores=None, contention=1.0):
-    """(rows of [steps, sent, reduced], measured seconds) for samples (algorithm, P, n, seconds)."""
+def time_shared(P, cores):
+    """How many times longer a step's compute takes when P processes share ``cores`` cores:
+    P / cores (1 when each has its own, or ``cores`` is None); the scheduler moves them
+    between cores over a step, so each gets its share."""
+    return max(1.0, P / cores) if cores else 1.0
+
+
+def terms_matrix(samples, cores=None, contention=1.0, cache_bytes=0):
+    """(rows of [steps, sent, reduced, bytes past the cache], measured seconds) for samples
+    (algorithm, P, n, seconds)."""
+    probe = Link(0.0, 0.0, 0.0, cache_bytes)
     rows, times = [], []
     for algorithm, P, n, seconds in samples:
         t = all_reduce(algorithm, P, n)
-        k = oversubscribed(P, cores, contention)
-        rows.append([k * t.steps, k * t.sent, k * t.reduced])
+        k = oversubscribed(busy_ranks(algorithm, P), cores, contention)
+        rows.append([k * t.steps, k * t.sent, k * t.reduced, k * t.far_bytes(probe)])
         times.append(seconds)
     return np.array(rows, dtype=np.float64), np.array(times, dtype=np.float64)
 
 
-def fit(samples, cores=None):
+def fit(samples, cores=None, caches=CACHES):
     """(the Link, the contention exponent) whose predictions are closest to ``samples``'
-    times in relative terms, the ranks sharing ``cores`` cores (None: each has its own)."""
+    times in relative terms, the ranks sharing ``cores`` cores (None: each has its own);
+    ``caches``: the cache sizes tried (see above; (0,) fits one rate)."""
     if len(samples) < 2 or not all(s[-1] > 0 for s in samples):
         raise ValueError("calibration needs at least two measurements, each of a positive time")
-    tried = [(_fit_constants(samples, cores, k), k) for k in (CONTENTION if cores else (1.0,))]
+    tried = [(_fit_constants(samples, cores, k, c), k) for k in (CONTENTION if cores else (1.0,)) for c in caches]
     (link, _), k = min(tried, key=lambda r: r[0][1])
     return link, k
 
 
-def _fit_constants(samples, cores, contention):
-    """(Link, squared relative error) of the best non-negative constants for one exponent."""
-    A, t = terms_matrix(samples, cores, contention)
-    if len(t) < 2 or not (t > 0).all():
-        raise ValueError("calibration needs at least two measurements, each of a positive time")
+def _fit_constants(samples, cores, contention, cache_bytes=0):
+    """(Link, squared relative error) of the best non-negative constants for one exponent
+    and one cache size."""
+    A, t = terms_matrix(samples, cores, contention, cache_bytes)
     A, b = A / t[:, None], np.ones_like(t)   # relative error: (prediction - t) / t
-    best, best_error = np.zeros(3), np.inf
-    for k in range(1, 4):
-        for keep in itertools.combinations(range(3), k):
+    unknowns = 4 if cache_bytes else 3
+    best, best_error = np.zeros(4), np.inf
+    for k in range(1, unknowns + 1):
+        for keep in itertools.combinations(range(unknowns), k):
             x, *_ = np.linalg.lstsq(A[:, keep], b, rcond=None)
             if (x < 0).any():
                 continue
-            full = np.zeros(3)
+            full = np.zeros(4)
             full[list(keep)] = x
             error = float(np.sum((A @ full - b) ** 2))
-            if error < best_error:
+            if error < best_error - 1e-12:
                 best, best_error = full, error
-    return Link(*map(float, best)), best_error
+    alpha, beta, gamma, beyond = map(float, best)
+    return Link(alpha, beta, gamma, cache_bytes if beyond else 0.0, beyond), best_error
 
 
 def relative_errors(link, samples, cores=None, contention=1.0):
     """(prediction - measured) / measured, per sample."""
-    A, t = terms_matrix(samples, cores, contention)
-    return (A @ np.array([link.alpha, link.beta, link.gamma]) - t) / t
+    A, t = terms_matrix(samples, cores, contention, link.cache_bytes)
+    return (A @ np.array([link.alpha, link.beta, link.gamma, link.beyond]) - t) / t
 
 
 # ---- this machine: `paratrain bench collectives`, fitted ----------------------------------

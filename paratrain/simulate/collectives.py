@@ -14,15 +14,29 @@ table so that a step's communication can be predicted for any P and n.
 output's; for reduce_scatter, the input's), P the ranks.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Link:
-    """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced."""
+    """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced.
+
+    A link that is memory (shared memory inside a host) has two rates: copies and
+    reductions over a working set that fits a core's cache run at beta and gamma, and
+    the share of the bytes beyond ``cache_bytes`` costs ``beyond`` seconds a byte more,
+    streamed from the shared cache or DRAM. ``cache_bytes`` 0: one rate for all sizes
+    (a network link, whose wire is slower than either)."""
     alpha: float
     beta: float
     gamma: float = 0.0
+    cache_bytes: float = 0.0
+    beyond: float = 0.0
+
+    def far_share(self, footprint):
+        """The share of a ``footprint``-byte working set's traffic past the cache."""
+        if not self.cache_bytes or footprint <= self.cache_bytes:
+            return 0.0
+        return 1.0 - self.cache_bytes / footprint
 
     @classmethod
     def from_rates(cls, gbps, latency_us, reduce_gbps=None):
@@ -32,21 +46,31 @@ class Link:
 
     def slowed(self, k):
         """This link when each rank has 1/k of a core (k ranks to a core): every term k times."""
-        return self if k == 1 else Link(self.alpha * k, self.beta * k, self.gamma * k)
+        return self if k == 1 else Link(self.alpha * k, self.beta * k, self.gamma * k, self.cache_bytes,
+                                        self.beyond * k)
 
 
 @dataclass(frozen=True)
 class Terms:
-    """A cost as counts on the critical path: latency steps, bytes sent and bytes reduced per rank."""
+    """A cost as counts on the critical path: latency steps, bytes sent and bytes reduced per
+    rank; ``footprint``, the bytes of a rank's buffer they work over (which rate a
+    two-rate link charges; not part of the counts' equality)."""
     steps: float
     sent: float
     reduced: float = 0.0
+    footprint: float = field(default=0.0, compare=False)
 
     def seconds(self, link):
-        return self.steps * link.alpha + self.sent * link.beta + self.reduced * link.gamma
+        return (self.steps * link.alpha + self.sent * link.beta + self.reduced * link.gamma
+                + self.far_bytes(link) * link.beyond)
+
+    def far_bytes(self, link):
+        """Bytes moved (sent or reduced) from beyond ``link``'s cache."""
+        return (self.sent + self.reduced) * link.far_share(self.footprint)
 
     def __add__(self, other):
-        return Terms(self.steps + other.steps, self.sent + other.sent, self.reduced + other.reduced)
+        return Terms(self.steps + other.steps, self.sent + other.sent, self.reduced + other.reduced,
+                     max(self.footprint, other.footprint))
 
 
 NOTHING = Terms(0, 0, 0)
@@ -63,7 +87,7 @@ def ring_all_reduce(P, n):
     """Scatter-reduce then all-gather around the ring: 2(P-1) steps, 2(P-1)/P n sent."""
     if P == 1:
         return NOTHING
-    return Terms(2 * (P - 1), 2 * (P - 1) / P * n, (P - 1) / P * n)
+    return Terms(2 * (P - 1), 2 * (P - 1) / P * n, (P - 1) / P * n, n)
 
 
 def tree_all_reduce(P, n):
@@ -71,14 +95,14 @@ def tree_all_reduce(P, n):
     if P == 1:
         return NOTHING
     k, extra = _log2_steps(P)
-    return Terms(k + extra, (k + extra) * n, (k + (1 if extra else 0)) * n)
+    return Terms(k + extra, (k + extra) * n, (k + (1 if extra else 0)) * n, n)
 
 
 def naive_all_reduce(P, n):
     """Gather to rank 0, reduce there, send back: the root's P-1 receives and P-1 sends."""
     if P == 1:
         return NOTHING
-    return Terms(2 * (P - 1), 2 * (P - 1) * n, (P - 1) * n)
+    return Terms(2 * (P - 1), 2 * (P - 1) * n, (P - 1) * n, n)
 
 
 SLOT_BYTES = 1 << 20      # comm/shm: a round of the direct algorithm moves at most this much per rank
@@ -95,9 +119,16 @@ def direct_all_reduce(P, n, slot_bytes=SLOT_BYTES):
     if P == 1:
         return NOTHING
     if n <= slot_bytes and n * (P - 1) <= SMALL_BYTES:
-        return Terms(1, n, P * n)
+        return Terms(1, n, P * n, n)
     rounds = max(1, math.ceil(n / slot_bytes))
-    return Terms(rounds + 1, (2 * (P - 1) / P + 1 / P) * n, n)
+    return Terms(rounds + 1, (2 * (P - 1) / P + 1 / P) * n, n, n)
+
+
+def busy_ranks(algorithm, P):
+    """How many of P ranks work at once in ``algorithm``'s all-reduce: all of them, but for
+    recursive doubling at a P that is not a power of two, whose extra ranks fold in and
+    then wait while 2^k exchange. Ranks that share cores contend only as many as work."""
+    return 1 << (P.bit_length() - 1) if algorithm == "tree" and P > 1 else P
 
 
 ALL_REDUCE = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce,
@@ -114,18 +145,18 @@ def all_reduce(algorithm, P, n):
 
 def all_gather(P, n):
     """Ring all-gather of an n-byte output: P-1 steps, each rank sends (P-1)/P of it."""
-    return Terms(P - 1, (P - 1) / P * n) if P > 1 else NOTHING
+    return Terms(P - 1, (P - 1) / P * n, 0.0, n) if P > 1 else NOTHING
 
 
 def reduce_scatter(P, n):
     """Ring reduce-scatter of an n-byte input: P-1 steps, (P-1)/P of it sent and reduced."""
-    return Terms(P - 1, (P - 1) / P * n, (P - 1) / P * n) if P > 1 else NOTHING
+    return Terms(P - 1, (P - 1) / P * n, (P - 1) / P * n, n) if P > 1 else NOTHING
 
 
 def broadcast(P, n):
     """Binomial tree: ceil(log2 P) steps, the whole buffer each."""
     steps = math.ceil(math.log2(P)) if P > 1 else 0
-    return Terms(steps, steps * n)
+    return Terms(steps, steps * n, 0.0, n)
 
 
 def hierarchical_all_reduce(hosts, per_host, n, intra, inter, inter_algorithm="ring"):
@@ -136,5 +167,5 @@ def hierarchical_all_reduce(hosts, per_host, n, intra, inter, inter_algorithm="r
     inside = NOTHING
     if per_host > 1:   # a reduce to the leader (a reduce-scatter and a gather) and a broadcast, in memory
         L = per_host
-        inside = Terms(2, (L - 1) / L * n + (L - 1) / L * n, (L - 1) / L * n) + Terms(1, n)
+        inside = Terms(2, (L - 1) / L * n + (L - 1) / L * n, (L - 1) / L * n, n) + Terms(1, n, 0.0, n)
     return inside.seconds(intra) + all_reduce(inter_algorithm, hosts, n).seconds(inter)

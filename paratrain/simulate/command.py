@@ -115,8 +115,11 @@ def calibrate_here(path):
                   f"max {max(held):.1%}")
     for name, (link, contention) in links.items():
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
+        far = (f"; past {link.cache_bytes / 1024:.0f} KiB, {link.beyond * 1e9:.4f} ns/byte more"
+               if link.cache_bytes else "")
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
-              f"gamma {link.gamma * 1e9:.4f} ns/byte; ranks sharing cores: (P/cores)^{contention:g}")
+              f"gamma {link.gamma * 1e9:.4f} ns/byte{far}; ranks sharing cores: ceil(P/cores) "
+              f"(P/cores)^{contention - 1:g}")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"links": {name: vars(link) for name, (link, _) in links.items()}, "cores": cores,

@@ -26,7 +26,7 @@ stragglers.
 import math
 
 from .calibrate import oversubscribed
-from .collectives import all_reduce, hierarchical_all_reduce
+from .collectives import all_reduce, busy_ranks, hierarchical_all_reduce
 from .step import Step, serial_channel
 
 ALGORITHMS = ("ring", "tree", "hierarchical")   # what paratrain chooses from across hosts
@@ -43,13 +43,15 @@ def placement(cluster, workers):
     return math.ceil(workers / per_host), per_host
 
 
-def slowest_link(cluster, workers):
+def slowest_link(cluster, workers, algorithm=None):
     """The link a flat collective over ``workers`` devices is paced by: the network once they span
-    hosts; inside one, its memory, slowed when more processes than cores share it."""
+    hosts; inside one, its memory, slowed when more processes than cores share it (as many
+    as ``algorithm`` keeps at work at once)."""
     hosts, per_host = placement(cluster, workers)
     if hosts > 1:
         return cluster.inter
-    return cluster.intra.slowed(oversubscribed(per_host, cluster.cores, cluster.contention))
+    busy = busy_ranks(algorithm, per_host) if algorithm else per_host
+    return cluster.intra.slowed(oversubscribed(busy, cluster.cores, cluster.contention))
 
 
 def all_reduce_seconds(cluster, workers, n, algorithm):
@@ -57,17 +59,18 @@ def all_reduce_seconds(cluster, workers, n, algorithm):
     hosts, per_host = placement(cluster, workers)
     if algorithm == "hierarchical":
         return hierarchical_all_reduce(hosts, per_host, n, cluster.intra, cluster.inter)
-    return all_reduce(algorithm, workers, n).seconds(slowest_link(cluster, workers))
+    return all_reduce(algorithm, workers, n).seconds(slowest_link(cluster, workers, algorithm))
 
 
 def group_all_reduce_seconds(cluster, size, across_hosts, n, algorithm=None):
     """An all-reduce over a group of ``size`` devices that is not the whole job (a stage's or
     a tensor group's replicas): over the network when ``across_hosts``, by ``algorithm`` or
-    the cheaper of ring and tree."""
+    the cheapest of those paratrain runs there (inside a host, the cluster's host algorithms)."""
     if size == 1:
         return 0.0
     link = cluster.inter if across_hosts else cluster.intra
-    algorithms = (algorithm,) if algorithm and algorithm != "hierarchical" else ("ring", "tree")
+    algorithms = (algorithm,) if algorithm and algorithm != "hierarchical" else \
+        ("ring", "tree") if across_hosts else cluster.host_algorithms
     return min(all_reduce(a, size, n).seconds(link) for a in algorithms)
 
 

@@ -60,20 +60,22 @@ def layer_outputs(task, batch_size):
     return len(leaves), (sum(sizes) / len(sizes) if sizes else None)
 
 
-def time_step(task, batch_size, warmup=WARMUP, timed=TIMED):
+def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
     """Seconds of forward + backward of ``batch_size`` samples on this process: the fastest of
-    ``timed`` steps after ``warmup`` (on a shared machine, interference only ever adds time)."""
+    ``timed`` steps after ``warmup`` (on a shared machine, interference only ever adds time);
+    ``model``: another model of the task's (a cut one), else the task's own."""
     import torch
+    model = model or task.model
     loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
     batches = iter(loader)
     times = []
     for i in range(warmup + timed):
         batch = next(batches)
         t0 = time.perf_counter()
-        task.loss(task.model, batch).backward()
+        task.loss(model, batch).backward()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        task.model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     return min(times)
 
 
@@ -109,6 +111,52 @@ def step_seconds(model, batch, seed=0):
     return _TIMED[model, batch]
 
 
+class ComputeOnlyGroup:
+    """Rank 0 of a group of ``world_size`` whose collectives move nothing: a model cut by
+    pt.tensor.parallelize over it computes exactly what one rank of a real group computes
+    (its shards of the matrices, the uncut embeddings, norms and loss whole), so timing
+    it times a tensor-parallel worker's compute without its all-reduces, which
+    tensor.py predicts on its own. The values are not a real group's (nothing is summed),
+    the work is the same."""
+
+    rank = 0
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+    def all_reduce(self, tensor, op="sum"):
+        return tensor
+
+    def broadcast(self, tensor, src=0):
+        return tensor
+
+    def all_gather(self, out, tensor):
+        out.view(self.world_size, -1).copy_(tensor.reshape(1, -1).expand(self.world_size, -1))
+        return out
+
+    def reduce_scatter(self, out, tensor, op="sum"):
+        out.reshape(-1).copy_(tensor.reshape(-1)[:out.numel()])
+        return out
+
+
+def cut_step_seconds(model, batch, tp, seed=0):
+    """Forward + backward of ``batch`` samples of built-in ``model`` cut across ``tp`` workers
+    by its tensor plan (as paratrain train --tp cuts it), one worker's share, on one thread;
+    its collectives left out (ComputeOnlyGroup)."""
+    import copy
+
+    from ..parallel.tensor import parallelize
+    key = (model, batch, "tp", tp)
+    if key not in _TIMED:
+        task = task_of(model, seed)
+        if task.tensor_plan is None:
+            raise ValueError(f"{model} has no tensor plan: paratrain train --tp does not cut it")
+        cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
+        with one_thread():
+            _TIMED[key] = time_step(task, batch, model=cut)
+    return _TIMED[key]
+
+
 def stage_seconds(model, batch, stages, seed=0, repeats=7):
     """Forward + backward of one ``batch``-sample micro-batch through the slowest of
     ``stages`` pipeline stages of built-in ``model``, here on one thread: each layer timed
@@ -128,6 +176,20 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7):
         starts = balance(costs, stages) + [len(costs)]
         _TIMED[key] = max(sum(costs[a:b]) for a, b in zip(starts, starts[1:])) / 1e3
     return _TIMED[key]
+
+
+class Measured:
+    """What plan.py times of built-in ``model`` here beyond its whole step: a pipeline
+    stage's micro-batch, a tensor-parallel worker's share."""
+
+    def __init__(self, model, seed=0):
+        self.model, self.seed = model, seed
+
+    def stage(self, batch, stages):
+        return stage_seconds(self.model, batch, stages, self.seed)
+
+    def cut(self, batch, tp):
+        return cut_step_seconds(self.model, batch, tp, self.seed)
 
 
 def workload_of(model, batch_size=None, seed=0):

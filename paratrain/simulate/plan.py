@@ -25,7 +25,7 @@ import json
 import sys
 
 from . import here, memory
-from .calibrate import oversubscribed
+from .calibrate import time_shared
 from .step import Unavailable
 from .strategies import predict
 
@@ -79,8 +79,7 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     K, heads = _optimizer_and_heads(model)
     out = {}
     for name in names:
-        step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads,
-                            lambda b, p: here.stage_seconds(model, b, p))
+        step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads, here.Measured(model))
         if not isinstance(step, Unavailable):
             out[name] = step.step_s
     return out
@@ -94,30 +93,34 @@ def _optimizer_and_heads(model):
     return K, (task.config.get("n_head") or task.config.get("heads")) if task.blocks else None
 
 
-def compute_seconds(layout, workload, stage_timed=None):
+def compute_seconds(layout, workload, measured=None):
     """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
     replica of its own; for a pipeline, its micro-batches through the slowest stage, each
-    timed at its own size (``stage_timed(batch, stages)`` measures one: a small batch runs
-    less efficiently, and the stages are not equal); a tensor worker's 1/t of the batch's."""
+    timed at its own size (a small batch runs less efficiently, and the stages are not
+    equal); for a tensor group, its worker's share of the cut model on the whole batch
+    (the embeddings, norms and loss are not cut). ``measured`` (here.Measured) times
+    these on the model here; without it they are the workload's step scaled down."""
     if layout.pp > 1:
         m = layout.microbatches or 1
         small = max(1, workload.batch_per_device // m)
-        one = stage_timed(small, layout.pp) if stage_timed else \
+        one = measured.stage(small, layout.pp) if measured else \
             workload.step_compute_s * small / workload.batch_per_device / layout.pp
         return m * one
+    if layout.tp > 1 and measured:
+        return measured.cut(workload.batch_per_device, layout.tp)
     return workload.step_compute_s / layout.tp
 
 
-def predicted(layout, workload, cluster, optimizer_bytes, heads=None, stage_timed=None):
+def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=None):
     """(Step or Unavailable, predicted bytes a worker holds) for ``layout``, the workers of a
     pipeline or tensor group sharing one batch of ``workload``'s."""
     share = layout.pp * layout.tp
     per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
-                                     step_compute_s=compute_seconds(layout, workload, stage_timed),
+                                     step_compute_s=compute_seconds(layout, workload, measured),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
     if cluster.cores:   # more workers than cores: each computes on a share of one
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s
-                                         * oversubscribed(layout.dp * share, cluster.cores))
+                                         * time_shared(layout.dp * share, cluster.cores))
     step = predict(layout.strategy, per_worker, cluster, layout.dp * share, **layout.options)
     in_flight = layout.pp if layout.pp > 1 else 1   # 1F1B holds up to p micro-batches at the first stage
     samples = workload.batch_per_device / (layout.microbatches or 1) * in_flight if layout.pp > 1 \
@@ -137,8 +140,7 @@ def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
     ranked, dropped = [], []
     for layout in layouts(workers, workload.layers):
         why = refused([*common, *layout.flags])
-        step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
-                                                        lambda b, p: here.stage_seconds(model, b, p))
+        step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads, here.Measured(model))
         if why or isinstance(step, Unavailable):
             dropped.append((layout, why or str(step)))
         elif memory_gb and held > memory_gb * 2 ** 30:
