@@ -63,23 +63,27 @@ def common_flags(args, folder):
     return flags + (["--trace"] if args.trace else [])
 
 
-def add_predictions(args, rows):
-    """``predicted_step_ms`` on each row that ran, from simulate's model of this machine,
-    when ``paratrain simulate --calibrate`` has stored its links."""
+def predictor(args):
+    """A function of a strategy's name to its ``predicted_step_ms`` from simulate's model of
+    this machine, or None when ``paratrain simulate --calibrate`` has stored no links.
+    Each prediction times the model afresh, just before the strategy runs: this machine's
+    speed moves by a third within minutes (shared hosts), and a prediction timed in
+    another minute than its run would compare the minutes, not the model."""
     from ..simulate import here, plan
     from ..simulate.command import calibration_path
     if not os.path.exists(calibration_path()):
-        return
+        return None
     try:
         cluster = here.cluster_here(calibration_path())
-        steps = plan.predict_compare(args.model, args.workers, [r["strategy"] for r in rows if "step_ms" in r],
-                                     cluster, args.batch_size)
     except ValueError as e:
         print(f"paratrain compare: no predictions: {e}")
-        return
-    for r in rows:
-        if r["strategy"] in steps:
-            r["predicted_step_ms"] = steps[r["strategy"]] * 1e3
+        return None
+
+    def predict(name):
+        here.forget_timings()
+        steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
+        return steps[name] * 1e3 if name in steps else None
+    return predict
 
 
 def main(argv=None):
@@ -96,7 +100,7 @@ def main(argv=None):
     title = f"{args.model} on {args.workers} workers, {how_long} each"
     print(f"paratrain compare: {title}; runs in {folder}", flush=True)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    rows = []
+    rows, predict = [], predictor(args)
     with one_fork_server(), Progress(TextColumn("{task.description}"), BarColumn(),
                                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as bar:
         task = bar.add_task("compare", total=len(names))
@@ -105,13 +109,16 @@ def main(argv=None):
             if reason:
                 rows.append({"strategy": name, "unavailable": reason})
             else:
+                bar.update(task, description=f"predicting {name}")
+                predicted = predict(name) if predict else None
                 bar.update(task, description=f"training {name}")
                 rows.append(run_one(name, flags, folder))
                 r = rows[-1]
+                if predicted and "unavailable" not in r:
+                    r["predicted_step_ms"] = predicted
                 bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
                                                  f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
             bar.advance(task)
-    add_predictions(args, rows)
     paths = report.write(folder, rows, title)
     print(report.markdown(rows, title))
     print("wrote " + ", ".join(paths))

@@ -3,8 +3,11 @@
 - ``workload_of("gpt")``: a WORKLOAD for a built-in model (``model = "gpt"`` in
   a WORKLOAD.toml, or ``--workload gpt``): its parameters and shape from the
   task itself, and ``step_compute_ms`` timed here, forward and backward of one
-  worker's default batch in one process on one thread (the fastest of ten
-  steps after a warm-up), as ``paratrain train``'s workers compute.
+  worker's default batch in one process on one thread (the median of ten
+  steps after a warm-up), as ``paratrain train``'s workers compute; with
+  ``alongside`` other processes computing the same step meanwhile, as a
+  job's other workers on this host do (two computing processes here slow
+  each other by 1.2-1.5x: they share the caches and the memory bus).
 - ``cluster_here()``: ``--cluster here``, this host as one node of as many
   devices as it has cores, its link the one ``paratrain simulate --calibrate``
   fitted (calibration.json); the direct all-reduce's constants, since that is
@@ -14,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import time
 
 from .collectives import Link
@@ -61,8 +65,8 @@ def layer_outputs(task, batch_size):
 
 
 def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
-    """Seconds of forward + backward of ``batch_size`` samples on this process: the fastest of
-    ``timed`` steps after ``warmup`` (on a shared machine, interference only ever adds time);
+    """Seconds of forward + backward of ``batch_size`` samples on this process: the median of
+    ``timed`` steps after ``warmup`` (what a run's step time is reported as);
     ``model``: another model of the task's (a cut one), else the task's own."""
     import torch
     model = model or task.model
@@ -76,10 +80,15 @@ def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-    return min(times)
+    return statistics.median(times)
 
 
 _TIMED = {}
+
+
+def forget_timings():
+    """Time the models afresh from now on (the machine's speed has moved)."""
+    _TIMED.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,13 +111,45 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def step_seconds(model, batch, seed=0):
-    """Forward + backward of ``batch`` samples of built-in ``model`` here, on one thread;
-    measured once per (model, batch)."""
-    if (model, batch) not in _TIMED:
-        with one_thread():
-            _TIMED[model, batch] = time_step(task_of(model, seed), batch)
-    return _TIMED[model, batch]
+def _compute_until(task, batch, stop):
+    import torch
+    torch.set_num_threads(1)
+    while not stop.is_set():
+        time_step(task, batch, warmup=0, timed=1)
+
+
+@contextlib.contextmanager
+def neighbours(model, batch, count, seed=0):
+    """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples
+    while the body times its own: what a worker's compute takes beside the others."""
+    if count <= 0:
+        yield
+        return
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    stop = fork.Event()
+    others = [fork.Process(target=_compute_until, args=(task_of(model, seed), batch, stop), daemon=True)
+              for _ in range(count)]
+    for p in others:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in others:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def step_seconds(model, batch, seed=0, alongside=0):
+    """Forward + backward of ``batch`` samples of built-in ``model`` here, on one thread, with
+    ``alongside`` processes computing beside it; measured once per (model, batch, alongside)."""
+    key = (model, batch, alongside)
+    if key not in _TIMED:
+        with one_thread(), neighbours(model, batch, alongside, seed):
+            _TIMED[key] = time_step(task_of(model, seed), batch)
+    return _TIMED[key]
 
 
 class ComputeOnlyGroup:
@@ -139,25 +180,25 @@ class ComputeOnlyGroup:
         return out
 
 
-def cut_step_seconds(model, batch, tp, seed=0):
+def cut_step_seconds(model, batch, tp, seed=0, alongside=0):
     """Forward + backward of ``batch`` samples of built-in ``model`` cut across ``tp`` workers
     by its tensor plan (as paratrain train --tp cuts it), one worker's share, on one thread;
     its collectives left out (ComputeOnlyGroup)."""
     import copy
 
     from ..parallel.tensor import parallelize
-    key = (model, batch, "tp", tp)
+    key = (model, batch, "tp", tp, alongside)
     if key not in _TIMED:
         task = task_of(model, seed)
         if task.tensor_plan is None:
             raise ValueError(f"{model} has no tensor plan: paratrain train --tp does not cut it")
         cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
-        with one_thread():
+        with one_thread(), neighbours(model, batch, alongside, seed):
             _TIMED[key] = time_step(task, batch, model=cut)
     return _TIMED[key]
 
 
-def stage_seconds(model, batch, stages, seed=0, repeats=7):
+def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
     """Forward + backward of one ``batch``-sample micro-batch through the slowest of
     ``stages`` pipeline stages of built-in ``model``, here on one thread: each layer timed
     alone (parallel/pipeline/split.py's measure_layers, as paratrain train's pipeline times
@@ -166,10 +207,10 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7):
     from ..parallel.pipeline.partition import balance
     from ..parallel.pipeline.split import _layers_for, measure_layers
     from ..parallel.pipeline.trace import trace
-    key = (model, batch, "stages", stages)
+    key = (model, batch, "stages", stages, alongside)
     if key not in _TIMED:
         task = task_of(model, seed)
-        with one_thread():
+        with one_thread(), neighbours(model, batch, alongside, seed):
             sample = torch.stack([task.train_set[i][0] for i in range(batch)])
             gm = trace(task.model, sample).gm
             costs = measure_layers(gm, task.model, _layers_for(gm, stages), sample, repeats=repeats)
@@ -180,26 +221,27 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7):
 
 class Measured:
     """What plan.py times of built-in ``model`` here beyond its whole step: a pipeline
-    stage's micro-batch, a tensor-parallel worker's share."""
+    stage's micro-batch, a tensor-parallel worker's share; ``alongside`` others computing."""
 
-    def __init__(self, model, seed=0):
-        self.model, self.seed = model, seed
+    def __init__(self, model, seed=0, alongside=0):
+        self.model, self.seed, self.alongside = model, seed, alongside
 
     def stage(self, batch, stages):
-        return stage_seconds(self.model, batch, stages, self.seed)
+        return stage_seconds(self.model, batch, stages, self.seed, alongside=self.alongside)
 
     def cut(self, batch, tp):
-        return cut_step_seconds(self.model, batch, tp, self.seed)
+        return cut_step_seconds(self.model, batch, tp, self.seed, self.alongside)
 
 
-def workload_of(model, batch_size=None, seed=0):
-    """The Workload of built-in model ``model``, its step timed here on one thread."""
+def workload_of(model, batch_size=None, seed=0, alongside=0):
+    """The Workload of built-in model ``model``, its step timed here on one thread (with
+    ``alongside`` processes computing beside it)."""
     from ..train.tasks import TASKS
     if model not in TASKS:
         raise ValueError(f"model = {model!r}: not a built-in model; choose from {', '.join(TASKS)}")
     task = task_of(model, seed)
     batch = batch_size or task.defaults["batch_size"]
-    seconds = step_seconds(model, batch, seed)
+    seconds = step_seconds(model, batch, seed, alongside)
     layers, hidden, seq_len = _shape(task)
     activations = None
     if layers is None:

@@ -73,13 +73,21 @@ def compare_layout(name, workers):
     return Layout(name, train_flags(name, workers), workers)
 
 
+def alongside(cluster, workers):
+    """How many of a job's other workers compute beside each one while plan times the model
+    here: as many as share this host's cores with it (none for a cluster elsewhere)."""
+    return min(workers, cluster.cores) - 1 if cluster.cores else 0
+
+
 def predict_compare(model, workers, names, cluster, batch_size=None):
     """{name: predicted step seconds} of compare's runs, for the model measured here."""
-    workload = here.workload_of(model, batch_size)
+    beside = alongside(cluster, workers)
+    workload = here.workload_of(model, batch_size, alongside=beside)
     K, heads = _optimizer_and_heads(model)
     out = {}
     for name in names:
-        step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads, here.Measured(model))
+        step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads,
+                            here.Measured(model, alongside=beside))
         if not isinstance(step, Unavailable):
             out[name] = step.step_s
     return out
@@ -134,13 +142,15 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
 def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
     """[(Layout, Step, bytes held)] best first, and [(Layout, why not)] for the rest."""
     from ..compare.strategies import refused
-    workload = here.workload_of(model, batch_size)
+    beside = alongside(cluster, workers)
+    workload = here.workload_of(model, batch_size, alongside=beside)
     K, heads = _optimizer_and_heads(model)
     common = common or ["--model", model, "--workers", str(workers)]
     ranked, dropped = [], []
     for layout in layouts(workers, workload.layers):
         why = refused([*common, *layout.flags])
-        step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads, here.Measured(model))
+        step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
+                                                        here.Measured(model, alongside=beside))
         if why or isinstance(step, Unavailable):
             dropped.append((layout, why or str(step)))
         elif memory_gb and held > memory_gb * 2 ** 30:
