@@ -2,9 +2,10 @@
 
 - ``workload_of("gpt")``: a WORKLOAD for a built-in model (``model = "gpt"`` in
   a WORKLOAD.toml, or ``--workload gpt``): its parameters and shape from the
-  task itself, and ``step_compute_ms`` timed here, forward and backward of one
-  worker's default batch in one process on one thread (the median of ten
-  steps after a warm-up), as ``paratrain train``'s workers compute; with
+  task itself, and ``step_compute_ms`` timed here: forward, backward and the
+  optimizer's step on one worker's default batch in one process on one
+  thread (the median of ten steps after a warm-up), as ``paratrain train``'s
+  workers compute; with
   ``alongside`` other processes computing the same step meanwhile, as a
   job's other workers on this host do (two computing processes here slow
   each other by 1.2-1.5x: they share the caches and the memory bus).
@@ -64,22 +65,32 @@ def layer_outputs(task, batch_size):
     return len(leaves), (sum(sizes) / len(sizes) if sizes else None)
 
 
-def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
-    """Seconds of forward + backward of ``batch_size`` samples on this process: the median of
-    ``timed`` steps after ``warmup`` (what a run's step time is reported as);
-    ``model``: another model of the task's (a cut one), else the task's own."""
+def _steps(task, batch_size, model=None):
+    """Seconds of each step, forever: forward, backward and the task's optimizer step on
+    ``batch_size`` samples, on a copy of ``model`` (else the task's own), left as it was."""
+    import copy
+
     import torch
-    model = model or task.model
-    loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
-    batches = iter(loader)
-    times = []
-    for i in range(warmup + timed):
-        batch = next(batches)
-        t0 = time.perf_counter()
-        task.loss(model, batch).backward()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
+
+    from ..train.optimizer import make_optimizer
+    model = copy.deepcopy(model or task.model)
+    optimizer = make_optimizer(task.defaults["optimizer"], model.parameters(), task.defaults["lr"])
+    while True:
+        loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
+        for batch in loader:
+            t0 = time.perf_counter()
+            task.loss(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            yield time.perf_counter() - t0
+
+
+def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
+    """Seconds of a training step on ``batch_size`` samples on this process (``_steps``;
+    ``model``: another model of the task's, a cut one): the median of ``timed`` steps after
+    ``warmup``, as a run's step time is reported."""
+    steps = _steps(task, batch_size, model)
+    times = [next(steps) for _ in range(warmup + timed)][warmup:]
     return statistics.median(times)
 
 
@@ -114,8 +125,9 @@ def one_thread():
 def _compute_until(task, batch, stop):
     import torch
     torch.set_num_threads(1)
-    while not stop.is_set():
-        time_step(task, batch, warmup=0, timed=1)
+    for _ in _steps(task, batch):
+        if stop.is_set():
+            return
 
 
 @contextlib.contextmanager
