@@ -2,9 +2,18 @@
 ranked, with the `paratrain train` command for each (in-process: nothing is launched)."""
 import json
 
+import pytest
+
 from paratrain.simulate import memory, plan
+from paratrain.simulate.collectives import Link
+from paratrain.simulate.system import Cluster, Workload
 
 CALIBRATION = {"links": {"shm_direct": {"alpha": 2e-5, "beta": 2e-10, "gamma": 4e-10}}}
+CLUSTER = Cluster("test", 1, 8, Link(2e-5, 2e-10), Link(2e-5, 2e-10), host_algorithms=("direct",))
+
+
+def memory_workload():
+    return Workload("gpt-like", 800_000, 4, 16, 0.1, layers=4, hidden=128, seq_len=64)
 
 
 def test_the_layouts_of_4_workers():
@@ -52,3 +61,39 @@ def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):
     assert plan.main(["--model", "mlp", "--calibration", str(tmp_path / "none.json")]) == 2
     assert "paratrain simulate --calibrate" in capsys.readouterr().err
 
+
+
+
+def test_a_workers_peak_heap_sees_a_brief_allocation_and_a_footprint_splits_what_layouts_share(monkeypatch):
+    """train/memory.py's sampler catches a 64 MiB buffer that lives 50 ms (the heap's peak,
+    not where it ends); a footprint is the measured peak split into what every layout
+    shares and the activations, less the one-process state."""
+    import time
+
+    import numpy as np
+
+    from paratrain.simulate import footprint
+    from paratrain.train.memory import PeakMemory, heap_mb
+    if heap_mb() is None:
+        pytest.skip("no mallinfo2 here (not glibc 2.33+)")
+    watch = PeakMemory()
+    brief = np.ones(64 << 17)   # 64 MiB of float64
+    time.sleep(0.05)
+    del brief
+    time.sleep(0.01)
+    report = watch.report()
+    assert 64 <= report["peak_memory_mb"] < 80 and heap_mb() - watch.heap_before < 8
+    assert report["peak_rss_mb"] >= 0
+    got = footprint.measure("mlp", 8)   # in this process: the parts are there and ordered
+    assert got["task_mb"] > 0 and got["peak_mb"] >= got["train_peak_mb"] >= got["steady_mb"] > 0
+    monkeypatch.setattr(footprint, "measured", lambda *a: {"task_mb": 5, "steady_mb": 20, "train_peak_mb": 50,
+                                                           "peak_mb": 60})
+    MB = 1 << 20
+    foot = footprint.footprint("gpt", 16, state_bytes=12 * MB)
+    assert foot == footprint.Footprint(shared=(60 - 30 - 12) * MB, activations=30 * MB, batch=16)
+    # a pipeline stage of half the layers, 2 of 4 micro-batches in flight: a quarter of them
+    layout = plan.Layout("pipeline", [], 1, pp=2, microbatches=4)
+    workload = memory_workload()
+    _, held = plan.predicted(layout, workload, CLUSTER, memory.ADAM, 4, footprint=foot)
+    assert held == pytest.approx(foot.shared + memory.state_bytes("pipeline", workload.params, memory.ADAM, 2, 2)
+                                 + 30 * MB / 4)

@@ -6,7 +6,7 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
 - step_ms: the median of rank 0's step times (metrics.jsonl's step_seconds:
   the step itself, without the evaluations and checkpoints between steps);
 - bytes_per_step: what rank 0 sent a step (compressed: what went on the wire);
-- peak_memory_mb: the largest worker's peak resident growth (train/memory.py);
+- peak_memory_mb: the largest worker's peak heap growth (train/memory.py);
 - loss: the last logged; time_to_target_s with --target-loss.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory

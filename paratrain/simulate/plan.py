@@ -119,9 +119,12 @@ def compute_seconds(layout, workload, measured=None):
     return workload.step_compute_s / layout.tp
 
 
-def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=None):
+def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=None, footprint=None):
     """(Step or Unavailable, predicted bytes a worker holds) for ``layout``, the workers of a
-    pipeline or tensor group sharing one batch of ``workload``'s."""
+    pipeline or tensor group sharing one batch of ``workload``'s. Memory: the layout's
+    training state, plus its activations, plus, given a ``footprint`` measured here
+    (simulate/footprint.py), what every layout shares, the activations then scaled
+    from the measured ones; else the activations by the formula."""
     share = layout.pp * layout.tp
     per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
                                      step_compute_s=compute_seconds(layout, workload, measured),
@@ -134,9 +137,20 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     samples = workload.batch_per_device / (layout.microbatches or 1) * in_flight if layout.pp > 1 \
         else workload.batch_per_device
     layers = (workload.layers or 1) / layout.pp
-    held = memory.state_bytes(layout.strategy, workload.params, optimizer_bytes, layout.dp * share, layout.pp,
-                              layout.tp) + memory.activation_bytes(workload, samples, heads, layers) / layout.tp
-    return step, held
+    state = memory.state_bytes(layout.strategy, workload.params, optimizer_bytes, layout.dp * share, layout.pp,
+                               layout.tp)
+    if footprint:
+        share_of_model = samples / footprint.batch * layers / (workload.layers or 1) / layout.tp
+        return step, footprint.shared + state + footprint.activations * share_of_model
+    return step, state + memory.activation_bytes(workload, samples, heads, layers) / layout.tp
+
+
+def memory_here(model, workload, optimizer_bytes):
+    """The Footprint of built-in ``model`` measured here (simulate/footprint.py), for this
+    machine's predictions; None where the heap cannot be read."""
+    from .footprint import footprint
+    one = memory.state_bytes("dp", workload.params, optimizer_bytes, 1)
+    return footprint(model, workload.batch_per_device, one)
 
 
 def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
@@ -145,12 +159,13 @@ def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
     beside = alongside(cluster, workers)
     workload = here.workload_of(model, batch_size, alongside=beside)
     K, heads = _optimizer_and_heads(model)
+    measured_memory = memory_here(model, workload, K) if cluster.cores else None
     common = common or ["--model", model, "--workers", str(workers)]
     ranked, dropped = [], []
     for layout in layouts(workers, workload.layers):
         why = refused([*common, *layout.flags])
         step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
-                                                        here.Measured(model, alongside=beside))
+                                                        here.Measured(model, alongside=beside), measured_memory)
         if why or isinstance(step, Unavailable):
             dropped.append((layout, why or str(step)))
         elif memory_gb and held > memory_gb * 2 ** 30:

@@ -58,7 +58,7 @@ import torch
 
 # The numbers each worker reports at the end, in this order (GroupBoard sends them as float64).
 REPORT_FIELDS = ("rank", "batches", "compute_s", "slowdown_s", "slowed_steps", "comm_wait_s", "loop_s",
-                 "last_loss", "peak_memory_mb")
+                 "last_loss", "peak_memory_mb", "peak_rss_mb")
 BEAT_EVERY = 0.5   # seconds between a worker's heartbeats
 STALL_MIN = 5.0    # a silent worker is given up on after max(STALL_MIN, STALL_STEPS x its mean step)
 STALL_STEPS = 20

@@ -31,7 +31,7 @@ def job_numbers(reports, lost, batch_size, mean_loss=False, ranks_per_batch=1):
             "compute_s": rep["compute_s"], "slowdown_s": rep["slowdown_s"],
             "slowed_steps": int(rep["slowed_steps"]), "comm_wait_s": rep["comm_wait_s"],
             "loop_s": rep["loop_s"], "last_loss": rep["last_loss"],
-            "peak_memory_mb": rep.get("peak_memory_mb")})
+            "peak_memory_mb": rep.get("peak_memory_mb"), "peak_rss_mb": rep.get("peak_rss_mb")})
     out = {
         "batches_total": total,
         "samples_per_s": total * batch_size / ranks_per_batch / wall if wall > 0 else 0.0,
@@ -39,6 +39,7 @@ def job_numbers(reports, lost, batch_size, mean_loss=False, ranks_per_batch=1):
         "per_worker": per_worker,
         "peak_memory_mb": max((p["peak_memory_mb"] for p in per_worker if p["peak_memory_mb"] is not None),
                               default=None),
+        "peak_rss_mb": max((p["peak_rss_mb"] for p in per_worker if p["peak_rss_mb"] is not None), default=None),
         "lost_workers": list(lost) or None,
     }
     if mean_loss:

@@ -32,7 +32,7 @@ from ..trace import recorder as trace
 from . import checkpoint as ckpt
 from . import elastic_options, strategies
 from .fail import die_if_due
-from .memory import peak_memory_mb, resident_mb
+from .memory import PeakMemory
 from .metrics import MetricsLog, jsonable, plot_loss, read_metrics, time_to_target
 from .progress import ProgressReporter
 from .slowdown import Slowdown
@@ -100,7 +100,7 @@ class TrainingRun:
 
     def __init__(self, args):
         self.args = args
-        self.memory_before = resident_mb()   # the interpreter and its libraries, before the task
+        self.memory = PeakMemory()   # above the interpreter and its libraries, before the task
         chosen = strategies.STRATEGIES[args.strategy]
         self.task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
         self.settings = Settings(self.task, args)
@@ -262,7 +262,7 @@ class TrainingRun:
         report = {"rank": strategy.rank, "batches": self.pool.taken, "compute_s": slow.compute_s,
                   "slowdown_s": slow.slept_s, "slowed_steps": slow.slowed_steps,
                   "comm_wait_s": strategy.stats.wait_seconds, "loop_s": self.loop_seconds,
-                  "last_loss": self.loss, "peak_memory_mb": peak_memory_mb(self.memory_before)}
+                  "last_loss": self.loss, **self.memory.report()}
         return self.board.gather(report)
 
     @property

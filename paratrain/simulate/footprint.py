@@ -1,0 +1,98 @@
+"""What one process training a built-in model holds, measured: ``python -m paratrain.simulate.footprint gpt 16``.
+
+``paratrain plan`` predicts a worker's memory as what every layout shares
+plus what each layout changes. What they share (the runtime's scratch: the
+kernels' caches and buffers, tens of MiB here; the data; the evaluation) no
+formula knows, so it is measured: a fresh process, as a worker starts
+(torch loaded, nothing run), builds the task, trains a few steps with the
+task's optimizer and evaluates once, while train/memory.py's sampler
+watches the heap. It prints four numbers (MiB above the start): ``task``
+(data and model built), ``steady`` (between steps: the state and the
+runtime's scratch), ``train_peak`` and ``peak`` (with the evaluation, which
+rank 0 runs); ``train_peak - steady`` is what backward keeps (activations)
+at this batch, measured, which plan scales to each layout's micro-batches,
+stages and tensor cut.
+
+A fresh process because the heap of one that has trained already holds the
+scratch this measures; one that has imported what compare's and plan's
+workers start with (compare/runs.py's PRELOAD: matplotlib's import alone
+allocates some 20 MiB a first training step would), since what was there
+before a worker began is not counted.
+"""
+import functools
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+STEPS = 5
+
+
+def measure(model, batch, seed=0):
+    """{"task_mb", "steady_mb", "peak_mb"} for built-in ``model`` at ``batch`` samples, here."""
+    import torch
+
+    from ..train.memory import PeakMemory, heap_mb
+    from ..train.optimizer import make_optimizer
+    from ..train.tasks import build_task
+    torch.set_num_threads(1)
+    memory = PeakMemory()
+    task = build_task(model, seed=seed)
+    built = heap_mb() - memory.heap_before
+    optimizer = make_optimizer(task.defaults["optimizer"], task.model.parameters(), task.defaults["lr"])
+    loader = iter(torch.utils.data.DataLoader(task.train_set, batch_size=batch, shuffle=False, drop_last=True))
+    for _ in range(STEPS):
+        task.loss(task.model, next(loader)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    steady = heap_mb() - memory.heap_before
+    train_peak = memory.heap_peak - memory.heap_before
+    task.evaluate(task.model)
+    peak = memory.report()["peak_memory_mb"]
+    return {"task_mb": built, "steady_mb": steady, "train_peak_mb": train_peak, "peak_mb": peak}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A worker's memory in two parts: ``shared`` bytes every layout holds (the runtime's
+    scratch, the data, the evaluation) and the ``activations`` backward keeps for the whole
+    model at the measured batch; a layout adds its own training state."""
+    shared: float
+    activations: float
+    batch: int
+
+
+def footprint(model, batch, state_bytes, seed=0):
+    """The Footprint of built-in ``model`` at ``batch`` samples, measured here; ``state_bytes``
+    the training state one process holds (memory.state_bytes of dp on one worker), which
+    the measured peak less the activations also holds. None where the heap cannot be read."""
+    got = measured(model, batch, seed)
+    if got is None:
+        return None
+    MB = 1 << 20
+    activations = max(0.0, got["train_peak_mb"] - got["steady_mb"]) * MB
+    return Footprint(got["peak_mb"] * MB - activations - state_bytes, activations, batch)
+
+
+@functools.lru_cache(maxsize=None)
+def measured(model, batch, seed=0):
+    """``measure`` run in a fresh process (see above); None where the heap cannot be read."""
+    res = subprocess.run([sys.executable, "-m", "paratrain.simulate.footprint", model, str(batch), str(seed)],
+                         capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"measuring {model}'s memory failed:\n{res.stderr[-2000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    return None if out["peak_mb"] is None else out
+
+
+if __name__ == "__main__":
+    import importlib
+
+    from ..compare.runs import PRELOAD
+    from ..train.memory import heap_mb
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if heap_mb() is None:
+        print(json.dumps({"peak_mb": None}))
+    else:
+        print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)))
