@@ -161,3 +161,22 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
     assert command.main(["--cluster", "here", "--calibration", str(calibration), "--workload", "mlp",
                          "--workers", "1,2", "--json"]) == 0
     assert [r["workers"] for r in json.loads(capsys.readouterr().out)["rows"]] == [1, 2]
+
+
+def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_spread(tmp_path):
+    """E[max of P standard normals] (Tippett's table: 0.5642 for 2, 1.0294 for 4); a step
+    synchronizing S times waits that x sigma_step x sqrt(S): once for data parallelism,
+    at every activation all-reduce for tensor parallelism, never for ASP."""
+    from paratrain.simulate import waits
+    assert waits.expected_largest(1) == 0.0
+    assert waits.expected_largest(2) == pytest.approx(0.5642, abs=1e-4)
+    assert waits.expected_largest(4) == pytest.approx(1.0294, abs=1e-4)
+    w = gpt_like(step_jitter_s=0.01)
+    assert predict("dp", w, HOST, 4).wait_s == pytest.approx(1.0294 * 0.01, rel=1e-3)
+    tp = predict("tensor", w, HOST, 2)
+    assert tp.wait_s == pytest.approx(0.5642 * 0.01 * (4 * 8 + 1) ** 0.5, rel=1e-3)
+    assert tp.step_s == pytest.approx(tp.compute_s + tp.exposed_s + tp.wait_s)
+    assert predict("ps-asp", w, HOST, 4).wait_s == 0.0 and predict("dp", gpt_like(), HOST, 4).wait_s == 0.0
+    (tmp_path / "w.toml").write_text('params = 1000\nbytes_per_param = 4\nbatch_per_device = 8\n'
+                                     'step_compute_ms = 100\nstep_jitter_ms = 5\n')
+    assert load_workload(tmp_path / "w.toml").step_jitter_s == pytest.approx(0.005)

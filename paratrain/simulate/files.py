@@ -85,12 +85,14 @@ def load_workload(path):
                    if k in data}
         if "backward_fraction" in data:
             changes["backward_fraction"] = _backward_fraction(data, path)
-        if "step_compute_ms" in data:
-            changes["step_compute_s"] = _get(data, path, "step_compute_ms", float) / 1e3
+        for key in ("step_compute_ms", "step_jitter_ms"):
+            if key in data:
+                changes[key.replace("_ms", "_s")] = _get(data, path, key, float) / 1e3
         return dataclasses.replace(measured, **changes)
     fraction = _backward_fraction(data, path)
     return Workload(str(data.get("name", path)), _get(data, path, "params", int),
                     _get(data, path, "bytes_per_param", float), _get(data, path, "batch_per_device", int),
                     _get(data, path, "step_compute_ms", float) / 1e3, fraction,
                     *(_get(data, path, key, int, default=None) for key in ("layers", "hidden", "seq_len")),
-                    _get(data, path, "activation_bytes", float, default=None))
+                    _get(data, path, "activation_bytes", float, default=None),
+                    _get(data, path, "step_jitter_ms", float, default=0.0) / 1e3)

@@ -85,13 +85,22 @@ def _steps(task, batch_size, model=None):
             yield time.perf_counter() - t0
 
 
+class Timed(float):
+    """A step's seconds (the median of the timed steps, as a run's step time is reported),
+    with ``jitter``, their standard deviation (what waits.py charges per synchronization)."""
+
+    def __new__(cls, samples):
+        timed = super().__new__(cls, statistics.median(samples))
+        timed.jitter = statistics.stdev(samples) if len(samples) > 1 else 0.0
+        return timed
+
+
 def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
     """Seconds of a training step on ``batch_size`` samples on this process (``_steps``;
-    ``model``: another model of the task's, a cut one): the median of ``timed`` steps after
-    ``warmup``, as a run's step time is reported."""
+    ``model``: another model of the task's, a cut one), a Timed of ``timed`` steps after
+    ``warmup``."""
     steps = _steps(task, batch_size, model)
-    times = [next(steps) for _ in range(warmup + timed)][warmup:]
-    return statistics.median(times)
+    return Timed([next(steps) for _ in range(warmup + timed)][warmup:])
 
 
 _TIMED = {}
@@ -260,8 +269,8 @@ def workload_of(model, batch_size=None, seed=0, alongside=0):
         layers, activations = layer_outputs(task, batch)
         hidden = matrix_width(task.model)
     params = sum(p.numel() for p in task.model.parameters())
-    return Workload(f"{model} (measured here)", params, 4, batch, seconds, layers=layers, hidden=hidden,
-                    seq_len=seq_len, activation_bytes=activations)
+    return Workload(f"{model} (measured here)", params, 4, batch, float(seconds), layers=layers, hidden=hidden,
+                    seq_len=seq_len, activation_bytes=activations, step_jitter_s=seconds.jitter)
 
 
 def cluster_here(calibration):

@@ -126,8 +126,11 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     (simulate/footprint.py), what every layout shares, the activations then scaled
     from the measured ones; else the activations by the formula."""
     share = layout.pp * layout.tp
+    compute = compute_seconds(layout, workload, measured)
     per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
-                                     step_compute_s=compute_seconds(layout, workload, measured),
+                                     step_compute_s=compute,
+                                     step_jitter_s=getattr(compute, "jitter", workload.step_jitter_s
+                                                           * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
     if cluster.cores:   # more workers than cores: each computes on a share of one
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s

@@ -25,6 +25,7 @@ class Step:
     how: str = ""               # the algorithm or layout the prediction is for
     batch_per_device: int = 1
     extra_s: float = 0.0        # compute a strategy adds (compression's encoding, the servers' update)
+    wait_s: float = 0.0         # waiting for the slowest rank at each synchronization (waits.py)
 
     @classmethod
     def alone(cls, workload, how="none"):
@@ -33,7 +34,7 @@ class Step:
 
     @property
     def step_s(self):
-        return self.compute_s + self.extra_s + self.exposed_s + self.bubble_s
+        return self.compute_s + self.extra_s + self.exposed_s + self.bubble_s + self.wait_s
 
     @property
     def samples_per_s(self):

@@ -5,9 +5,10 @@ options a strategy does not take it ignores (algorithm, bucket_mb, stages,
 microbatches, tp, servers). One that cannot run raises step.Unavailable
 with the reason, which ``predict`` returns in place of the Step.
 """
+import dataclasses
 from functools import partial
 
-from . import compressed, data_parallel, parameter_server, pipeline, tensor, zero
+from . import compressed, data_parallel, parameter_server, pipeline, tensor, waits, zero
 from .step import Unavailable
 
 STRATEGIES = {
@@ -26,8 +27,12 @@ STRATEGIES = {
 
 def predict(strategy, workload, cluster, workers, **options):
     """The Step, or the Unavailable saying why not (a worker count the cluster cannot hold
-    raises ValueError: that is the user's mistake, not the strategy's)."""
+    raises ValueError: that is the user's mistake, not the strategy's); with the waiting
+    for the slowest rank its synchronizations cost (waits.py)."""
     try:
-        return STRATEGIES[strategy](workload, cluster, workers, **options)
+        step = STRATEGIES[strategy](workload, cluster, workers, **options)
     except Unavailable as e:
         return e
+    group = (options.get("tp") or tensor.default_tp(cluster, workers)) if strategy == "tensor" else workers
+    wait = waits.seconds(group, workload.step_jitter_s, waits.synchronizations(strategy, workload))
+    return dataclasses.replace(step, wait_s=wait) if wait else step

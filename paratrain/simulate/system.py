@@ -43,6 +43,7 @@ class Workload:
     hidden: int = None           # width: the activations' size, and PowerSGD's matrices
     seq_len: int = None          # tokens per sample (1 for an image model's features)
     activation_bytes: float = None   # one layer's output for one device's batch (default batch x seq x hidden x 4)
+    step_jitter_s: float = 0.0   # the standard deviation of step_compute_s from step to step (waits.py)
 
     @property
     def gradient_bytes(self):

@@ -1,0 +1,45 @@
+"""Waiting for the slowest: what synchronizing workers whose compute jitters costs a step.
+
+A collective every rank must join ends when the last one arrives. When each
+rank's compute between two such synchronizations varies independently with
+standard deviation sigma, the last of P arrives E_P sigma after the mean,
+E_P the expected largest of P standard normal samples (Tippett 1925: 0.56 for
+2, 1.03 for 4, 1.42 for 8). A step that synchronizes S times splits its
+compute's variance over S segments (sigma_step^2 = S sigma_segment^2), so it
+waits E_P sigma_step sqrt(S) in all: the more often a strategy synchronizes
+inside a step, the more of the jitter it pays. Data parallelism synchronizes
+once a step (its last bucket), tensor parallelism at each of its activation
+all-reduces (Megatron's four a block, and the embedding's), ZeRO-3 at each
+layer's gathers; an asynchronous parameter server never, and a pipeline's
+sends form a chain its schedule already orders.
+
+sigma_step is measured here (the spread of the timed steps, simulate/here.py)
+or declared (a WORKLOAD's ``step_jitter_ms``); 0 leaves the step as it was.
+"""
+import functools
+import math
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def expected_largest(P):
+    """E[max of P independent standard normal samples] (0 for one)."""
+    if P <= 1:
+        return 0.0
+    x = np.linspace(-8.0, 8.0, 16001)
+    density = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    below = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    return float(np.trapezoid(x * P * density * below ** (P - 1), x))
+
+
+def synchronizations(strategy, workload):
+    """How many times ``strategy`` makes its ranks wait for each other in one step."""
+    layers = workload.layers or 1
+    return {"ps-asp": 0, "ps-ssp": 0, "pipeline": 0, "pipeline-zb": 0,
+            "tensor": 4 * layers + 1, "zero3": 2 * layers + 1, "powersgd": 2}.get(strategy, 1)
+
+
+def seconds(P, sigma_step, syncs):
+    """A step's waiting for the slowest of P ranks, its compute's spread ``sigma_step``."""
+    return expected_largest(P) * sigma_step * math.sqrt(syncs) if syncs and sigma_step else 0.0
