@@ -1,5 +1,6 @@
 """`paratrain plan`: the layouts a worker count allows, each predicted by the cost model and
 ranked, with the `paratrain train` command for each (in-process: nothing is launched)."""
+import dataclasses
 import json
 
 import pytest
@@ -35,7 +36,8 @@ def test_zero_s_state_is_the_papers():
     assert memory.state_bytes("topk", P, memory.SGD_MOMENTUM, 2) == 16 * P
 
 
-def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys):
+def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plan, "memory_here", lambda *a: None)   # the formulas; the compare test measures here
     (tmp_path / "c.json").write_text(json.dumps(CALIBRATION))
     assert plan.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -90,10 +92,13 @@ def test_a_workers_peak_heap_sees_a_brief_allocation_and_a_footprint_splits_what
                                                            "peak_mb": 60})
     MB = 1 << 20
     foot = footprint.footprint("gpt", 16, state_bytes=12 * MB)
-    assert foot == footprint.Footprint(shared=(60 - 30 - 12) * MB, activations=30 * MB, batch=16)
+    assert foot == footprint.Footprint(shared=(20 - 12) * MB, activations=30 * MB, evaluation=40 * MB, batch=16)
     # a pipeline stage of half the layers, 2 of 4 micro-batches in flight: a quarter of them
     layout = plan.Layout("pipeline", [], 1, pp=2, microbatches=4)
     workload = memory_workload()
     _, held = plan.predicted(layout, workload, CLUSTER, memory.ADAM, 4, footprint=foot)
-    assert held == pytest.approx(foot.shared + memory.state_bytes("pipeline", workload.params, memory.ADAM, 2, 2)
-                                 + 30 * MB / 4)
+    state = memory.state_bytes("pipeline", workload.params, memory.ADAM, 2, 2)
+    assert held == pytest.approx(foot.shared + state + 40 * MB)           # the evaluation is the larger
+    _, held = plan.predicted(layout, workload, CLUSTER, memory.ADAM, 4,
+                             footprint=dataclasses.replace(foot, evaluation=0))
+    assert held == pytest.approx(foot.shared + state + 30 * MB / 4)

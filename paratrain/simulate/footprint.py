@@ -54,24 +54,31 @@ def measure(model, batch, seed=0):
 
 @dataclass(frozen=True)
 class Footprint:
-    """A worker's memory in two parts: ``shared`` bytes every layout holds (the runtime's
-    scratch, the data, the evaluation) and the ``activations`` backward keeps for the whole
-    model at the measured batch; a layout adds its own training state."""
+    """A worker's memory in parts: ``shared`` bytes every layout holds (the runtime's
+    scratch, the data), the ``activations`` backward keeps for the whole model at the
+    measured ``batch``, and what an ``evaluation`` (between steps, rank 0) adds; a layout
+    adds its own training state, and peaks at the larger of its activations and the
+    evaluation (0 for a run that does not evaluate)."""
     shared: float
     activations: float
+    evaluation: float
     batch: int
+
+    def peak(self, state, activations):
+        return self.shared + state + max(activations, self.evaluation)
 
 
 def footprint(model, batch, state_bytes, seed=0):
     """The Footprint of built-in ``model`` at ``batch`` samples, measured here; ``state_bytes``
     the training state one process holds (memory.state_bytes of dp on one worker), which
-    the measured peak less the activations also holds. None where the heap cannot be read."""
+    its heap between steps also holds. None where the heap cannot be read."""
     got = measured(model, batch, seed)
     if got is None:
         return None
     MB = 1 << 20
-    activations = max(0.0, got["train_peak_mb"] - got["steady_mb"]) * MB
-    return Footprint(got["peak_mb"] * MB - activations - state_bytes, activations, batch)
+    steady = got["steady_mb"] * MB
+    return Footprint(steady - state_bytes, max(0.0, got["train_peak_mb"] * MB - steady),
+                     max(0.0, got["peak_mb"] * MB - steady), batch)
 
 
 @functools.lru_cache(maxsize=None)
