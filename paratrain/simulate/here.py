@@ -5,10 +5,10 @@
   task itself, and ``step_compute_ms`` timed here: forward, backward and the
   optimizer's step on one worker's default batch in one process on one
   thread (the median of ten steps after a warm-up), as ``paratrain train``'s
-  workers compute; with
-  ``alongside`` other processes computing the same step meanwhile, as a
-  job's other workers on this host do (two computing processes here slow
-  each other by 1.2-1.5x: they share the caches and the memory bus).
+  workers compute; with ``alongside`` other processes computing the same
+  step meanwhile, as a job's other workers on this host do (two computing
+  processes here slow each other by 1.2-1.5x: they share the caches and the
+  memory bus).
 - ``cluster_here()``: ``--cluster here``, this host as one node of as many
   devices as it has cores, its link the one ``paratrain simulate --calibrate``
   fitted (calibration.json); the direct all-reduce's constants, since that is
@@ -73,7 +73,7 @@ def _steps(task, batch_size, model=None):
     import torch
 
     from ..train.optimizer import make_optimizer
-    model = copy.deepcopy(model or task.model)
+    model = copy.deepcopy(task.model if model is None else model)
     optimizer = make_optimizer(task.defaults["optimizer"], model.parameters(), task.defaults["lr"])
     while True:
         loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
@@ -164,8 +164,9 @@ def neighbours(model, batch, count, seed=0):
 
 
 def step_seconds(model, batch, seed=0, alongside=0):
-    """Forward + backward of ``batch`` samples of built-in ``model`` here, on one thread, with
-    ``alongside`` processes computing beside it; measured once per (model, batch, alongside)."""
+    """A training step (time_step) on ``batch`` samples of built-in ``model`` here, on one
+    thread, with ``alongside`` processes computing beside it; measured once per (model,
+    batch, alongside) until forget_timings."""
     key = (model, batch, alongside)
     if key not in _TIMED:
         with one_thread(), neighbours(model, batch, alongside, seed):
@@ -202,9 +203,9 @@ class ComputeOnlyGroup:
 
 
 def cut_step_seconds(model, batch, tp, seed=0, alongside=0):
-    """Forward + backward of ``batch`` samples of built-in ``model`` cut across ``tp`` workers
-    by its tensor plan (as paratrain train --tp cuts it), one worker's share, on one thread;
-    its collectives left out (ComputeOnlyGroup)."""
+    """A training step (time_step) on ``batch`` samples of built-in ``model`` cut across ``tp``
+    workers by its tensor plan (as paratrain train --tp cuts it), one worker's share, on one
+    thread; its collectives left out (ComputeOnlyGroup)."""
     import copy
 
     from ..parallel.tensor import parallelize

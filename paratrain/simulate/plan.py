@@ -128,7 +128,7 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     share = layout.pp * layout.tp
     compute = compute_seconds(layout, workload, measured)
     per_worker = dataclasses.replace(workload, batch_per_device=max(1, workload.batch_per_device // share),
-                                     step_compute_s=compute,
+                                     step_compute_s=float(compute),
                                      step_jitter_s=getattr(compute, "jitter", workload.step_jitter_s
                                                            * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
