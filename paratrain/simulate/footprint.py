@@ -25,11 +25,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .memory import MB
+
 STEPS = 5
 
 
 def measure(model, batch, seed=0):
-    """{"task_mb", "steady_mb", "peak_mb"} for built-in ``model`` at ``batch`` samples, here."""
+    """{"task_mb", "steady_mb", "train_peak_mb", "peak_mb"} for built-in ``model`` at ``batch``
+    samples, in this process."""
     import torch
 
     from ..train.memory import PeakMemory, heap_mb
@@ -75,7 +78,6 @@ def footprint(model, batch, state_bytes, seed=0):
     got = measured(model, batch, seed)
     if got is None:
         return None
-    MB = 1 << 20
     steady = got["steady_mb"] * MB
     return Footprint(steady - state_bytes, max(0.0, got["train_peak_mb"] * MB - steady),
                      max(0.0, got["peak_mb"] * MB - steady), batch)

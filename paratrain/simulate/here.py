@@ -163,15 +163,20 @@ def neighbours(model, batch, count, seed=0):
                 p.kill()
 
 
-def step_seconds(model, batch, seed=0, alongside=0):
-    """A training step (time_step) on ``batch`` samples of built-in ``model`` here, on one
-    thread, with ``alongside`` processes computing beside it; measured once per (model,
-    batch, alongside) until forget_timings."""
-    key = (model, batch, alongside)
+def _once(key, model, batch, seed, alongside, measure):
+    """``measure()`` of built-in ``model`` on one thread with ``alongside`` processes computing
+    its step of ``batch`` samples beside it; once per ``key`` until forget_timings."""
     if key not in _TIMED:
         with one_thread(), neighbours(model, batch, alongside, seed):
-            _TIMED[key] = time_step(task_of(model, seed), batch)
+            _TIMED[key] = measure()
     return _TIMED[key]
+
+
+def step_seconds(model, batch, seed=0, alongside=0):
+    """A training step (time_step) on ``batch`` samples of built-in ``model`` here, on one
+    thread, with ``alongside`` processes computing beside it."""
+    return _once((model, batch, alongside), model, batch, seed, alongside,
+                 lambda: time_step(task_of(model, seed), batch))
 
 
 class ComputeOnlyGroup:
@@ -209,15 +214,14 @@ def cut_step_seconds(model, batch, tp, seed=0, alongside=0):
     import copy
 
     from ..parallel.tensor import parallelize
-    key = (model, batch, "tp", tp, alongside)
-    if key not in _TIMED:
-        task = task_of(model, seed)
-        if task.tensor_plan is None:
-            raise ValueError(f"{model} has no tensor plan: paratrain train --tp does not cut it")
+    task = task_of(model, seed)
+    if task.tensor_plan is None:
+        raise ValueError(f"{model} has no tensor plan: paratrain train --tp does not cut it")
+
+    def measure():
         cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
-        with one_thread(), neighbours(model, batch, alongside, seed):
-            _TIMED[key] = time_step(task, batch, model=cut)
-    return _TIMED[key]
+        return time_step(task, batch, model=cut)
+    return _once((model, batch, "tp", tp, alongside), model, batch, seed, alongside, measure)
 
 
 def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
@@ -229,16 +233,15 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
     from ..parallel.pipeline.partition import balance
     from ..parallel.pipeline.split import _layers_for, measure_layers
     from ..parallel.pipeline.trace import trace
-    key = (model, batch, "stages", stages, alongside)
-    if key not in _TIMED:
-        task = task_of(model, seed)
-        with one_thread(), neighbours(model, batch, alongside, seed):
-            sample = torch.stack([task.train_set[i][0] for i in range(batch)])
-            gm = trace(task.model, sample).gm
-            costs = measure_layers(gm, task.model, _layers_for(gm, stages), sample, repeats=repeats)
+    task = task_of(model, seed)
+
+    def measure():
+        sample = torch.stack([task.train_set[i][0] for i in range(batch)])
+        gm = trace(task.model, sample).gm
+        costs = measure_layers(gm, task.model, _layers_for(gm, stages), sample, repeats=repeats)
         starts = balance(costs, stages) + [len(costs)]
-        _TIMED[key] = max(sum(costs[a:b]) for a, b in zip(starts, starts[1:])) / 1e3
-    return _TIMED[key]
+        return max(sum(costs[a:b]) for a, b in zip(starts, starts[1:])) / 1e3
+    return _once((model, batch, "stages", stages, alongside), model, batch, seed, alongside, measure)
 
 
 class Measured:

@@ -23,7 +23,6 @@ import ctypes.util
 import os
 import resource
 import threading
-import time
 
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 SAMPLE_S = 0.001
@@ -84,9 +83,8 @@ class PeakMemory:
             self._thread.start()
 
     def _sample(self, every_s):
-        while not self._stop.is_set():
+        while not self._stop.wait(every_s):
             self.heap_peak = max(self.heap_peak, heap_mb())
-            time.sleep(every_s)
 
     def report(self):
         """{"peak_memory_mb", "peak_rss_mb"}; stops the sampling."""
