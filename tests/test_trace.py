@@ -177,8 +177,9 @@ def test_paratrain_trace_names_the_straggler_and_only_it(tmp_path):
         ok(res)
         found = json.loads(res.stdout)["stragglers"]
         assert [s["rank"] for s in found] == expect, (where, res.stdout)
-        if expect:
-            assert 1.2 <= found[0]["factor"] <= 1.4, found
+        if expect:   # 1.3 asked; 3 workers share 2 cores, and the others' time starved of a core is
+            # taken out of their own work but the straggler's sleep is not: up to 1.45 seen on a busy host
+            assert 1.2 <= found[0]["factor"] <= 1.5, found
     assert "straggler: rank 1" in slow.stdout
 
 
