@@ -1,5 +1,9 @@
 """The cost model's formulas against hand-computed cases, and calibration recovering known
 constants from synthetic timings (paratrain/simulate)."""
+import json
+import os
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -41,7 +45,9 @@ def test_naive_direct_and_the_other_collectives_by_hand():
 def test_a_hierarchical_all_reduce_sends_one_buffer_per_host_over_the_network():
     intra, inter = Link(1e-6, 0.1e-9), Link(50e-6, 8e-9)   # memory, and a 1 Gbit/s network
     n, hosts, per_host = 16 * MB, 4, 8
-    inside = (2 * 7 / 8 * n) * 0.1e-9 + 3 * 1e-6 + n * 0.1e-9   # reduce to the leader, then broadcast
+    # reduce to the leader (the direct all-reduce: 16 rounds of 1 MiB, one barrier each and one
+    # more; 2 7/8 + 1/8 of n copied), then the direct broadcast (16 barriers; n in, n out)
+    inside = 17 * 1e-6 + (2 * 7 / 8 + 1 / 8) * n * 0.1e-9 + 16 * 1e-6 + 2 * n * 0.1e-9
     network = 6 * 50e-6 + 2 * 3 / 4 * n * 8e-9                  # a ring of the 4 leaders
     assert hierarchical_all_reduce(hosts, per_host, n, intra, inter) == pytest.approx(inside + network)
     flat = all_reduce("ring", hosts * per_host, n).seconds(inter)   # every rank on the network
@@ -101,9 +107,49 @@ def test_a_bench_report_becomes_samples_by_link():
         {"collective": "all_reduce", "engine": "paratrain", "bytes": MB, "median_us": 500.0, "run": "main"},
         {"collective": "all_reduce", "engine": "paratrain/ring", "bytes": MB, "median_us": 900.0, "run": "main"},
         {"collective": "all_reduce", "engine": "gloo", "bytes": MB, "median_us": 2000.0, "run": "main"},
+        {"collective": "all_reduce", "engine": "paratrain-hier", "bytes": MB, "median_us": 3000.0,
+         "run": "hierarchical"},
         {"collective": "all_gather", "engine": "paratrain", "bytes": MB, "median_us": 300.0, "run": "main"}]}
     assert calibrate.samples_from_bench(report) == {"shm_direct": [("direct", 3, MB, 500e-6)],
-                                                    "shm": [("ring", 3, MB, 900e-6)]}
+                                                    "shm": [("ring", 3, MB, 900e-6)],
+                                                    "net": [("ring", 3, MB, 2000e-6)],
+                                                    "hierarchical": [("hierarchical", 3, MB, 3000e-6)]}
+
+
+def test_a_pretend_link_is_measured_in_a_limited_namespace_and_carries_to_the_hierarchical_backend():
+    """The link's fit comes from Gloo between two pretend hosts; the hierarchical backend at
+    2 x 2 ranks is then predicted from it and the host's shm link, with no fitting."""
+    from paratrain.launch import link
+    if link.check("1gbit"):
+        pytest.skip(link.check("1gbit"))
+    intra, net = Link(5e-6, 0.2e-9, 0.1e-9, MB, 0.1e-9), Link(60e-6, 16e-9, 0.3e-9)
+    sizes = (256 << 10, MB, 4 * MB, 16 * MB)
+    commands = []
+
+    def bench(cmd, **_):   # what `paratrain bench collectives` would write, from the model
+        commands.append(cmd)
+        P, out = int(cmd[cmd.index("-n", 2) + 1]), cmd[cmd.index("--out") + 1]
+        if "--hierarchical" in cmd:
+            rows = [{"engine": "paratrain-hier", "run": "hierarchical", "bytes": n,
+                     "median_us": calibrate.hierarchical_seconds(P, n, intra, net, 2, 2.0) * 1e6} for n in sizes]
+        else:
+            rows = [{"engine": "gloo", "run": "main", "bytes": n,
+                     "median_us": all_reduce("ring", P, n).seconds(net) * 1e6} for n in sizes]
+        os.makedirs(out)
+        with open(os.path.join(out, "collectives.json"), "w") as f:
+            json.dump({"config": {"nproc": P}, "results": [dict(r, collective="all_reduce") for r in rows]}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    got = calibrate.measure_link("1gbit", runner=bench)
+    assert all(cmd[:2] == [link.tool("unshare"), "-n"] and "1gbit" in cmd for cmd in commands)
+    assert [("--hierarchical" in c, c[c.index("-n", 2) + 1]) for c in commands] == [(False, "2"), (True, "4")]
+    fitted, _ = calibrate.fit(got["net"], caches=(0,))
+    errors = calibrate.link_errors(got, fitted, intra, 2, 2.0)
+    assert np.abs(errors["net"]).max() < 1e-6 and len(errors["hierarchical"]) == 4
+    assert np.abs(errors["hierarchical"]).max() < 1e-6
+    # the shm phases count: with every rank on the memory link for free, 16 MiB is under-predicted
+    free = Link(0.0, 0.0)
+    assert calibrate.link_errors(got, fitted, free, 2, 2.0)["hierarchical"][-1] < -0.01
 
 
 def test_a_rank_count_held_out_is_predicted_from_the_others():

@@ -40,11 +40,17 @@ def check(rate):
 INSIDE = "--inside-link"   # a hidden flag: the launcher started in the namespace
 
 
-def command(rate, python, argv):
-    """The launcher again, inside a fresh network namespace with a limited loopback."""
+def limited(rate, cmd):
+    """``cmd`` run inside a fresh network namespace whose loopback carries ``rate``: one token
+    bucket for every byte over it, both directions together (a half-duplex link)."""
     ip, tc = tool("ip"), tool("tc")
     setup = f'{ip} link set lo up && {tc} qdisc add dev lo root tbf rate "$0" burst 512kb latency 20ms && exec "$@"'
-    return [tool("unshare"), "-n", "--", "sh", "-c", setup, rate, python, "-m", "paratrain.run", INSIDE, *argv]
+    return [tool("unshare"), "-n", "--", "sh", "-c", setup, rate, *cmd]
+
+
+def command(rate, python, argv):
+    """The launcher again, inside a fresh network namespace with a limited loopback."""
+    return limited(rate, [python, "-m", "paratrain.run", INSIDE, *argv])
 
 
 def as_pretend_hosts(args):

@@ -43,7 +43,7 @@ import tempfile
 
 import numpy as np
 
-from .collectives import Link, all_reduce, busy_ranks
+from .collectives import Link, all_reduce, busy_ranks, hierarchical_all_reduce
 
 
 CONTENTION = tuple(1 + i / 4 for i in range(9))   # the exponents k the fit tries
@@ -128,27 +128,37 @@ def samples_from_bench(report):
     """{link name: [(algorithm, P, n, seconds)]} from a ``paratrain bench collectives`` JSON
     report's all_reduce rows on one host: the shared-memory engine's direct algorithm runs
     over memory copies and barriers ("shm_direct"), the message-passing ones over its
-    channels ("shm")."""
+    channels ("shm"); Gloo's ring over TCP ("net": over a pretend link, the link), and the
+    hierarchical backend's run ("hierarchical": shm inside each pretend host, Gloo between
+    them)."""
     P = report["config"]["nproc"]
     out = {}
     for r in report["results"]:
-        algorithm = ENGINES.get(r["engine"])
-        if r["collective"] != "all_reduce" or algorithm is None or r.get("run", "main") != "main":
+        if r["collective"] != "all_reduce":
             continue
-        out.setdefault(PATHS[algorithm], []).append((algorithm, P, r["bytes"], r["median_us"] * 1e-6))
+        seconds = r["median_us"] * 1e-6
+        if r.get("run") == "hierarchical":
+            out.setdefault("hierarchical", []).append(("hierarchical", P, r["bytes"], seconds))
+            continue
+        if r.get("run", "main") != "main":
+            continue
+        if r["engine"] == "gloo":
+            out.setdefault("net", []).append(("ring", P, r["bytes"], seconds))
+        elif r["engine"] in ENGINES:
+            algorithm = ENGINES[r["engine"]]
+            out.setdefault(PATHS[algorithm], []).append((algorithm, P, r["bytes"], seconds))
     return out
 
 
-def measure_here(ranks=(2, 3, 4), sizes=SIZES, runner=None):
-    """Run ``paratrain bench collectives`` (all_reduce; direct, ring and tree) at each rank
-    count; returns {link name: samples}."""
+def _bench(runs, runner=None, wrap=lambda cmd: cmd):
+    """{link name: samples} of ``paratrain bench collectives`` (all_reduce) run once per
+    (ranks, extra options) in ``runs``, each command passed through ``wrap``."""
     samples = {}
     with tempfile.TemporaryDirectory() as folder:
-        for P in ranks:
-            out = os.path.join(folder, str(P))
-            cmd = [sys.executable, "-m", "paratrain", "bench", "collectives", "-n", str(P), "--collectives",
-                   "all_reduce", "--sizes", sizes, "--algorithms", "ring,tree", "--no-mpi", "--no-gloo",
-                   "--out", out]
+        for i, (P, options) in enumerate(runs):
+            out = os.path.join(folder, str(i))
+            cmd = wrap([sys.executable, "-m", "paratrain", "bench", "collectives", "-n", str(P), "--collectives",
+                        "all_reduce", "--no-mpi", *options, "--out", out])
             res = (runner or subprocess.run)(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"the collectives benchmark at {P} ranks failed:\n{res.stdout[-2000:]}"
@@ -157,6 +167,52 @@ def measure_here(ranks=(2, 3, 4), sizes=SIZES, runner=None):
                 for name, rows in samples_from_bench(json.load(f)).items():
                     samples.setdefault(name, []).extend(rows)
     return samples
+
+
+def measure_here(ranks=(2, 3, 4), sizes=SIZES, runner=None):
+    """Run ``paratrain bench collectives`` (all_reduce; direct, ring and tree) at each rank
+    count; returns {link name: samples}."""
+    return _bench([(P, ["--sizes", sizes, "--algorithms", "ring,tree", "--no-gloo"]) for P in ranks], runner)
+
+
+# ---- two pretend hosts joined by a slow link ----------------------------------------------
+
+LINK_RATES = ("1gbit", "10gbit")
+LINK_SIZES = "256K,1M,4M,16M"
+LINK_ITERS = "10"   # rounds per size: 16 MiB over 1 Gbit/s takes a quarter of a second a call
+
+
+def measure_link(rate, sizes=LINK_SIZES, runner=None):
+    """Two pretend hosts on this machine joined by a link of ``rate`` (launch/link.py: a
+    network namespace whose loopback a token bucket limits): Gloo's all-reduce between
+    one rank on each ("net"), and the hierarchical backend with two ranks on each
+    ("hierarchical": shm inside a host, Gloo between the hosts' leaders). Returns
+    {"net": samples, "hierarchical": samples}."""
+    from ..launch import link
+    why = link.check(rate)
+    if why:
+        raise RuntimeError(why)
+    options = ["--sizes", sizes, "--iters", LINK_ITERS]
+    return _bench([(2, options), (4, [*options, "--no-gloo", "--hierarchical"])], runner,
+                  wrap=lambda cmd: link.limited(rate, cmd))
+
+
+def hierarchical_seconds(P, n, intra, inter, cores=None, contention=1.0, hosts=2):
+    """comm/hierarchical.py's all-reduce of P ranks on ``hosts`` pretend hosts of this
+    machine: every rank works in the shared-memory phases, so they share the cores
+    (``oversubscribed``, with shm's fitted contention); the leaders' Gloo crosses the link."""
+    slow = oversubscribed(P, cores, contention)
+    return hierarchical_all_reduce(hosts, P // hosts, n, intra.slowed(slow), inter)
+
+
+def link_errors(samples, net, intra, cores=None, contention=1.0):
+    """{"net": relative errors of ``net``'s fit to its own samples, "hierarchical": of the
+    hierarchical runs, predicted from ``net`` and the host's ``intra`` link (not fitted on
+    them: held out)}."""
+    out = {"net": [float(e) for e in relative_errors(net, samples["net"])]}
+    out["hierarchical"] = [hierarchical_seconds(P, n, intra, net, cores, contention) / s - 1
+                           for _, P, n, s in samples.get("hierarchical", [])]
+    return out
 
 
 def fit_links(samples, cores=None):

@@ -124,6 +124,14 @@ def direct_all_reduce(P, n, slot_bytes=SLOT_BYTES):
     return Terms(rounds + 1, (2 * (P - 1) / P + 1 / P) * n, n, n)
 
 
+def direct_broadcast(P, n, slot_bytes=SLOT_BYTES):
+    """Shared memory (comm/shm/direct.py): per round of ``slot_bytes`` the root copies its
+    part in, one barrier, and the others copy it out: 2n on the critical path."""
+    if P == 1:
+        return NOTHING
+    return Terms(max(1, math.ceil(n / slot_bytes)), 2 * n, 0.0, n)
+
+
 def busy_ranks(algorithm, P):
     """How many of P ranks work at once in ``algorithm``'s all-reduce: all of them, but for
     recursive doubling at a P that is not a power of two, whose extra ranks fold in and
@@ -163,9 +171,8 @@ def hierarchical_all_reduce(hosts, per_host, n, intra, inter, inter_algorithm="r
     """Seconds of comm/hierarchical.py's all-reduce: reduce inside each host to its leader,
     all-reduce among the host leaders over ``inter``, broadcast inside each host; ``intra``
     is the host's shared-memory link (beta a memcpy's). Horovod's hierarchical all-reduce
-    (Sergeev & Del Balso, arXiv 1802.05799): the network carries one buffer per host."""
-    inside = NOTHING
-    if per_host > 1:   # a reduce to the leader (a reduce-scatter and a gather) and a broadcast, in memory
-        L = per_host
-        inside = Terms(2, (L - 1) / L * n + (L - 1) / L * n, (L - 1) / L * n, n) + Terms(1, n, 0.0, n)
+    (Sergeev & Del Balso, arXiv 1802.05799): the network carries one buffer per host.
+    Inside, the reduce is the direct all-reduce with one rank keeping the result (its
+    critical path the same) and the broadcast is direct too."""
+    inside = direct_all_reduce(per_host, n) + direct_broadcast(per_host, n)
     return inside.seconds(intra) + all_reduce(inter_algorithm, hosts, n).seconds(inter)

@@ -31,11 +31,25 @@ def _workers(text):
     return counts
 
 
+def _rates(text):
+    if text.strip() == "none":
+        return []
+    from ..launch import link
+    rates = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [link.check(r) for r in rates if link.check(r)]
+    if bad or not rates:
+        raise argparse.ArgumentTypeError(bad[0] if bad else f"--links {text!r}: give rates such as 1gbit,10gbit")
+    return rates
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="paratrain simulate", description=__doc__.splitlines()[0])
     p.add_argument("--calibrate", action="store_true",
                    help="measure all_reduce here (paratrain bench collectives at 2-4 ranks), fit each link's alpha, "
                         "beta and gamma, print measured against predicted, and store the fit (--calibration)")
+    p.add_argument("--links", default=None, type=_rates, metavar="RATES",
+                   help="--calibrate: the links between two pretend hosts to calibrate too, comma-separated in tc's "
+                        "words, or none (default 1gbit,10gbit where root and tc allow; paratrain run --link)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help=f"where the fit is stored (default {calibration_path()})")
     p.add_argument("--cluster", metavar="CLUSTER.toml", help="the machines and their links; here: this machine, "
@@ -81,38 +95,69 @@ def calibration_path():
     return os.path.join(base, "paratrain", "calibration.json")
 
 
-def calibrate_here(path):
-    """--calibrate: measure, fit, show the fit's errors, store it."""
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def _rows(name, samples, errors):
+    """Calibration rows of one link: each sample with its prediction."""
+    return [{"link": name, "algorithm": algorithm, "ranks": P, "bytes": n, "measured_s": seconds,
+             "predicted_s": seconds * (1 + float(error)), "error": float(error)}
+            for (algorithm, P, n, seconds), error in zip(samples, errors)]
+
+
+def calibrate_here(path, rates=None):
+    """--calibrate: measure, fit, show the fit's errors, store it. ``rates``: the pretend
+    links to calibrate too (None: calibrate.LINK_RATES where this machine can make them)."""
     from . import calibrate
+    from ..launch import link as linkmod
     print("paratrain simulate: measuring all_reduce here (paratrain bench collectives, 2, 3 and 4 ranks)...",
           flush=True)
     samples = calibrate.measure_here()
     cores = os.cpu_count()
     links = calibrate.fit_links(samples, cores)
+    rows, summary = [], []
+    for name, rows_of in samples.items():
+        link, contention = links[name]
+        rows += _rows(name, rows_of, calibrate.relative_errors(link, rows_of, cores, contention))
+        held = calibrate.held_out_errors(rows_of, cores)
+        if held:
+            summary.append(f"{name}: fitted without 3 ranks, predicting them: median {_median(held):.1%}, "
+                           f"max {max(held):.1%}")
+    if rates is None:
+        rates = [r for r in calibrate.LINK_RATES if linkmod.check(r) is None]
+        if len(rates) < len(calibrate.LINK_RATES):
+            print(f"paratrain simulate: pretend hosts left out: {linkmod.check(calibrate.LINK_RATES[0])}")
+    intra, intra_k = links["shm_direct"]
+    for rate in rates:
+        print(f"paratrain simulate: measuring two pretend hosts joined by {rate} (Gloo between them; "
+              "the hierarchical backend at 2 x 2 ranks)...", flush=True)
+        got = calibrate.measure_link(rate)
+        net, _ = calibrate.fit(got["net"], caches=(0,))
+        links[f"net_{rate}"] = (net, 1.0)
+        errors = calibrate.link_errors(got, net, intra, cores, intra_k)
+        rows += _rows(f"net_{rate}", got["net"], errors["net"])
+        rows += _rows(f"net_{rate}", got.get("hierarchical", []), errors["hierarchical"])
+        held = [abs(e) for (_, _, n, _), e in zip(got.get("hierarchical", []), errors["hierarchical"])
+                if n >= 1 << 20]
+        if held:
+            summary.append(f"net_{rate}: hierarchical 2 x 2 ranks, predicted from the link and shm_direct "
+                           f"(not fitted on them): median {_median(held):.1%}, max {max(held):.1%}")
     from rich.console import Console
     from rich.table import Table
     t = Table(title="all_reduce here: measured against the fitted model")
     for name in ("link", "algorithm", "ranks", "bytes", "measured", "predicted", "error"):
         t.add_column(name, justify="right")
-    rows = []
-    for name, rows_of in samples.items():
-        link, contention = links[name]
-        errors = calibrate.relative_errors(link, rows_of, cores, contention)
-        for (algorithm, P, n, seconds), error in zip(rows_of, errors):
-            rows.append({"link": name, "algorithm": algorithm, "ranks": P, "bytes": n, "measured_s": seconds,
-                         "predicted_s": seconds * (1 + error), "error": float(error)})
-            t.add_row(name, algorithm, str(P), f"{n:,}", f"{seconds * 1e3:.3f} ms",
-                      f"{seconds * (1 + error) * 1e3:.3f} ms", f"{error:+.1%}")
+    for r in rows:
+        t.add_row(r["link"], r["algorithm"], str(r["ranks"]), f"{r['bytes']:,}", f"{r['measured_s'] * 1e3:.3f} ms",
+                  f"{r['predicted_s'] * 1e3:.3f} ms", f"{r['error']:+.1%}")
     Console(width=max(Console().width, 100)).print(t)
     for name in links:
         large = [abs(r["error"]) for r in rows if r["link"] == name and r["bytes"] >= 1 << 20]
         if large:
-            print(f"{name}: |error| at 1 MiB and above: median {sorted(large)[len(large) // 2]:.1%}, "
-                  f"max {max(large):.1%}")
-        held = calibrate.held_out_errors(samples[name], cores)
-        if held:
-            print(f"{name}: fitted without 3 ranks, predicting them: median {sorted(held)[len(held) // 2]:.1%}, "
-                  f"max {max(held):.1%}")
+            print(f"{name}: |error| at 1 MiB and above: median {_median(large):.1%}, max {max(large):.1%}")
+    for line in summary:
+        print(line)
     for name, (link, contention) in links.items():
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
         far = (f"; past {link.cache_bytes / 1024:.0f} KiB, {link.beyond * 1e9:.4f} ns/byte more"
@@ -132,7 +177,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.calibrate:
-        return calibrate_here(args.calibration or calibration_path())
+        return calibrate_here(args.calibration or calibration_path(), args.links)
     if args.cluster is None or args.workload is None:
         parser.error("give --cluster and --workload (or --calibrate)")
     try:
