@@ -126,10 +126,12 @@ def direct_all_reduce(P, n, slot_bytes=SLOT_BYTES):
 
 def direct_broadcast(P, n, slot_bytes=SLOT_BYTES):
     """Shared memory (comm/shm/direct.py): per round of ``slot_bytes`` the root copies its
-    part in, one barrier, and the others copy it out: 2n on the critical path."""
+    part in, one barrier, and the others copy it out while the root copies the next round
+    in (three slots a rank): n and then the last round's n / R on the critical path."""
     if P == 1:
         return NOTHING
-    return Terms(max(1, math.ceil(n / slot_bytes)), 2 * n, 0.0, n)
+    rounds = max(1, math.ceil(n / slot_bytes))
+    return Terms(rounds, n + n / rounds, 0.0, n)
 
 
 def busy_ranks(algorithm, P):
