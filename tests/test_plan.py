@@ -67,24 +67,31 @@ def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):
 
 
 def test_a_workers_peak_heap_sees_a_brief_allocation_and_a_footprint_splits_what_layouts_share(monkeypatch):
-    """train/memory.py's sampler catches a 64 MiB buffer that lives 50 ms (the heap's peak,
-    not where it ends); a footprint is the measured peak split into what every layout
-    shares and the activations, less the one-process state."""
-    import time
-
+    """train/memory.py sees a 64 MiB activation that lives only until the next module's
+    forward (the heap's peak, not where it ends), and a buffer alive where the trainer
+    samples; a footprint is the measured peak split into what every layout shares and the
+    activations, less the one-process state."""
     import numpy as np
+    import torch
 
     from paratrain.simulate import footprint
     from paratrain.train.memory import PeakMemory, heap_mb
     if heap_mb() is None:
         pytest.skip("no mallinfo2 here (not glibc 2.33+)")
+
+    class Wide(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.ones(64 << 18)   # 64 MiB of float32, freed by the sum below
+
     watch = PeakMemory()
-    brief = np.ones(64 << 17)   # 64 MiB of float64
-    time.sleep(0.05)
-    del brief
-    time.sleep(0.01)
+    assert float(torch.nn.Sequential(Wide()).forward(torch.zeros(1)).sum()) == 64 << 18
     report = watch.report()
     assert 64 <= report["peak_memory_mb"] < 80 and heap_mb() - watch.heap_before < 8
+    watch = PeakMemory()
+    brief = np.ones(32 << 17)   # 32 MiB of float64 where the trainer samples
+    watch.sample()
+    del brief
+    assert 32 <= watch.report()["peak_memory_mb"] < 48
     assert report["peak_rss_mb"] >= 0
     got = footprint.measure("mlp", 8)   # in this process: the parts are there and ordered
     assert got["task_mb"] > 0 and got["peak_mb"] >= got["train_peak_mb"] >= got["steady_mb"] > 0

@@ -46,7 +46,9 @@ def measure(model, batch, seed=0):
     loader = iter(torch.utils.data.DataLoader(task.train_set, batch_size=batch, shuffle=False, drop_last=True))
     for _ in range(STEPS):
         task.loss(task.model, next(loader)).backward()
+        memory.sample()   # where the trainer samples too
         optimizer.step()
+        memory.sample()
         optimizer.zero_grad(set_to_none=True)
     steady = heap_mb() - memory.heap_before
     train_peak = memory.heap_peak - memory.heap_before

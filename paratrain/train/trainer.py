@@ -214,8 +214,10 @@ class TrainingRun:
         tc, waited = time.perf_counter(), strategy.stats.wait_seconds
         loss = strategy.forward_backward(self.task, batch)
         compute = time.perf_counter() - tc - (strategy.stats.wait_seconds - waited)
+        self.memory.sample()   # every gradient held
         slept = self.slow.after_compute(compute)
         strategy.after_backward()
+        self.memory.sample()   # and the optimizer's state
         self.loss = strategy.logged_loss(loss)
         return time.perf_counter() - t0, compute, slept
 
