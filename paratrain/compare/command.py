@@ -66,9 +66,11 @@ def common_flags(args, folder):
 def predictor(args):
     """A function of a strategy's name to its ``predicted_step_ms`` from simulate's model of
     this machine, or None when ``paratrain simulate --calibrate`` has stored no links.
-    Each prediction times the model afresh, just before the strategy runs: this machine's
-    speed moves by a third within minutes (shared hosts), and a prediction timed in
-    another minute than its run would compare the minutes, not the model."""
+    Each prediction times the model afresh, just before the strategy runs and again just
+    after, and takes the mean: this machine's speed moves by a third within minutes
+    (shared hosts; the same dp prediction timed six times in 20 s: 165-203 ms), and a
+    prediction timed in another minute than its run would compare the minutes, not the
+    model."""
     from ..simulate import here, plan
     from ..simulate.command import calibration_path
     if not os.path.exists(calibration_path()):
@@ -114,8 +116,10 @@ def main(argv=None):
                 bar.update(task, description=f"training {name}")
                 rows.append(run_one(name, flags, folder))
                 r = rows[-1]
-                if predicted and "unavailable" not in r:
-                    r["predicted_step_ms"] = predicted
+                if predicted and "unavailable" not in r:   # timed again after: the two bracket the run
+                    bar.update(task, description=f"predicting {name} again")
+                    again = predict(name)
+                    r["predicted_step_ms"] = (predicted + again) / 2 if again else predicted
                 bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
                                                  f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
             bar.advance(task)
