@@ -9,10 +9,9 @@ import os
 import shutil
 import subprocess
 
+from ..launch.forkserver import TRAINING_PRELOAD as PRELOAD
 from . import report
 from .strategies import train_flags
-
-PRELOAD = ("torch", "torch._dynamo", "matplotlib.figure", "matplotlib.backends.backend_agg")
 
 
 @contextlib.contextmanager

@@ -50,6 +50,9 @@ from .parent import set_parent_death_signal, tie_to_parent
 BOOTSTRAP = "paratrain.launch.bootstrap"
 MODULE = "paratrain.launch.forkserver"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+# what a training run's workers import beyond those: its plot (paratrain compare's and plan's
+# servers preload it, and simulate/footprint.py imports it before it measures a heap)
+TRAINING_PRELOAD = (*DEFAULT_PRELOAD, "matplotlib.figure", "matplotlib.backends.backend_agg")
 STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_", "GOMP_", "MALLOC_", "TORCH",
                     "PYTORCH_", "CUDA_", "HF_", "TRANSFORMERS_", "MPL")
 NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user")

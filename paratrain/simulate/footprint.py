@@ -15,7 +15,7 @@ stages and tensor cut.
 
 A fresh process because the heap of one that has trained already holds the
 scratch this measures; one that has imported what compare's and plan's
-workers start with (compare/runs.py's PRELOAD: matplotlib's import alone
+workers start with (launch/forkserver.py's TRAINING_PRELOAD: matplotlib's import alone
 allocates some 20 MiB a first training step would), since what was there
 before a worker began is not counted.
 """
@@ -99,9 +99,9 @@ def measured(model, batch, seed=0):
 if __name__ == "__main__":
     import importlib
 
-    from ..compare.runs import PRELOAD
+    from ..launch.forkserver import TRAINING_PRELOAD
     from ..train.memory import heap_mb
-    for name in PRELOAD:
+    for name in TRAINING_PRELOAD:
         importlib.import_module(name)
     if heap_mb() is None:
         print(json.dumps({"peak_mb": None}))
