@@ -104,6 +104,7 @@ def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
 
 
 _TIMED = {}
+NEIGHBOUR_START_S = 120   # seconds a neighbour may take to finish its first step
 
 
 def forget_timings():
@@ -131,10 +132,12 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def _compute_until(task, batch, stop):
+def _compute_until(task, batch, stop, started):
     import torch
     torch.set_num_threads(1)
-    for _ in _steps(task, batch):
+    for i, _ in enumerate(_steps(task, batch)):
+        if i == 0:
+            started.release()
         if stop.is_set():
             return
 
@@ -142,18 +145,24 @@ def _compute_until(task, batch, stop):
 @contextlib.contextmanager
 def neighbours(model, batch, count, seed=0):
     """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples
-    while the body times its own: what a worker's compute takes beside the others."""
+    while the body times its own: what a worker's compute takes beside the others. The body
+    starts once each has finished a step: a short timing (a pipeline stage's layers, a
+    few hundred milliseconds) would otherwise be over before they compute at all."""
     if count <= 0:
         yield
         return
     import multiprocessing
     fork = multiprocessing.get_context("fork")
-    stop = fork.Event()
-    others = [fork.Process(target=_compute_until, args=(task_of(model, seed), batch, stop), daemon=True)
+    stop, started = fork.Event(), fork.Semaphore(0)
+    others = [fork.Process(target=_compute_until, args=(task_of(model, seed), batch, stop, started), daemon=True)
               for _ in range(count)]
     for p in others:
         p.start()
     try:
+        for p in others:
+            if not started.acquire(timeout=NEIGHBOUR_START_S):
+                raise RuntimeError(f"a process computing beside the timing did not finish a step of {model} "
+                                   f"in {NEIGHBOUR_START_S} s")
         yield
     finally:
         stop.set()
