@@ -253,6 +253,31 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
     return _once((model, batch, "stages", stages, alongside), model, batch, seed, alongside, measure)
 
 
+def optimizer_seconds(model, seed=0, alongside=0):
+    """The task's optimizer step over every parameter of built-in ``model`` (each with a
+    gradient), on one thread: what a pipeline stage adds to its micro-batches once a step,
+    for its share of the parameters (a whole step's timing has it already)."""
+    import copy
+
+    import torch
+
+    from ..train.optimizer import make_optimizer
+    task = task_of(model, seed)
+
+    def measure():
+        copied = copy.deepcopy(task.model)
+        optimizer = make_optimizer(task.defaults["optimizer"], copied.parameters(), task.defaults["lr"])
+        for p in copied.parameters():
+            p.grad = torch.randn_like(p)
+        times = []
+        for _ in range(WARMUP + TIMED):
+            t0 = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - t0)
+        return Timed(times[WARMUP:])
+    return _once((model, "optimizer", alongside), model, task.defaults["batch_size"], seed, alongside, measure)
+
+
 class Measured:
     """What plan.py times of built-in ``model`` here beyond its whole step: a pipeline
     stage's micro-batch, a tensor-parallel worker's share; ``alongside`` others computing."""
@@ -265,6 +290,9 @@ class Measured:
 
     def cut(self, batch, tp):
         return cut_step_seconds(self.model, batch, tp, self.seed, self.alongside)
+
+    def optimizer(self):
+        return optimizer_seconds(self.model, self.seed, self.alongside)
 
 
 def workload_of(model, batch_size=None, seed=0, alongside=0):
