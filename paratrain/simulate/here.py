@@ -99,8 +99,12 @@ def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
     """Seconds of a training step on ``batch_size`` samples on this process (``_steps``;
     ``model``: another model of the task's, a cut one), a Timed of ``timed`` steps after
     ``warmup``."""
-    steps = _steps(task, batch_size, model)
-    return Timed([next(steps) for _ in range(warmup + timed)][warmup:])
+    return _timed(_steps(task, batch_size, model), warmup, timed)
+
+
+def _timed(seconds, warmup=WARMUP, timed=TIMED):
+    """A Timed of ``timed`` of the times the generator ``seconds`` yields, after ``warmup``."""
+    return Timed([next(seconds) for _ in range(warmup + timed)][warmup:])
 
 
 _TIMED = {}
@@ -159,7 +163,7 @@ def neighbours(model, batch, count, seed=0):
     for p in others:
         p.start()
     try:
-        for p in others:
+        for _ in others:
             if not started.acquire(timeout=NEIGHBOUR_START_S):
                 raise RuntimeError(f"a process computing beside the timing did not finish a step of {model} "
                                    f"in {NEIGHBOUR_START_S} s")
@@ -264,18 +268,17 @@ def optimizer_seconds(model, seed=0, alongside=0):
     from ..train.optimizer import make_optimizer
     task = task_of(model, seed)
 
-    def measure():
+    def steps():
         copied = copy.deepcopy(task.model)
         optimizer = make_optimizer(task.defaults["optimizer"], copied.parameters(), task.defaults["lr"])
         for p in copied.parameters():
             p.grad = torch.randn_like(p)
-        times = []
-        for _ in range(WARMUP + TIMED):
+        while True:
             t0 = time.perf_counter()
             optimizer.step()
-            times.append(time.perf_counter() - t0)
-        return Timed(times[WARMUP:])
-    return _once((model, "optimizer", alongside), model, task.defaults["batch_size"], seed, alongside, measure)
+            yield time.perf_counter() - t0
+    return _once((model, "optimizer", alongside), model, task.defaults["batch_size"], seed, alongside,
+                 lambda: _timed(steps()))
 
 
 class Measured:

@@ -107,8 +107,9 @@ def compute_seconds(layout, workload, measured=None):
     timed at its own size (a small batch runs less efficiently, and the stages are not
     equal), and once a step the optimizer over its share of the parameters (4 ms of a
     gpt step's 121 in a 1F1B trace); for a tensor group, its worker's share of the cut
-    model on the whole batch (the embeddings, norms and loss are not cut). ``measured`` (here.Measured) times
-    these on the model here; without it they are the workload's step scaled down."""
+    model on the whole batch (the embeddings, norms and loss are not cut).
+    ``measured`` (here.Measured) times these on the model here; without it they are the
+    workload's step scaled down."""
     if layout.pp > 1:
         m = layout.microbatches or 1
         small = max(1, workload.batch_per_device // m)
