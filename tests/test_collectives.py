@@ -16,6 +16,7 @@ def _ok(res, n, backend):
     assert len(passed) == n, out[-4000:]
 
 
+@pytest.mark.alone   # a 3 s bound on the exit
 @pytest.mark.timeout(90)
 def test_debug_receive_left_pending_does_not_hold_the_exit(tmp_path):
     """PARATRAIN_DEBUG on torch: a script that ends with an irecv never matched

@@ -143,4 +143,4 @@ def test_the_readme_is_short_dated_once_and_free_of_tracker_words():
 def test_the_test_command_block_is_intact():
     block = README.split("<!-- test-command -->", 1)[1].split("```", 2)[1].strip()
     assert block == ("python3 -m venv .venv && .venv/bin/pip install -q -e '.[test,mpi]' && "
-                     ".venv/bin/python -m pytest -q")
+                     ".venv/bin/python -m pytest -q -n 2")
