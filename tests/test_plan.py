@@ -59,6 +59,44 @@ def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, m
     assert "dp" not in {r["strategy"] for r in kept} and "zero3" in {r["strategy"] for r in kept}
 
 
+class FakeMeasured:
+    """here.Measured's timings, given: a stage's micro-batch, the optimizer, the split."""
+
+    def __init__(self, split):
+        self.splits = split, []
+
+    def stage(self, batch, stages):
+        return 0.02
+
+    def optimizer(self):
+        return 0.004
+
+    def split(self, batch):
+        self.splits[1].append(batch)
+        return self.splits[0]
+
+
+def test_a_zero_bubble_pipeline_is_predicted_with_the_measured_split_of_its_backward():
+    from paratrain.parallel.pipeline import schedules
+    w = memory_workload()
+    layout = plan.compare_layout("pipeline-zb", 2)
+    measured = FakeMeasured((0.6, 0.25))
+    step, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, intra=Link(0, 0)), memory.ADAM,
+                             measured=measured)
+    m = layout.microbatches
+    compute = m * 0.02 + 0.004 / 2
+    assert measured.splits[1] == [16 // m]                   # timed at a micro-batch's samples
+    f, b = compute * 0.4 / m, compute * 0.6 / m
+    cost = {"F": f, "B": 0.75 * b, "W": 0.25 * b}
+    assert step.step_s == pytest.approx(schedules.simulate("zb-h1", 2, m, cost=cost)[0])
+
+
+def test_the_backward_split_of_a_model_is_two_shares():
+    from paratrain.simulate import here
+    backward, weights = here.backward_split("mlp", 4)
+    assert 0 < backward < 1 and 0 < weights <= 1
+
+
 def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):
     assert plan.main(["--model", "mlp", "--calibration", str(tmp_path / "none.json")]) == 2
     assert "paratrain simulate --calibrate" in capsys.readouterr().err

@@ -86,6 +86,11 @@ def test_the_files_are_read_and_bad_ones_say_what_is_wrong(tmp_path):
         load_workload(tmp_path / "bad.toml")
     with pytest.raises(ValueError, match="cannot read"):
         load_workload(tmp_path / "none.toml")
+    (tmp_path / "w.toml").write_text(WORKLOAD + "weight_fraction = 0.4\n")
+    assert load_workload(tmp_path / "w.toml").weight_fraction == pytest.approx(0.4)
+    (tmp_path / "bad.toml").write_text(WORKLOAD + "weight_fraction = 1\n")
+    with pytest.raises(ValueError, match="weight_fraction = 1.0; give a share of the backward, between 0 and 1"):
+        load_workload(tmp_path / "bad.toml")
 
 
 def test_the_command_prints_one_row_per_worker_count(tmp_path, capsys):

@@ -38,6 +38,12 @@ def test_the_pipeline_bubble_is_the_schedules_own_and_sends_add_to_the_path():
     one_f_one_b = predict("pipeline", w, free, 4, microbatches=8)
     assert one_f_one_b.bubble_s == pytest.approx(3 * (0.3 / 8))   # (p - 1)(f + b): 1F1B's fill and drain
     assert predict("pipeline-zb", w, free, 4, microbatches=8).bubble_s < one_f_one_b.bubble_s
+    # W's measured share of the backward: a W shorter than B leaves ZB-H1 more of a bubble
+    uneven = predict("pipeline-zb", gpt_like(weight_fraction=0.3), free, 4, microbatches=8)
+    b = w.backward_s / 8
+    cost = {"F": w.forward_s / 8, "B": 0.7 * b, "W": 0.3 * b}
+    assert uneven.step_s == pytest.approx(schedules.simulate("zb-h1", 4, 8, cost=cost)[0])
+    assert uneven.bubble_s > predict("pipeline-zb", w, free, 4, microbatches=8).bubble_s
     # a send of (p/m) x the activations per action, twice per micro-batch on the path
     s = predict("pipeline", w, HOST, 4, microbatches=8)
     send = 10e-6 + 8 * 64 * 256 * 4 * 4 / 8 * 1e-9

@@ -7,7 +7,8 @@
     intra_node_gbps = 80                batch_per_device = 64
     intra_node_latency_us = 5           step_compute_ms = 490      # forward + backward, one device
     inter_node_gbps = 25                backward_fraction = 0.667  # optional (2/3)
-    inter_node_latency_us = 10          # optional, for pipeline and tensor parallelism,
+    inter_node_latency_us = 10          weight_fraction = 0.5  # optional: W's share of backward
+                                        # optional, for pipeline and tensor parallelism,
     reduce_gbps = 1000     # optional   # ZeRO-3's units and PowerSGD:
     encode_gbps = 2000     # optional   layers = 24
                                         hidden = 1024
@@ -62,11 +63,17 @@ def load_cluster(path):
                    _get(data, path, "encode_gbps", float, default=None))
 
 
-def _backward_fraction(data, path):
-    fraction = _get(data, path, "backward_fraction", float, default=2 / 3)
+def _fraction(data, path, key, default, of):
+    fraction = _get(data, path, key, float, default=default)
     if not 0 < fraction < 1:
-        raise ValueError(f"{path}: backward_fraction = {fraction!r}; give a share of the step, between 0 and 1")
+        raise ValueError(f"{path}: {key} = {fraction!r}; give a share of the {of}, between 0 and 1")
     return fraction
+
+
+def _fractions(data, path):
+    """{backward_fraction, weight_fraction} the file gives."""
+    return {key: _fraction(data, path, key, None, of) for key, of in
+            (("backward_fraction", "step"), ("weight_fraction", "backward")) if key in data}
 
 
 def load_workload(path):
@@ -83,16 +90,17 @@ def load_workload(path):
                 "hidden": int, "seq_len": int, "activation_bytes": float}
         changes = {k: (str(data[k]) if kind is str else _get(data, path, k, kind)) for k, kind in keys.items()
                    if k in data}
-        if "backward_fraction" in data:
-            changes["backward_fraction"] = _backward_fraction(data, path)
+        changes.update(_fractions(data, path))
         for key in ("step_compute_ms", "step_jitter_ms"):
             if key in data:
                 changes[key.replace("_ms", "_s")] = _get(data, path, key, float) / 1e3
         return dataclasses.replace(measured, **changes)
-    fraction = _backward_fraction(data, path)
     return Workload(str(data.get("name", path)), _get(data, path, "params", int),
                     _get(data, path, "bytes_per_param", float), _get(data, path, "batch_per_device", int),
-                    _get(data, path, "step_compute_ms", float) / 1e3, fraction,
-                    *(_get(data, path, key, int, default=None) for key in ("layers", "hidden", "seq_len")),
-                    _get(data, path, "activation_bytes", float, default=None),
-                    _get(data, path, "step_jitter_ms", float, default=0.0) / 1e3)
+                    _get(data, path, "step_compute_ms", float) / 1e3,
+                    layers=_get(data, path, "layers", int, default=None),
+                    hidden=_get(data, path, "hidden", int, default=None),
+                    seq_len=_get(data, path, "seq_len", int, default=None),
+                    activation_bytes=_get(data, path, "activation_bytes", float, default=None),
+                    step_jitter_s=_get(data, path, "step_jitter_ms", float, default=0.0) / 1e3,
+                    **_fractions(data, path))

@@ -257,6 +257,52 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
     return _once((model, batch, "stages", stages, alongside), model, batch, seed, alongside, measure)
 
 
+def backward_split(model, batch, seed=0, alongside=0):
+    """(the backward's share of forward + backward, the weight gradients' share of the
+    backward) of built-in ``model`` on ``batch`` samples, on one thread: what a zero-bubble
+    schedule's F, B and W take of a micro-batch (Qi et al. 2023, "Zero Bubble Pipeline
+    Parallelism", split the backward into B, the input gradients, and W, the weights').
+    W is timed as the pipeline engine runs it, each linear layer's two products from its
+    input and output gradient (engine._linear_weight_gradients); B is the rest of the
+    backward. Other weight owners (norms, embeddings) the engine keeps in B too."""
+    import copy
+
+    import torch
+
+    from ..parallel.pipeline.engine import _linear_weight_gradients
+    task = task_of(model, seed)
+
+    def parts():
+        copied = copy.deepcopy(task.model)
+        linears = [m for m in copied.modules() if type(m) is torch.nn.Linear]
+        loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch, shuffle=False, drop_last=True)
+        while True:
+            for sample in loader:
+                captured = []
+
+                def keep(mod, args, out):
+                    out.register_hook(lambda g, mod=mod, x=args[0]: captured.append((mod, x.detach(), g)))
+                hooks = [m.register_forward_hook(keep) for m in linears]
+                t0 = time.perf_counter()
+                loss = task.loss(copied, sample)
+                t1 = time.perf_counter()
+                for h in hooks:
+                    h.remove()
+                loss.backward()
+                t2 = time.perf_counter()
+                for mod, x, g in captured:
+                    _linear_weight_gradients(mod, x, g)
+                t3 = time.perf_counter()
+                copied.zero_grad(set_to_none=True)
+                yield t1 - t0, t2 - t1, t3 - t2
+
+    def measure():
+        timed = [next(steps) for steps in [parts()] for _ in range(WARMUP + TIMED)][WARMUP:]
+        forward, backward, weights = (statistics.median(column) for column in zip(*timed))
+        return backward / (forward + backward), min(1.0, weights / backward)
+    return _once((model, batch, "split", alongside), model, batch, seed, alongside, measure)
+
+
 def optimizer_seconds(model, seed=0, alongside=0):
     """The task's optimizer step over every parameter of built-in ``model`` (each with a
     gradient), on one thread: what a pipeline stage adds to its micro-batches once a step,
@@ -296,6 +342,9 @@ class Measured:
 
     def optimizer(self):
         return optimizer_seconds(self.model, self.seed, self.alongside)
+
+    def split(self, batch):
+        return backward_split(self.model, batch, self.seed, self.alongside)
 
 
 def workload_of(model, batch_size=None, seed=0, alongside=0):

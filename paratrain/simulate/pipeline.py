@@ -11,7 +11,8 @@ activation bytes each, over the link the stages span.
 
 The step is the makespan of ``schedules.simulate`` (the order
 parallel/pipeline/schedules.py gives every rank, run against each other)
-with F = f + send, B = b + send (zb-h1: B and W half of the backward each):
+with F = f + send, B = b + send (zb-h1: B = b - w + send and W = w, w the
+workload's weight_fraction of b, half by default; plan.py measures it here):
 the bubble is what the schedule leaves idle (GPipe's and 1F1B's (p-1)/(m+p-1)
 of the step when sends are free; ZB-H1 about a third of that), not a
 formula laid over it.
@@ -43,7 +44,8 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     activations = workload.layer_activation_bytes("a pipeline") * p / m
     send = link.alpha + activations * link.beta
     f, b = workload.forward_s / m, workload.backward_s / m
-    cost = {"F": f + send, "B": b / 2 + send, "W": b / 2} if schedule in schedules.SPLIT_BACKWARD \
+    w = b * workload.weight_fraction
+    cost = {"F": f + send, "B": b - w + send, "W": w} if schedule in schedules.SPLIT_BACKWARD \
         else {"F": f + send, "B": b + send}
     makespan, _busy, _trace = schedules.simulate(schedule, p, m, cost=cost)
     sends = 2 * m * send

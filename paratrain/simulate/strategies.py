@@ -33,6 +33,6 @@ def predict(strategy, workload, cluster, workers, **options):
         step = STRATEGIES[strategy](workload, cluster, workers, **options)
     except Unavailable as e:
         return e
-    group = (options.get("tp") or tensor.default_tp(cluster, workers)) if strategy == "tensor" else workers
+    group = tensor.group_size(cluster, workers, options.get("tp")) if strategy == "tensor" else workers
     wait = waits.seconds(group, workload.step_jitter_s, waits.synchronizations(strategy, workload))
     return dataclasses.replace(step, wait_s=wait) if wait else step

@@ -44,6 +44,7 @@ class Workload:
     seq_len: int = None          # tokens per sample (1 for an image model's features)
     activation_bytes: float = None   # one layer's output for one device's batch (default batch x seq x hidden x 4)
     step_jitter_s: float = 0.0   # the standard deviation of step_compute_s from step to step (waits.py)
+    weight_fraction: float = 1 / 2   # the weight gradients' share of the backward (a zero-bubble pipeline's W)
 
     @property
     def gradient_bytes(self):

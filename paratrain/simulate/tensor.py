@@ -21,9 +21,14 @@ def default_tp(cluster, workers):
     return min(workers, cluster.devices_per_node)
 
 
+def group_size(cluster, workers, tp=None):
+    """The tensor group: ``tp`` as given, else default_tp."""
+    return tp or default_tp(cluster, workers)
+
+
 def step(workload, cluster, workers, tp=None, algorithm=None, bucket_mb=data_parallel.BUCKET_MB, **_):
     hosts, _ = data_parallel.placement(cluster, workers)
-    t = tp or default_tp(cluster, workers)
+    t = group_size(cluster, workers, tp)
     if workers % t:
         raise Unavailable(f"{workers} workers are not a multiple of --tp {t}")
     if t == 1:
