@@ -76,25 +76,30 @@ class FakeMeasured:
         return self.splits[0]
 
 
-def test_a_zero_bubble_pipeline_is_predicted_with_the_measured_split_of_its_backward():
+def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
+    """Under ZB-H1 every stage runs B then W, W the measured share of a split backward that
+    takes split_cost x a whole one; under 1F1B the first stage's backward is whole."""
     from paratrain.parallel.pipeline import schedules
+    from paratrain.simulate.here import BackwardSplit
     w = memory_workload()
-    layout = plan.compare_layout("pipeline-zb", 2)
-    measured = FakeMeasured((0.6, 0.25))
-    step, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, intra=Link(0, 0)), memory.ADAM,
-                             measured=measured)
-    m = layout.microbatches
-    compute = m * 0.02 + 0.004 / 2
-    assert measured.splits[1] == [16 // m]                   # timed at a micro-batch's samples
-    f, b = compute * 0.4 / m, compute * 0.6 / m
-    cost = {"F": f, "B": 0.75 * b, "W": 0.25 * b}
-    assert step.step_s == pytest.approx(schedules.simulate("zb-h1", 2, m, cost=cost)[0])
+    for name, schedule in (("pipeline-zb", "zb-h1"), ("pipeline", "1f1b")):
+        layout = plan.compare_layout(name, 2)
+        measured = FakeMeasured(BackwardSplit(0.6, 0.25, 1.2))
+        step, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, intra=Link(0, 0)), memory.ADAM,
+                                 measured=measured)
+        m = layout.microbatches
+        compute = m * 0.02 + 0.004 / 2
+        assert measured.splits[1] == [16 // m]                   # timed at a micro-batch's samples
+        f, b = compute * 0.4 / m, compute * 0.6 / m
+        split = {"F": f, "B": 0.75 * 1.2 * b, "W": 0.25 * 1.2 * b}
+        cost = [split, split] if schedule == "zb-h1" else [{"F": f, "B": b}, {"F": f, "B": 1.2 * b}]
+        assert step.step_s == pytest.approx(schedules.simulate(schedule, 2, m, cost=cost)[0]), name
 
 
-def test_the_backward_split_of_a_model_is_two_shares():
+def test_the_backward_split_of_a_model_is_measured_as_shares():
     from paratrain.simulate import here
-    backward, weights = here.backward_split("mlp", 4)
-    assert 0 < backward < 1 and 0 < weights <= 1
+    split = here.backward_split("mlp", 4)
+    assert 0 < split.backward_fraction < 1 and 0 < split.weight_fraction <= 1 and split.split_cost > 0
 
 
 def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):

@@ -44,6 +44,15 @@ def test_the_pipeline_bubble_is_the_schedules_own_and_sends_add_to_the_path():
     cost = {"F": w.forward_s / 8, "B": 0.7 * b, "W": 0.3 * b}
     assert uneven.step_s == pytest.approx(schedules.simulate("zb-h1", 4, 8, cost=cost)[0])
     assert uneven.bubble_s > predict("pipeline-zb", w, free, 4, microbatches=8).bubble_s
+    # a split backward dearer than a whole one: every stage under ZB-H1, all but the first under 1F1B
+    dear = gpt_like(weight_fraction=0.3, split_cost=1.25)
+    cost = {"F": w.forward_s / 8, "B": 0.7 * 1.25 * b, "W": 0.3 * 1.25 * b}
+    assert predict("pipeline-zb", dear, free, 4, microbatches=8).step_s == pytest.approx(
+        schedules.simulate("zb-h1", 4, 8, cost=[cost] * 4)[0])
+    first, rest = {"F": w.forward_s / 8, "B": b}, {"F": w.forward_s / 8, "B": 1.25 * b}
+    got = predict("pipeline", dear, free, 4, microbatches=8)
+    assert got.step_s == pytest.approx(schedules.simulate("1f1b", 4, 8, cost=[first] + [rest] * 3)[0])
+    assert got.compute_s == pytest.approx(8 * (w.forward_s / 8 + 1.25 * b))   # the slowest stage's
     # a send of (p/m) x the activations per action, twice per micro-batch on the path
     s = predict("pipeline", w, HOST, 4, microbatches=8)
     send = 10e-6 + 8 * 64 * 256 * 4 * 4 / 8 * 1e-9

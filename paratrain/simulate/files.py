@@ -8,6 +8,7 @@
     intra_node_latency_us = 5           step_compute_ms = 490      # forward + backward, one device
     inter_node_gbps = 25                backward_fraction = 0.667  # optional (2/3)
     inter_node_latency_us = 10          weight_fraction = 0.5  # optional: W's share of backward
+                                        split_cost = 1.0       # optional: B then W against whole
                                         # optional, for pipeline and tensor parallelism,
     reduce_gbps = 1000     # optional   # ZeRO-3's units and PowerSGD:
     encode_gbps = 2000     # optional   layers = 24
@@ -71,9 +72,12 @@ def _fraction(data, path, key, default, of):
 
 
 def _fractions(data, path):
-    """{backward_fraction, weight_fraction} the file gives."""
-    return {key: _fraction(data, path, key, None, of) for key, of in
-            (("backward_fraction", "step"), ("weight_fraction", "backward")) if key in data}
+    """{backward_fraction, weight_fraction, split_cost} the file gives."""
+    given = {key: _fraction(data, path, key, None, of) for key, of in
+             (("backward_fraction", "step"), ("weight_fraction", "backward")) if key in data}
+    if "split_cost" in data:
+        given["split_cost"] = _get(data, path, "split_cost", float)
+    return given
 
 
 def load_workload(path):

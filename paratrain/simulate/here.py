@@ -15,6 +15,7 @@
   what paratrain runs inside a host.
 """
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -257,14 +258,25 @@ def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
     return _once((model, batch, "stages", stages, alongside), model, batch, seed, alongside, measure)
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardSplit:
+    """A micro-batch's backward as a pipeline stage runs it, measured: ``backward_fraction``
+    of forward + backward when whole; ``weight_fraction``, W's share of it when split
+    into B and W; ``split_cost``, how much longer the split one takes than the whole one."""
+    backward_fraction: float
+    weight_fraction: float
+    split_cost: float
+
+
 def backward_split(model, batch, seed=0, alongside=0):
-    """(the backward's share of forward + backward, the weight gradients' share of the
-    backward) of built-in ``model`` on ``batch`` samples, on one thread: what a zero-bubble
-    schedule's F, B and W take of a micro-batch (Qi et al. 2023, "Zero Bubble Pipeline
-    Parallelism", split the backward into B, the input gradients, and W, the weights').
-    W is timed as the pipeline engine runs it, each linear layer's two products from its
-    input and output gradient (engine._linear_weight_gradients); B is the rest of the
-    backward. Other weight owners (norms, embeddings) the engine keeps in B too."""
+    """The BackwardSplit of built-in ``model`` on ``batch`` samples, on one thread: what a
+    pipeline stage's F, B and W take of a micro-batch. A zero-bubble schedule (Qi et al.
+    2023, "Zero Bubble Pipeline Parallelism") splits the backward into B, the input
+    gradients, and W, the weights'; paratrain's engine also splits it on every stage past
+    the first under 1F1B, W at once. Timed as the engine runs them: the whole backward
+    (the first stage's under 1F1B); B, one autograd call for the gradients of each linear
+    layer's output and of the parameters no linear layer owns (norms, embeddings), the
+    graph kept for W; W, each linear layer's two products (engine._linear_weight_gradients)."""
     import copy
 
     import torch
@@ -275,31 +287,33 @@ def backward_split(model, batch, seed=0, alongside=0):
     def parts():
         copied = copy.deepcopy(task.model)
         linears = [m for m in copied.modules() if type(m) is torch.nn.Linear]
+        owned = {id(q) for m in linears for q in m.parameters()}
+        loose = [q for q in copied.parameters() if id(q) not in owned]
         loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch, shuffle=False, drop_last=True)
         while True:
             for sample in loader:
                 captured = []
-
-                def keep(mod, args, out):
-                    out.register_hook(lambda g, mod=mod, x=args[0]: captured.append((mod, x.detach(), g)))
-                hooks = [m.register_forward_hook(keep) for m in linears]
+                hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out)))
+                         for m in linears]
                 t0 = time.perf_counter()
                 loss = task.loss(copied, sample)
                 t1 = time.perf_counter()
                 for h in hooks:
                     h.remove()
-                loss.backward()
+                loss.backward(retain_graph=True)
                 t2 = time.perf_counter()
-                for mod, x, g in captured:
-                    _linear_weight_gradients(mod, x, g)
+                got = torch.autograd.grad(loss, [out for *_, out in captured] + loose, retain_graph=True)
                 t3 = time.perf_counter()
+                for (mod, x, _), g in zip(captured, got):
+                    _linear_weight_gradients(mod, x.detach(), g)
+                t4 = time.perf_counter()
                 copied.zero_grad(set_to_none=True)
-                yield t1 - t0, t2 - t1, t3 - t2
+                yield t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
     def measure():
         timed = [next(steps) for steps in [parts()] for _ in range(WARMUP + TIMED)][WARMUP:]
-        forward, backward, weights = (statistics.median(column) for column in zip(*timed))
-        return backward / (forward + backward), min(1.0, weights / backward)
+        forward, whole, b, w = (statistics.median(column) for column in zip(*timed))
+        return BackwardSplit(whole / (forward + whole), w / (b + w), (b + w) / whole)
     return _once((model, batch, "split", alongside), model, batch, seed, alongside, measure)
 
 

@@ -11,8 +11,11 @@ activation bytes each, over the link the stages span.
 
 The step is the makespan of ``schedules.simulate`` (the order
 parallel/pipeline/schedules.py gives every rank, run against each other)
-with F = f + send, B = b + send (zb-h1: B = b - w + send and W = w, w the
-workload's weight_fraction of b, half by default; plan.py measures it here):
+with F = f + send, B = b + send. The engine splits a backward into B (input
+gradients) and W (weights'): under ZB-H1 on every stage, W placed by the
+schedule; under 1F1B on every stage but the first, W at once. A split one
+takes the workload's ``split_cost`` times b, W its ``weight_fraction`` of that
+(1 and 1/2 by default; plan.py measures both here):
 the bubble is what the schedule leaves idle (GPipe's and 1F1B's (p-1)/(m+p-1)
 of the step when sends are free; ZB-H1 about a third of that), not a
 formula laid over it.
@@ -44,15 +47,18 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     activations = workload.layer_activation_bytes("a pipeline") * p / m
     send = link.alpha + activations * link.beta
     f, b = workload.forward_s / m, workload.backward_s / m
-    w = b * workload.weight_fraction
-    cost = {"F": f + send, "B": b - w + send, "W": w} if schedule in schedules.SPLIT_BACKWARD \
-        else {"F": f + send, "B": b + send}
-    makespan, _busy, _trace = schedules.simulate(schedule, p, m, cost=cost)
+    split = b * workload.split_cost            # B and W one after the other
+    w = split * workload.weight_fraction
+    if schedule in schedules.SPLIT_BACKWARD:
+        cost = [{"F": f + send, "B": split - w + send, "W": w}] * p
+    else:   # the engine splits every stage's backward but the first's, W at once
+        cost = [{"F": f + send, "B": b + send}] + [{"F": f + send, "B": split + send}] * (p - 1)
+    makespan, busy, _trace = schedules.simulate(schedule, p, m, cost=cost)
     sends = 2 * m * send
     replicas = workers // p
     grads = data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, workload.gradient_bytes / p,
                                                    algorithm)
-    compute = workload.step_compute_s
+    compute = max(busy) - sends
     return Step(workers, compute, sends + grads, bubble_s=max(0.0, makespan - compute - sends),
                 comm_s=sends + grads, how=f"{schedule}, {p} stages x {replicas}, {m} micro-batches",
                 batch_per_device=workload.batch_per_device)

@@ -135,8 +135,8 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
                                                            * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
     if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
-        backward, weights = measured.split(max(1, workload.batch_per_device // (layout.microbatches or 1)))
-        per_worker = dataclasses.replace(per_worker, backward_fraction=backward, weight_fraction=weights)
+        split = measured.split(max(1, workload.batch_per_device // (layout.microbatches or 1)))
+        per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
     if cluster.cores:   # more workers than cores: each computes on a share of one
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s
                                          * time_shared(layout.dp * share, cluster.cores))

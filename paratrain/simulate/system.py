@@ -45,6 +45,7 @@ class Workload:
     activation_bytes: float = None   # one layer's output for one device's batch (default batch x seq x hidden x 4)
     step_jitter_s: float = 0.0   # the standard deviation of step_compute_s from step to step (waits.py)
     weight_fraction: float = 1 / 2   # the weight gradients' share of the backward (a zero-bubble pipeline's W)
+    split_cost: float = 1.0      # a backward split into B and W against a whole one (pipeline.py)
 
     @property
     def gradient_bytes(self):

@@ -156,7 +156,8 @@ def stage_of(rank, chunk, stages):
 
 def simulate(schedule, stages, microbatches, chunks=1, cost=None):
     """Run every rank's list against the others with each action's cost in time
-    units (default F 1, B 2, or B 1 and W 1 when split); no communication cost.
+    units (default F 1, B 2, or B 1 and W 1 when split; or a list of such costs, one
+    per rank, where the stages differ); no communication cost.
 
     Returns (makespan, per-rank busy time, per-rank list of (kind, mb, chunk,
     start, end)). Raises RuntimeError on a deadlock (some rank waits for data
@@ -164,6 +165,7 @@ def simulate(schedule, stages, microbatches, chunks=1, cost=None):
     p, v = stages, chunks
     split = schedule in SPLIT_BACKWARD
     cost = cost or ({"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0})
+    costs = cost if isinstance(cost, (list, tuple)) else [cost] * p
     lists = [actions(schedule, r, p, microbatches, v) for r in range(p)]
     last = p * v - 1
     done = {}          # (kind, mb, stage) -> finish time
@@ -185,7 +187,7 @@ def simulate(schedule, stages, microbatches, chunks=1, cost=None):
                 if any(n not in done for n in need):
                     break
                 start = max([clock[r]] + [done[n] for n in need])
-                end = start + cost[kind]
+                end = start + costs[r][kind]
                 done[(kind, mb, s)] = end
                 trace[r].append((kind, mb, c, start, end))
                 clock[r] = end
