@@ -129,12 +129,13 @@ def test_a_workers_peak_heap_sees_a_brief_allocation_and_a_footprint_splits_what
     watch = PeakMemory()
     assert float(torch.nn.Sequential(Wide()).forward(torch.zeros(1)).sum()) == 64 << 18
     report = watch.report()
-    assert 64 <= report["peak_memory_mb"] < 80 and heap_mb() - watch.heap_before < 8
+    # (what the process freed meanwhile, a few KiB, comes off the 64 MiB)
+    assert 63 <= report["peak_memory_mb"] < 80 and heap_mb() - watch.heap_before < 8
     watch = PeakMemory()
     brief = np.ones(32 << 17)   # 32 MiB of float64 where the trainer samples
     watch.sample()
     del brief
-    assert 32 <= watch.report()["peak_memory_mb"] < 48
+    assert 31 <= watch.report()["peak_memory_mb"] < 48
     assert report["peak_rss_mb"] >= 0
     got = footprint.measure("mlp", 8)   # in this process: the parts are there and ordered
     assert got["task_mb"] > 0 and got["peak_mb"] >= got["train_peak_mb"] >= got["steady_mb"] > 0
@@ -152,3 +153,12 @@ def test_a_workers_peak_heap_sees_a_brief_allocation_and_a_footprint_splits_what
     _, held = plan.predicted(layout, workload, CLUSTER, memory.ADAM, 4,
                              footprint=dataclasses.replace(foot, evaluation=0))
     assert held == pytest.approx(foot.shared + state + 30 * MB / 4)
+    # a tensor group evaluates through its cut: measured at 60% of the whole at 2 ways, 80% of it
+    # divides (0.2 + 0.8 / 2 = 0.6), so at 4 ways 0.2 + 0.8 / 4 of it
+    cut = dataclasses.replace(foot, cut_evaluation_share=0.6)
+    assert cut.evaluation_at(1) == 40 * MB and cut.evaluation_at(2) == pytest.approx(24 * MB)
+    assert cut.evaluation_at(4) == pytest.approx(16 * MB)
+    layout = plan.Layout("tensor", [], 1, tp=4)
+    _, held = plan.predicted(layout, workload, CLUSTER, memory.ADAM, 4, footprint=cut)
+    state = memory.state_bytes("tensor", workload.params, memory.ADAM, 4, tp=4)
+    assert held == pytest.approx(cut.shared + state + max(30 * MB / 4, 16 * MB))

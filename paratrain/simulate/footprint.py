@@ -11,7 +11,9 @@ watches the heap. It prints four numbers (MiB above the start): ``task``
 runtime's scratch), ``train_peak`` and ``peak`` (with the evaluation, which
 rank 0 runs); ``train_peak - steady`` is what backward keeps (activations)
 at this batch, measured, which plan scales to each layout's micro-batches,
-stages and tensor cut.
+stages and tensor cut. For a model paratrain train --tp cuts, also
+``cut_evaluation_share``: the evaluation's heap through the model cut two
+ways (here.ComputeOnlyGroup) against the whole one's.
 
 A fresh process because the heap of one that has trained already holds the
 scratch this measures; one that has imported what compare's and plan's
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from .memory import MB
 
 STEPS = 5
+CUT = 2   # the tensor cut the evaluation is measured at
 
 
 def measure(model, batch, seed=0):
@@ -52,9 +55,32 @@ def measure(model, batch, seed=0):
         optimizer.zero_grad(set_to_none=True)
     steady = heap_mb() - memory.heap_before
     train_peak = memory.heap_peak - memory.heap_before
-    task.evaluate(task.model)
+    evaluation = _evaluation_mb(memory, task, task.model)
     peak = memory.report()["peak_memory_mb"]
-    return {"task_mb": built, "steady_mb": steady, "train_peak_mb": train_peak, "peak_mb": peak}
+    got = {"task_mb": built, "steady_mb": steady, "train_peak_mb": train_peak, "peak_mb": peak}
+    if task.tensor_plan is not None:   # the evaluation through the model cut for --tp 2, against the whole
+        import copy
+
+        from ..parallel.tensor import parallelize
+        from .here import ComputeOnlyGroup
+        cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(CUT),
+                          plan=task.tensor_plan(task.model))
+        memory = PeakMemory()
+        got["cut_evaluation_share"] = _evaluation_mb(memory, task, cut) / evaluation if evaluation > 0 else 1.0
+        memory.report()
+    return got
+
+
+def _evaluation_mb(memory, task, model):
+    """What ``task.evaluate(model)`` adds to the heap at its peak, ``memory`` (a PeakMemory) watching."""
+    from ..train.memory import heap_mb
+    earlier, before = memory.heap_peak, heap_mb()
+    memory.heap_peak = before
+    task.evaluate(model)
+    memory.sample()
+    added = memory.heap_peak - before
+    memory.heap_peak = max(memory.heap_peak, earlier)   # the peak of the whole run stays
+    return added
 
 
 @dataclass(frozen=True)
@@ -63,14 +89,26 @@ class Footprint:
     scratch, the data), the ``activations`` backward keeps for the whole model at the
     measured ``batch``, and what an ``evaluation`` (between steps, rank 0) adds; a layout
     adds its own training state, and peaks at the larger of its activations and the
-    evaluation (0 for a run that does not evaluate)."""
+    evaluation (0 for a run that does not evaluate). ``cut_evaluation_share``: what an
+    evaluation through the model cut across CUT tensor-parallel workers holds, against the
+    whole model's (every worker of a tensor group evaluates its share)."""
     shared: float
     activations: float
     evaluation: float
     batch: int
+    cut_evaluation_share: float = 1.0
 
-    def peak(self, state, activations):
-        return self.shared + state + max(activations, self.evaluation)
+    def evaluation_at(self, tp):
+        """The evaluation of one worker of a tp-wide tensor group: a part of it is cut (the
+        heads', the MLP's outputs), the rest is whole (embeddings, norms, the loss's
+        inputs); the two measured points, whole and cut CUT ways, say which is which."""
+        if tp <= 1:
+            return self.evaluation
+        cut = (1 - self.cut_evaluation_share) * CUT / (CUT - 1)   # the share that divides by tp
+        return self.evaluation * (1 - cut + cut / tp)
+
+    def peak(self, state, activations, tp=1):
+        return self.shared + state + max(activations, self.evaluation_at(tp))
 
 
 def footprint(model, batch, state_bytes, seed=0):
@@ -82,7 +120,7 @@ def footprint(model, batch, state_bytes, seed=0):
         return None
     steady = got["steady_mb"] * MB
     return Footprint(steady - state_bytes, max(0.0, got["train_peak_mb"] * MB - steady),
-                     max(0.0, got["peak_mb"] * MB - steady), batch)
+                     max(0.0, got["peak_mb"] * MB - steady), batch, got.get("cut_evaluation_share", 1.0))
 
 
 @functools.lru_cache(maxsize=None)

@@ -149,7 +149,7 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
                                layout.tp)
     if footprint:
         share_of_model = samples / footprint.batch * layers / (workload.layers or 1) / layout.tp
-        return step, footprint.peak(state, footprint.activations * share_of_model)
+        return step, footprint.peak(state, footprint.activations * share_of_model, layout.tp)
     return step, state + memory.activation_bytes(workload, samples, heads, layers) / layout.tp
 
 
