@@ -4,7 +4,7 @@
   a WORKLOAD.toml, or ``--workload gpt``): its parameters and shape from the
   task itself, and ``step_compute_ms`` timed here: forward, backward and the
   optimizer's step on one worker's default batch in one process on one
-  thread (the median of ten steps after a warm-up), as ``paratrain train``'s
+  thread (the median of twenty steps after a warm-up), as ``paratrain train``'s
   workers compute; with ``alongside`` other processes computing the same
   step meanwhile, as a job's other workers on this host do (two computing
   processes here slow each other by 1.2-1.5x: they share the caches and the
@@ -25,7 +25,10 @@ import time
 from .collectives import Link
 from .system import Cluster, Workload
 
-WARMUP, TIMED = 3, 10
+# A gpt step here varies by 10-15% from step to step and its median over 25 steps by 5%
+# from one stretch of seconds to the next: 20 steps after 5 put the timing's median
+# within a few percent of a run's.
+WARMUP, TIMED = 5, 20
 
 
 def _shape(task):
