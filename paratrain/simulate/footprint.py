@@ -104,7 +104,7 @@ class Footprint:
         inputs); the two measured points, whole and cut CUT ways, say which is which."""
         if tp <= 1:
             return self.evaluation
-        cut = (1 - self.cut_evaluation_share) * CUT / (CUT - 1)   # the share that divides by tp
+        cut = min(1.0, max(0.0, (1 - self.cut_evaluation_share) * CUT / (CUT - 1)))   # divides by tp
         return self.evaluation * (1 - cut + cut / tp)
 
     def peak(self, state, activations, tp=1):
