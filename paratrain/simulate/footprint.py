@@ -55,7 +55,7 @@ def measure(model, batch, seed=0):
         optimizer.zero_grad(set_to_none=True)
     steady = heap_mb() - memory.heap_before
     train_peak = memory.heap_peak - memory.heap_before
-    evaluation = _evaluation_mb(memory, task, task.model)
+    evaluation = memory.added_by(lambda: task.evaluate(task.model))
     peak = memory.report()["peak_memory_mb"]
     got = {"task_mb": built, "steady_mb": steady, "train_peak_mb": train_peak, "peak_mb": peak}
     if task.tensor_plan is not None:   # the evaluation through the model cut for --tp 2, against the whole
@@ -66,21 +66,10 @@ def measure(model, batch, seed=0):
         cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(CUT),
                           plan=task.tensor_plan(task.model))
         memory = PeakMemory()
-        got["cut_evaluation_share"] = _evaluation_mb(memory, task, cut) / evaluation if evaluation > 0 else 1.0
+        got["cut_evaluation_share"] = memory.added_by(lambda: task.evaluate(cut)) / evaluation \
+            if evaluation > 0 else 1.0
         memory.report()
     return got
-
-
-def _evaluation_mb(memory, task, model):
-    """What ``task.evaluate(model)`` adds to the heap at its peak, ``memory`` (a PeakMemory) watching."""
-    from ..train.memory import heap_mb
-    earlier, before = memory.heap_peak, heap_mb()
-    memory.heap_peak = before
-    task.evaluate(model)
-    memory.sample()
-    added = memory.heap_peak - before
-    memory.heap_peak = max(memory.heap_peak, earlier)   # the peak of the whole run stays
-    return added
 
 
 @dataclass(frozen=True)

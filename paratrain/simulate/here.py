@@ -74,19 +74,22 @@ def _steps(task, batch_size, model=None):
     ``batch_size`` samples, on a copy of ``model`` (else the task's own), left as it was."""
     import copy
 
-    import torch
-
     from ..train.optimizer import make_optimizer
     model = copy.deepcopy(task.model if model is None else model)
     optimizer = make_optimizer(task.defaults["optimizer"], model.parameters(), task.defaults["lr"])
+    for batch in _batches(task, batch_size):
+        t0 = time.perf_counter()
+        task.loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        yield time.perf_counter() - t0
+
+
+def _batches(task, batch_size):
+    """The task's training batches of ``batch_size`` samples in order, over and over."""
+    import torch
     while True:
-        loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
-        for batch in loader:
-            t0 = time.perf_counter()
-            task.loss(model, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            yield time.perf_counter() - t0
+        yield from torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
 
 
 class Timed(float):
@@ -108,7 +111,12 @@ def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
 
 def _timed(seconds, warmup=WARMUP, timed=TIMED):
     """A Timed of ``timed`` of the times the generator ``seconds`` yields, after ``warmup``."""
-    return Timed([next(seconds) for _ in range(warmup + timed)][warmup:])
+    return Timed(_after_warmup(seconds, warmup, timed))
+
+
+def _after_warmup(measures, warmup=WARMUP, timed=TIMED):
+    """The ``timed`` values the generator ``measures`` yields after its first ``warmup``."""
+    return [next(measures) for _ in range(warmup + timed)][warmup:]
 
 
 _TIMED = {}
@@ -292,30 +300,27 @@ def backward_split(model, batch, seed=0, alongside=0):
         linears = [m for m in copied.modules() if type(m) is torch.nn.Linear]
         owned = {id(q) for m in linears for q in m.parameters()}
         loose = [q for q in copied.parameters() if id(q) not in owned]
-        loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch, shuffle=False, drop_last=True)
-        while True:
-            for sample in loader:
-                captured = []
-                hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out)))
-                         for m in linears]
-                t0 = time.perf_counter()
-                loss = task.loss(copied, sample)
-                t1 = time.perf_counter()
-                for h in hooks:
-                    h.remove()
-                loss.backward(retain_graph=True)
-                t2 = time.perf_counter()
-                got = torch.autograd.grad(loss, [out for *_, out in captured] + loose, retain_graph=True)
-                t3 = time.perf_counter()
-                for (mod, x, _), g in zip(captured, got):
-                    _linear_weight_gradients(mod, x.detach(), g)
-                t4 = time.perf_counter()
-                copied.zero_grad(set_to_none=True)
-                yield t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        for sample in _batches(task, batch):
+            captured = []
+            hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out)))
+                     for m in linears]
+            t0 = time.perf_counter()
+            loss = task.loss(copied, sample)
+            t1 = time.perf_counter()
+            for h in hooks:
+                h.remove()
+            loss.backward(retain_graph=True)
+            t2 = time.perf_counter()
+            got = torch.autograd.grad(loss, [out for *_, out in captured] + loose, retain_graph=True)
+            t3 = time.perf_counter()
+            for (mod, x, _), g in zip(captured, got):
+                _linear_weight_gradients(mod, x.detach(), g)
+            t4 = time.perf_counter()
+            copied.zero_grad(set_to_none=True)
+            yield t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
     def measure():
-        timed = [next(steps) for steps in [parts()] for _ in range(WARMUP + TIMED)][WARMUP:]
-        forward, whole, b, w = (statistics.median(column) for column in zip(*timed))
+        forward, whole, b, w = (statistics.median(column) for column in zip(*_after_warmup(parts())))
         return BackwardSplit(whole / (forward + whole), w / (b + w), (b + w) / whole)
     return _once((model, batch, "split", alongside), model, batch, seed, alongside, measure)
 

@@ -101,6 +101,11 @@ def _optimizer_and_heads(model):
     return K, (task.config.get("n_head") or task.config.get("heads")) if task.blocks else None
 
 
+def microbatch_samples(layout, workload):
+    """The samples of one of a pipeline layout's micro-batches: a device's batch cut m ways."""
+    return max(1, workload.batch_per_device // (layout.microbatches or 1))
+
+
 def compute_seconds(layout, workload, measured=None):
     """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
     replica of its own; for a pipeline, its micro-batches through the slowest stage, each
@@ -112,7 +117,7 @@ def compute_seconds(layout, workload, measured=None):
     workload's step scaled down."""
     if layout.pp > 1:
         m = layout.microbatches or 1
-        small = max(1, workload.batch_per_device // m)
+        small = microbatch_samples(layout, workload)
         if not measured:
             return m * workload.step_compute_s * small / workload.batch_per_device / layout.pp
         return m * measured.stage(small, layout.pp) + measured.optimizer() / layout.pp
@@ -135,7 +140,7 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
                                                            * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
     if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
-        split = measured.split(max(1, workload.batch_per_device // (layout.microbatches or 1)))
+        split = measured.split(microbatch_samples(layout, workload))
         per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
     if cluster.cores:   # more workers than cores: each computes on a share of one
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s

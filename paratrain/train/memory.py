@@ -89,6 +89,20 @@ class PeakMemory:
         if self.heap_before is not None:
             self.heap_peak = max(self.heap_peak, heap_mb())
 
+    def added_by(self, call):
+        """MiB the heap peaked above its level at the start of ``call()`` while it ran; the
+        peak ``report`` gives stays the whole run's. None where the heap cannot be read."""
+        if self.heap_before is None:
+            call()
+            return None
+        earlier, before = self.heap_peak, heap_mb()
+        self.heap_peak = before
+        call()
+        self.sample()
+        added = self.heap_peak - before
+        self.heap_peak = max(self.heap_peak, earlier)
+        return added
+
     def report(self):
         """{"peak_memory_mb", "peak_rss_mb"}; stops the sampling."""
         if self._hook is not None:
