@@ -29,6 +29,27 @@ def python_m(args, env, cwd=ROOT, timeout=150):
     return forkserver.run([sys.executable, "-m", *args], env, cwd=cwd, timeout=timeout)
 
 
+def once_per_run(tmp_path_factory, name, make):
+    """``make()``'s result (JSON), made by one process of the run. Under ``pytest -n 2`` a
+    module's tests are shared out between the two workers, and each sets the module's
+    fixtures up anew (xdist's grouping marks do not reach pytest 9's node ids): a fixture
+    that trains a dozen jobs would train them twice. The first worker to ask makes it,
+    holding a lock in the run's folder; the other waits, then reads what it wrote."""
+    import fcntl
+    import json
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    shared = tmp_path_factory.getbasetemp().parent   # the run's folder, above each worker's own
+    record = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if record.exists():
+            return json.loads(record.read_text())
+        made = make()
+        record.write_text(json.dumps(made))
+        return made
+
+
 # What the suite's workers and front-ends import: torch, the optimizer's torch._dynamo,
 # the run's plot, the digits (scikit-learn, which sets KMP_* variables as it is imported:
 # preloaded, a front-end's workers still fork), and the Hugging Face models of the hf-* tests.

@@ -10,24 +10,25 @@ depend on paratrain:
   learn: the loss on all the data falls under half of where it started, and the
   compressor sends a fraction of plain averaging's bytes.
 
-The examples' jobs all start at once (a module fixture) and each test waits for its
-own: most of a job's time is two workers importing torch, which leaves cores idle
-between its phases that the other jobs use.
+The examples' jobs all start at once (a module fixture, which waits for them all)
+and each test checks its own: most of a job's time is two workers importing torch,
+which leaves cores idle between its phases that the other jobs use.
 """
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
+from conftest import ROOT, once_per_run
 
 EXAMPLES = ROOT / "examples"
-JOB_TIMEOUT = 150   # seconds for a job, all six sharing the machine; together they take about 30 on 2 quiet cores
+JOB_TIMEOUT = 150   # seconds for the jobs, all six sharing the machine; together they take about 30 on 2 quiet cores
 STEPS, LR = 30, 3e-3
 
 JOBS = {  # script: (what `paratrain run -n 2` is given before the script, the script's arguments)
@@ -126,28 +127,37 @@ CHECKS = {"train_custom.py": check_custom, "train_pipeline.py": check_pipeline, 
 
 @pytest.fixture(scope="module")
 def jobs(request, tmp_path_factory):
-    """{script: (its job, the file its output goes to)}, for the examples this session
-    selected, all started now."""
-    selected = {item.callspec.params["script"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")}
+    """{script: [its exit code, its output]}, for the examples this session selected, all
+    started at once, once for the whole suite."""
+    selected = sorted({item.callspec.params["script"] for item in request.session.items
+                       if item.module is request.module and hasattr(item, "callspec")})
+    return once_per_run(tmp_path_factory, "examples-" + "-".join(selected), lambda: run_all(selected, tmp_path_factory))
+
+
+def run_all(scripts, tmp_path_factory):
     env = dict(os.environ, PARATRAIN_TIMEOUT="60")
     started = {}
-    for script in sorted(selected):
-        launcher, args = JOBS[script]
-        out = tmp_path_factory.mktemp("example") / "output.txt"
-        with open(out, "w") as f:
-            started[script] = subprocess.Popen(
-                [sys.executable, "-m", "paratrain", "run", "-n", "2", *map(str, launcher), str(EXAMPLES / script),
-                 *map(str, args)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True), out
-    yield started
-    for job, _ in started.values():
-        if job.poll() is None:   # a test that failed early: the launcher stops its workers on SIGTERM
-            job.terminate()
-            try:
-                job.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                job.kill()
-                job.wait()
+    try:
+        for script in scripts:
+            launcher, args = JOBS[script]
+            out = tmp_path_factory.mktemp("example") / "output.txt"
+            with open(out, "w") as f:
+                started[script] = subprocess.Popen(
+                    [sys.executable, "-m", "paratrain", "run", "-n", "2", *map(str, launcher), str(EXAMPLES / script),
+                     *map(str, args)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True), out
+        deadline = time.monotonic() + JOB_TIMEOUT
+        for job, _ in started.values():
+            job.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return {script: [job.returncode, out.read_text()] for script, (job, out) in started.items()}
+    finally:
+        for job, _ in started.values():
+            if job.poll() is None:   # one timed out: the launcher stops its workers on SIGTERM
+                job.terminate()
+                try:
+                    job.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+                    job.wait()
 
 
 def test_every_example_is_run():
@@ -157,8 +167,6 @@ def test_every_example_is_run():
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 @pytest.mark.parametrize("script", sorted(JOBS))
 def test_example(jobs, script):
-    job, out = jobs[script]
-    job.wait(timeout=JOB_TIMEOUT)
-    output = out.read_text()
-    assert job.returncode == 0, output[-4000:]
+    returncode, output = jobs[script]
+    assert returncode == 0, output[-4000:]
     CHECKS[script](output)
