@@ -20,7 +20,11 @@ def memory_workload():
 def test_the_layouts_of_4_workers():
     got = {(l.strategy, l.dp, l.pp, l.tp, l.microbatches) for l in plan.layouts(4, layers=4)}
     assert {("dp", 4, 1, 1, None), ("zero3", 4, 1, 1, None), ("tensor", 2, 1, 2, None), ("tensor", 1, 1, 4, None),
-            ("pipeline", 2, 2, 1, 4), ("pipeline", 1, 4, 1, 8), ("pipeline-zb", 2, 2, 1, 8)} <= got
+            ("pipeline", 2, 2, 1, 4), ("pipeline", 1, 4, 1, 8), ("pipeline-zb", 2, 2, 1, 8),
+            ("pipeline", 1, 2, 2, 4), ("pipeline-zb", 1, 2, 2, 8)} <= got   # 3D: 2 stages of tp 2
+    cut = next(l for l in plan.layouts(4, layers=4) if l.pp == 2 and l.tp == 2 and l.strategy == "pipeline-zb")
+    assert cut.flags[-2:] == ["--tp", "2"] and "zb-h1" in cut.flags
+    assert not any(l.pp * l.tp > 4 for l in plan.layouts(4, layers=4))
     assert not any(l.pp == 4 for l in plan.layouts(4, layers=3))   # a stage needs a layer
     assert {l.strategy for l in plan.layouts(3)} >= {"pipeline", "tensor"} and \
         not any(l.pp == 2 for l in plan.layouts(3))                # 2 does not divide 3
@@ -68,11 +72,17 @@ class FakeMeasured:
     def stage(self, batch, stages):
         return 0.02
 
+    def step(self, batch):
+        return 0.1
+
+    def cut(self, batch, tp):
+        return 0.1 * (0.4 + 0.6 / tp)
+
     def optimizer(self):
         return 0.004
 
-    def split(self, batch):
-        self.splits[1].append(batch)
+    def split(self, batch, tp=1):
+        self.splits[1].append((batch, tp))
         return self.splits[0]
 
 
@@ -89,17 +99,32 @@ def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
                                  measured=measured)
         m = layout.microbatches
         compute = m * 0.02 + 0.004 / 2
-        assert measured.splits[1] == [16 // m]                   # timed at a micro-batch's samples
+        assert measured.splits[1] == [(16 // m, 1)]              # timed at a micro-batch's samples
         f, b = compute * 0.4 / m, compute * 0.6 / m
         split = {"F": f, "B": 0.75 * 1.2 * b, "W": 0.25 * 1.2 * b}
         cost = [split, split] if schedule == "zb-h1" else [{"F": f, "B": b}, {"F": f, "B": 1.2 * b}]
         assert step.step_s == pytest.approx(schedules.simulate(schedule, 2, m, cost=cost)[0]), name
 
 
+def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():
+    """--pp 2 --tp 2: a worker runs its stage's micro-batches and its share of the optimizer,
+    scaled as the cut model's step is to the whole one's (0.7 here); the train command runs it."""
+    from paratrain.compare.strategies import refused
+    from paratrain.simulate.here import BackwardSplit
+    layout = next(l for l in plan.layouts(4, layers=4) if (l.strategy, l.pp, l.tp, l.microbatches) == (
+        "pipeline", 2, 2, 4))
+    measured = FakeMeasured(BackwardSplit(0.6, 0.5, 1.0))
+    assert plan.compute_seconds(layout, memory_workload(), measured) == pytest.approx((4 * 0.02 + 0.004 / 2) * 0.7)
+    assert refused(["--model", "gpt", "--workers", "4", *layout.flags]) is None
+    step, held = plan.predicted(layout, memory_workload(), CLUSTER, memory.ADAM, measured=measured)
+    assert measured.splits[1] == [(4, 2)]   # the split of the cut model's backward, a micro-batch's
+    assert "2 stages of tp 2" in step.how and held > memory.state_bytes("pipeline", 800_000, memory.ADAM, 4, 2, 2)
+
+
 def test_the_backward_split_of_a_model_is_measured_as_shares():
     from paratrain.simulate import here
-    split = here.backward_split("mlp", 4)
-    assert 0 < split.backward_fraction < 1 and 0 < split.weight_fraction <= 1 and split.split_cost > 0
+    for split in (here.backward_split("mlp", 4), here.backward_split("gpt", 1, tp=2)):   # gpt's cut layers' W: autograd
+        assert 0 < split.backward_fraction < 1 and 0 < split.weight_fraction < 1 and split.split_cost > 0, split
 
 
 def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):

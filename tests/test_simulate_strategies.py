@@ -74,6 +74,29 @@ def test_tensor_parallelism_pays_four_activation_all_reduces_a_layer():
     assert "activation_bytes" in str(predict("tensor", gpt_like(hidden=None), HOST, 4))
 
 
+def test_a_pipeline_of_tensor_groups_adds_each_stage_s_all_reduces_to_its_actions():
+    """3D (--pp 2 --tp 2 on 8 devices: 2 replicas of 2 stages of 2): a micro-batch is t times
+    larger, each stage's layers pay two all-reduces of its activations in F and two in B, and
+    the replicas average a quarter of the gradients."""
+    w = gpt_like()
+    s = predict("pipeline", w, HOST, 8, stages=2, microbatches=4, tp=2)
+    act = 8 * 64 * 256 * 4 * 2 * 2 / 4                  # a device's layer output x p t / m
+    cut = 2 * 4 * min(all_reduce(a, 2, act).seconds(HOST.intra) for a in ("ring", "tree"))   # 2 a layer, 4 layers
+    send = 10e-6 + act * 1e-9
+    f, b = w.forward_s / 4, w.backward_s / 4
+    cost = [{"F": f + cut + send, "B": b + cut + send}, {"F": f + cut + send, "B": b + cut + send}]
+    makespan, busy, _ = schedules.simulate("1f1b", 2, 4, cost=cost)
+    grads = all_reduce("ring", 2, w.gradient_bytes / 4).seconds(HOST.intra)
+    assert s.exposed_s == pytest.approx(2 * 4 * (send + cut) + grads)
+    assert s.step_s == pytest.approx(makespan + grads) and s.how == "1f1b, 2 stages of tp 2 x 2, 4 micro-batches"
+    assert s.compute_s == pytest.approx(max(busy) - 2 * 4 * (send + cut))
+    # without a tensor group it is the pipeline it was; with one stage, the tensor group's step
+    assert predict("pipeline", w, HOST, 8, stages=2, microbatches=4, tp=1).exposed_s == pytest.approx(
+        2 * 4 * (10e-6 + act / 2 * 1e-9) + all_reduce("ring", 4, w.gradient_bytes / 2).seconds(HOST.intra))
+    assert predict("pipeline", w, HOST, 4, stages=1, tp=4).how == "tp 4 x dp 1"
+    assert "not a multiple of 2 stages x --tp 3" in str(predict("pipeline", w, HOST, 8, stages=2, tp=3))
+
+
 def test_zero_moves_an_all_reduce_s_bytes_in_stages_1_and_2_and_half_again_in_3():
     w = gpt_like(params=100 * MB // 4)   # stages 1 and 2: four 25 MB buckets; stage 3: the 8 layers
     link = HOST.intra

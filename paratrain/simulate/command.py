@@ -66,7 +66,9 @@ def build_parser():
     p.add_argument("--stages", type=int, default=None,
                    help="pipeline: stages per replica (default: a host's devices)")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step (default 4)")
-    p.add_argument("--tp", type=int, default=None, help="tensor: devices per tensor group (default: a host's)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor: devices per tensor group (default: a host's); pipeline: each stage cut across "
+                        "TP devices (3D; default 1)")
     p.add_argument("--servers", type=int, default=None, help="ps-*: parameter servers (default: one a host)")
     p.add_argument("--workers", type=_workers, default=[1, 8, 64], help="worker counts, comma-separated")
     p.add_argument("--json", action="store_true", help="print {\"rows\": [...]} instead of a table")

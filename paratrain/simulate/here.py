@@ -279,31 +279,37 @@ class BackwardSplit:
     split_cost: float
 
 
-def backward_split(model, batch, seed=0, alongside=0):
+def backward_split(model, batch, seed=0, alongside=0, tp=1):
     """The BackwardSplit of built-in ``model`` on ``batch`` samples, on one thread: what a
     pipeline stage's F, B and W take of a micro-batch. A zero-bubble schedule (Qi et al.
     2023, "Zero Bubble Pipeline Parallelism") splits the backward into B, the input
     gradients, and W, the weights'; paratrain's engine also splits it on every stage past
     the first under 1F1B, W at once. Timed as the engine runs them: the whole backward
-    (the first stage's under 1F1B); B, one autograd call for the gradients of each linear
-    layer's output and of the parameters no linear layer owns (norms, embeddings), the
-    graph kept for W; W, each linear layer's two products (engine._linear_weight_gradients)."""
+    (the first stage's under 1F1B); B, one autograd call for the gradients of each
+    weight-owning module's output and of the parameters B keeps (norms, embeddings), the
+    graph kept for W; W, a plain nn.Linear's two products (engine._linear_weight_gradients),
+    another module's (a tensor-parallel layer: ``tp`` > 1 cuts the model as cut_step_seconds
+    does) one autograd call for its own weights."""
     import copy
 
     import torch
 
-    from ..parallel.pipeline.engine import _linear_weight_gradients
+    from ..parallel.pipeline.engine import _WEIGHTS_IN_B, _linear_weight_gradients, _own_params
     task = task_of(model, seed)
 
     def parts():
         copied = copy.deepcopy(task.model)
-        linears = [m for m in copied.modules() if type(m) is torch.nn.Linear]
-        owned = {id(q) for m in linears for q in m.parameters()}
+        if tp > 1:
+            from ..parallel.tensor import parallelize
+            copied = parallelize(copied, group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
+        owners = [m for m in copied.modules()
+                  if m is not copied and _own_params(m) and not isinstance(m, _WEIGHTS_IN_B)]
+        owned = {id(q) for m in owners for q in _own_params(m)}
         loose = [q for q in copied.parameters() if id(q) not in owned]
         for sample in _batches(task, batch):
             captured = []
             hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out)))
-                     for m in linears]
+                     for m in owners]
             t0 = time.perf_counter()
             loss = task.loss(copied, sample)
             t1 = time.perf_counter()
@@ -311,10 +317,16 @@ def backward_split(model, batch, seed=0, alongside=0):
                 h.remove()
             loss.backward(retain_graph=True)
             t2 = time.perf_counter()
-            got = torch.autograd.grad(loss, [out for *_, out in captured] + loose, retain_graph=True)
+            got = torch.autograd.grad(loss, [out for *_, out in captured] + loose, retain_graph=True,
+                                      allow_unused=True)
             t3 = time.perf_counter()
-            for (mod, x, _), g in zip(captured, got):
-                _linear_weight_gradients(mod, x.detach(), g)
+            for (mod, x, out), g in zip(captured, got):
+                if g is None:
+                    continue
+                if type(mod) is torch.nn.Linear:
+                    _linear_weight_gradients(mod, x.detach(), g)
+                else:
+                    torch.autograd.grad(out, _own_params(mod), g, retain_graph=True, allow_unused=True)
             t4 = time.perf_counter()
             copied.zero_grad(set_to_none=True)
             yield t1 - t0, t2 - t1, t3 - t2, t4 - t3
@@ -322,7 +334,7 @@ def backward_split(model, batch, seed=0, alongside=0):
     def measure():
         forward, whole, b, w = (statistics.median(column) for column in zip(*_after_warmup(parts())))
         return BackwardSplit(whole / (forward + whole), w / (b + w), (b + w) / whole)
-    return _once((model, batch, "split", alongside), model, batch, seed, alongside, measure)
+    return _once((model, batch, "split", tp, alongside), model, batch, seed, alongside, measure)
 
 
 def optimizer_seconds(model, seed=0, alongside=0):
@@ -350,11 +362,14 @@ def optimizer_seconds(model, seed=0, alongside=0):
 
 
 class Measured:
-    """What plan.py times of built-in ``model`` here beyond its whole step: a pipeline
-    stage's micro-batch, a tensor-parallel worker's share; ``alongside`` others computing."""
+    """What plan.py times of built-in ``model`` here: a whole step, a pipeline stage's
+    micro-batch, a tensor-parallel worker's share; ``alongside`` others computing."""
 
     def __init__(self, model, seed=0, alongside=0):
         self.model, self.seed, self.alongside = model, seed, alongside
+
+    def step(self, batch):
+        return step_seconds(self.model, batch, self.seed, alongside=self.alongside)
 
     def stage(self, batch, stages):
         return stage_seconds(self.model, batch, stages, self.seed, alongside=self.alongside)
@@ -365,8 +380,8 @@ class Measured:
     def optimizer(self):
         return optimizer_seconds(self.model, self.seed, self.alongside)
 
-    def split(self, batch):
-        return backward_split(self.model, batch, self.seed, self.alongside)
+    def split(self, batch, tp=1):
+        return backward_split(self.model, batch, self.seed, self.alongside, tp)
 
 
 def workload_of(model, batch_size=None, seed=0, alongside=0):

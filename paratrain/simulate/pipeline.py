@@ -9,6 +9,12 @@ and backward in backward / m of one device's step. Between stages go a
 micro-batch's activations, and their gradients back: (p/m) x the workload's
 activation bytes each, over the link the stages span.
 
+With ``tp`` > 1 (3D: pipeline stages each cut across a tensor group, as
+``paratrain train --pp P --tp T`` runs them) a replica is p x t devices and
+its micro-batch t times larger; each stage's layers add tensor.py's
+all-reduces of that micro-batch's activations, two a layer in F and two in
+B, on the critical path, and the stages' gradients are 1/(p t) of the model's.
+
 The step is the makespan of ``schedules.simulate`` (the order
 parallel/pipeline/schedules.py gives every rank, run against each other)
 with F = f + send, B = b + send. The engine splits a backward into B (input
@@ -21,7 +27,7 @@ of the step when sends are free; ZB-H1 about a third of that), not a
 formula laid over it.
 """
 from ..parallel.pipeline import schedules
-from . import data_parallel
+from . import data_parallel, tensor
 from .step import Step, Unavailable
 
 SCHEDULES = {"pipeline": "1f1b", "pipeline-zb": "zb-h1"}
@@ -33,32 +39,38 @@ def default_stages(cluster, workers):
     return min(workers, cluster.devices_per_node)
 
 
-def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=MICROBATCHES, algorithm=None, **_):
+def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=MICROBATCHES, algorithm=None,
+         tp=1, **_):
     hosts, _per_host = data_parallel.placement(cluster, workers)
-    p = stages or default_stages(cluster, workers)
-    if workers % p:
-        raise Unavailable(f"{workers} workers are not a multiple of {p} stages")
+    p, t = stages or default_stages(cluster, workers), tp or 1
+    if workers % (p * t):
+        raise Unavailable(f"{workers} workers are not a multiple of {p} stages" + (f" x --tp {t}" if t > 1 else ""))
     if workload.need_layers("a pipeline") < p:
         raise Unavailable(f"{p} stages, but the workload has {workload.layers} layers")
     m = microbatches
     if p == 1:
-        return data_parallel.step(workload, cluster, workers, algorithm)
-    link = data_parallel.slowest_link(cluster, p)
-    activations = workload.layer_activation_bytes("a pipeline") * p / m
+        return tensor.step(workload, cluster, workers, tp=t, algorithm=algorithm)
+    link = data_parallel.slowest_link(cluster, p * t)   # a stage's next is t devices on
+    activations = workload.layer_activation_bytes("a pipeline") * p * t / m
     send = link.alpha + activations * link.beta
+    cut = 0.0   # a micro-batch's tensor all-reduces in F, and as many in B
+    if t > 1:
+        cut = tensor.ALL_REDUCES_PER_LAYER // 2 * workload.layers / p * data_parallel.group_all_reduce_seconds(
+            cluster, t, t > cluster.devices_per_node, activations)
     f, b = workload.forward_s / m, workload.backward_s / m
     split = b * workload.split_cost            # B and W one after the other
     w = split * workload.weight_fraction
     if schedule in schedules.SPLIT_BACKWARD:
-        cost = [{"F": f + send, "B": split - w + send, "W": w}] * p
+        cost = [{"F": f + cut + send, "B": split - w + cut + send, "W": w}] * p
     else:   # the engine splits every stage's backward but the first's, W at once
-        cost = [{"F": f + send, "B": b + send}] + [{"F": f + send, "B": split + send}] * (p - 1)
+        cost = [{"F": f + cut + send, "B": b + cut + send}] + [{"F": f + cut + send, "B": split + cut + send}] * (p - 1)
     makespan, busy, _trace = schedules.simulate(schedule, p, m, cost=cost)
-    sends = 2 * m * send
-    replicas = workers // p
-    grads = data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, workload.gradient_bytes / p,
+    sends, inside = 2 * m * send, 2 * m * cut
+    replicas = workers // (p * t)
+    grads = data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, workload.gradient_bytes / (p * t),
                                                    algorithm)
-    compute = max(busy) - sends
-    return Step(workers, compute, sends + grads, bubble_s=max(0.0, makespan - compute - sends),
-                comm_s=sends + grads, how=f"{schedule}, {p} stages x {replicas}, {m} micro-batches",
+    compute = max(busy) - sends - inside
+    return Step(workers, compute, sends + inside + grads, bubble_s=max(0.0, makespan - max(busy)),
+                comm_s=sends + inside + grads,
+                how=f"{schedule}, {p} stages" + (f" of tp {t}" if t > 1 else "") + f" x {replicas}, {m} micro-batches",
                 batch_per_device=workload.batch_per_device)

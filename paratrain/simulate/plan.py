@@ -5,8 +5,9 @@
 The layouts: every strategy of ``paratrain compare`` (compare/strategies.py)
 at its ``paratrain train`` defaults, and besides them each pipeline depth p
 that divides the workers (p <= the model's layers) with 4 and 8
-micro-batches, and each tensor size t that divides them; a pipeline's or a
-tensor group's workers share one batch (``paratrain train``'s rule), the
+micro-batches, each tensor size t that divides them, and each pipeline of
+tensor groups (3D: p x t dividing them); a pipeline's or a tensor group's
+workers share one batch (``paratrain train``'s rule), the
 other workers' replicas average their gradients. ``paratrain train`` itself
 refuses what cannot run (tensor parallelism of a CNN, a width t does not
 divide), so plan offers only commands that run. Each is predicted by
@@ -16,8 +17,8 @@ calibrated) for the model measured here; those predicted to hold more than
 the same samples, that is by samples/s (a pipeline's step takes one batch
 where data parallelism's takes one a worker).
 ``--verify`` runs the first three here and prints predicted against
-measured. Not enumerated yet: pipeline and tensor together (3D), and ZeRO or
-compression inside a pipeline or tensor group.
+measured. Not enumerated yet: ZeRO or compression inside a pipeline or tensor
+group.
 """
 import argparse
 import dataclasses
@@ -52,12 +53,15 @@ def layouts(workers, layers=None):
     from ..compare.strategies import NAMES, train_flags
     out = [Layout(name, train_flags(name, workers), workers) for name in NAMES
            if name not in ("pipeline", "pipeline-zb", "tensor")]
-    for p in (d for d in range(2, workers + 1) if workers % d == 0 and (layers is None or d <= layers)):
-        for m in MICROBATCHES:
-            for name, schedule in (("pipeline", []), ("pipeline-zb", ["--schedule", "zb-h1"])):
-                out.append(Layout(name, ["--strategy", "pipeline", "--stages", str(p), "--microbatches", str(m),
-                                         *schedule], workers // p, pp=p, microbatches=m))
-    for t in (d for d in range(2, workers + 1) if workers % d == 0):
+    sizes = [d for d in range(2, workers + 1) if workers % d == 0]
+    for p in (d for d in sizes if layers is None or d <= layers):
+        for t in (1, *(d for d in sizes if workers % (p * d) == 0)):
+            cut = ["--tp", str(t)] if t > 1 else []
+            for m in MICROBATCHES:
+                for name, schedule in (("pipeline", []), ("pipeline-zb", ["--schedule", "zb-h1"])):
+                    out.append(Layout(name, ["--strategy", "pipeline", "--stages", str(p), "--microbatches", str(m),
+                                             *schedule, *cut], workers // (p * t), pp=p, tp=t, microbatches=m))
+    for t in sizes:
         out.append(Layout("tensor", ["--strategy", "allreduce", "--tp", str(t)], workers // t, tp=t))
     return out
 
@@ -112,15 +116,18 @@ def compute_seconds(layout, workload, measured=None):
     timed at its own size (a small batch runs less efficiently, and the stages are not
     equal), and once a step the optimizer over its share of the parameters (4 ms of a
     gpt step's 121 in a 1F1B trace); for a tensor group, its worker's share of the cut
-    model on the whole batch (the embeddings, norms and loss are not cut).
+    model on the whole batch (the embeddings, norms and loss are not cut); for a
+    pipeline of tensor groups, the stage's, scaled as the cut model's step is to the
+    whole model's on a micro-batch.
     ``measured`` (here.Measured) times these on the model here; without it they are the
     workload's step scaled down."""
     if layout.pp > 1:
         m = layout.microbatches or 1
         small = microbatch_samples(layout, workload)
         if not measured:
-            return m * workload.step_compute_s * small / workload.batch_per_device / layout.pp
-        return m * measured.stage(small, layout.pp) + measured.optimizer() / layout.pp
+            return m * workload.step_compute_s * small / workload.batch_per_device / layout.pp / layout.tp
+        stage = m * measured.stage(small, layout.pp) + measured.optimizer() / layout.pp
+        return stage * measured.cut(small, layout.tp) / measured.step(small) if layout.tp > 1 else stage
     if layout.tp > 1 and measured:
         return measured.cut(workload.batch_per_device, layout.tp)
     return workload.step_compute_s / layout.tp
@@ -140,7 +147,7 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
                                                            * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
     if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
-        split = measured.split(microbatch_samples(layout, workload))
+        split = measured.split(microbatch_samples(layout, workload), layout.tp)
         per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
     if cluster.cores:   # more workers than cores: each computes on a share of one
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s
