@@ -57,3 +57,35 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
         assert abs(held - memory.state_bytes(f"zero{stage}", n / 4, memory.SGD_MOMENTUM, 2)) <= 0.05 * held
     out = capsys.readouterr().out
     assert "wrote" in out and "compare.png" in out
+
+
+def test_combinations_are_every_dp_pp_tp_of_the_workers_with_two_above_one():
+    from paratrain.compare.strategies import combination, combinations, parse_names, train_flags
+    from paratrain.simulate import plan
+    assert combinations(2) == [] and sorted(combinations(4)) == ["dp2-pp2", "dp2-tp2", "pp2-tp2"]
+    assert "dp2-pp2-tp2" in combinations(8) and len(combinations(8)) == 7
+    assert all(math.prod(combination(n)) == 8 for n in combinations(8))
+    assert parse_names("all", 4) == [*NAMES, *combinations(4)] and parse_names("all") == list(NAMES)
+    assert parse_names("pp2-tp2,dp") == ["pp2-tp2", "dp"]
+    for bad in ("pp2", "dp2x", "tp2-pp2"):   # one factor alone is a name of its own; the order is dp, pp, tp
+        with pytest.raises(ValueError, match="a combination such as dp2-pp2"):
+            parse_names(bad)
+    assert train_flags("pp2-tp2", 4) == ["--strategy", "pipeline", "--stages", "2", "--tp", "2", "--dp", "1"]
+    layout = plan.compare_layout("dp2-pp2", 4)   # predicted as the pipeline it runs: 1F1B, 4 micro-batches
+    assert (layout.strategy, layout.dp, layout.pp, layout.tp, layout.microbatches) == ("pipeline", 2, 2, 1, 4)
+
+
+@pytest.mark.timeout(180)
+def test_compare_runs_the_combinations_it_is_given_and_says_why_not_for_the_rest(tmp_path, monkeypatch):
+    """digits on 4 workers: 2 replicas of a 2-stage pipeline run; a tensor cut of a CNN and
+    a layout of 8 workers are listed with train's reasons."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "none"))   # no calibration: no predictions
+    assert command.main(["--model", "digits", "--workers", "4", "--strategies", "dp2-pp2,dp2-tp2,dp2-pp2-tp2",
+                         "--steps", "2", "--runs", str(tmp_path)]) == 0
+    (folder,) = tmp_path.glob("compare-*")
+    rows = json.loads((folder / "compare.json").read_text())["rows"]
+    assert [r["strategy"] for r in rows] == ["dp2-pp2", "dp2-tp2", "dp2-pp2-tp2"]
+    summary = json.loads((folder / rows[0]["run_dir"].split("/")[-1] / "summary.json").read_text())
+    assert (summary["pipeline_stages"], summary["pipeline_replicas"], summary["steps"]) == (2, 2, 2), summary
+    assert rows[0]["samples_per_s"] > 0 and math.isfinite(rows[0]["loss"]) and "predicted_step_ms" not in rows[0]
+    assert "not digits" in rows[1]["unavailable"] and "2 x 2 x 2 = 8" in rows[2]["unavailable"]

@@ -38,7 +38,9 @@ def build_parser():
     p.add_argument("--model", default="digits", help="the built-in model every strategy trains (default digits)")
     p.add_argument("--workers", "-n", type=int, default=2, help="workers for each strategy (default 2)")
     p.add_argument("--strategies", default="all",
-                   help=f"comma-separated, from {', '.join(NAMES)}; or all (the default)")
+                   help=f"comma-separated, from {', '.join(NAMES)}, or combinations of dp, pp and tp "
+                        f"(dp2-pp2, pp2-tp2, ...); or all (the default: every name and the combinations "
+                        f"--workers allows)")
     when = p.add_mutually_exclusive_group()
     when.add_argument("--budget", type=budget_seconds, default=None,
                       help=f"wall-clock seconds of training for each strategy, e.g. 120s (default "
@@ -91,7 +93,7 @@ def predictor(args):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        names = parse_names(args.strategies)
+        names = parse_names(args.strategies, args.workers)
     except ValueError as e:
         print(f"paratrain compare: error: {e}", file=sys.stderr)
         return 2
