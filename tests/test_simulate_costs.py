@@ -189,3 +189,36 @@ def test_ranks_sharing_cores_go_at_the_pace_of_the_most_crowded_core():
     assert calibrate.oversubscribed(4, 2, 2.0) == pytest.approx(4.0)
     assert calibrate.time_shared(3, 2) == 1.5 and calibrate.time_shared(1, 2) == 1.0
 
+
+
+def test_crowding_is_fitted_from_synthetic_points_and_charged_to_a_group_larger_than_the_cores():
+    """A synchronization of more ranks than cores costs base + per_work x the work between
+    two (crowding.py): the fit recovers both, never below 0, and predict charges tensor
+    parallelism's 4 a layer + 1 only where the tensor group outnumbers the cores."""
+    import dataclasses
+
+    from paratrain.simulate import crowding
+    from paratrain.simulate.files import Cluster, Workload
+    from paratrain.simulate.strategies import predict
+    got = crowding.fit([(w, 0.0015 + 0.2 * w) for w in (0.001, 0.003, 0.008)])
+    assert got.base_s == pytest.approx(0.0015) and got.per_work == pytest.approx(0.2)
+    assert crowding.fit([(0.001, 0.002), (0.003, 0.001)]).per_work == 0   # falling: a constant, not a slope
+    assert crowding.fit([(0.001, 0.001), (0.003, 0.003)]).base_s == pytest.approx(0, abs=1e-12)
+    w = Workload("w", 1_000_000, 4, 8, 0.2, layers=4, hidden=64, seq_len=16)
+    plain = Cluster("two cores", 1, 8, Link(1e-5, 1e-10), Link(1e-5, 1e-10), host_algorithms=("ring",), cores=2)
+    crowded = dataclasses.replace(plain, crowding=crowding.Crowding(0.0015, 0.2))
+    syncs = 4 * 4 + 1
+    extra = syncs * (0.0015 + 0.2 * 0.2 / 2 / syncs)   # the step's compute is 4 ranks' on 2 cores: half is a rank's
+    assert predict("tensor", w, crowded, 4, tp=4).step_s - predict("tensor", w, plain, 4, tp=4).step_s == \
+        pytest.approx(extra)
+    assert predict("tensor", w, crowded, 4, tp=2).step_s == predict("tensor", w, plain, 4, tp=2).step_s   # pairs
+    assert predict("dp", w, crowded, 2).step_s == predict("dp", w, plain, 2).step_s   # a core each
+    assert predict("dp", w, crowded, 4).wait_s == pytest.approx(0.0015 + 0.2 * 0.1)
+
+
+def test_crowding_is_measured_with_processes_meeting_at_a_barrier():
+    """The measurement itself, short: a point for each work size, the fit of them."""
+    from paratrain.simulate import crowding
+    fitted, points = crowding.measure(1, works_s=(0.001, 0.002), seconds=0.1)
+    assert [w for w, _ in points] == [0.001, 0.002] and all(np.isfinite(e) for _, e in points)
+    assert fitted.base_s >= 0 and fitted.per_work >= 0

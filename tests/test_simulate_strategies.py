@@ -196,6 +196,10 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
     cluster = here.cluster_here(calibration)
     assert cluster.intra == Link(1e-5, 1e-10, 2e-10) and cluster.nodes == 1
     assert data_parallel.step(w, cluster, 2).how == "direct"   # what paratrain runs inside a host
+    assert cluster.crowding is None   # a calibration from before crowding.py: nothing charged
+    calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10}},
+                                       "crowding": {"base_s": 0.0015, "per_work": 0.2}}))
+    assert here.cluster_here(calibration).crowding.per_work == 0.2
     assert command.main(["--cluster", "here", "--calibration", str(calibration), "--workload", "mlp",
                          "--workers", "1,2", "--json"]) == 0
     assert [r["workers"] for r in json.loads(capsys.readouterr().out)["rows"]] == [1, 2]

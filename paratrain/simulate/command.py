@@ -167,10 +167,18 @@ def calibrate_here(path, rates=None):
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
               f"gamma {link.gamma * 1e9:.4f} ns/byte{far}; ranks sharing cores: ceil(P/cores) "
               f"(P/cores)^{contention - 1:g}")
+    from . import crowding
+    print(f"paratrain simulate: measuring a synchronization of {2 * cores} processes on the {cores} cores...",
+          flush=True)
+    crowded, points = crowding.measure(cores)
+    print("synchronizing more ranks than cores: " + ", ".join(f"+{extra * 1e3:.2f} ms after {w * 1e3:g} ms of work"
+                                                              for w, extra in points)
+          + f"; fitted {crowded.base_s * 1e3:.2f} ms + {crowded.per_work:.2f} x the work")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"links": {name: vars(link) for name, (link, _) in links.items()}, "cores": cores,
-                   "contention": {name: k for name, (_, k) in links.items()}, "samples": rows}, f, indent=1)
+                   "contention": {name: k for name, (_, k) in links.items()}, "crowding": vars(crowded),
+                   "samples": rows, "crowding_points": points}, f, indent=1)
     print(f"wrote {path}")
     return 0
 

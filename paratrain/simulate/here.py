@@ -23,6 +23,7 @@ import statistics
 import time
 
 from .collectives import Link
+from .crowding import Crowding
 from .system import Cluster, Workload
 
 # A gpt step here varies by 10-15% from step to step and its median over 25 steps by 5%
@@ -412,6 +413,7 @@ def cluster_here(calibration):
         name = "shm_direct" if "shm_direct" in links else next(iter(links))
         link = Link(**links[name])
         contention = float(stored.get("contention", {}).get(name, 1.0))
+        crowding = Crowding(**stored["crowding"]) if stored.get("crowding") else None
     except FileNotFoundError:
         raise ValueError(f"--cluster here needs this machine's links: run `paratrain simulate --calibrate` "
                          f"first (no {calibration})") from None
@@ -420,4 +422,4 @@ def cluster_here(calibration):
                          "--calibrate` again") from None
     cores = stored.get("cores") or os.cpu_count()
     return Cluster(f"this host ({cores} cores, calibrated)", 1, max(cores, 8), link, link,
-                   host_algorithms=("direct",), cores=cores, contention=contention)
+                   host_algorithms=("direct",), cores=cores, contention=contention, crowding=crowding)

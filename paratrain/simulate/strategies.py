@@ -28,11 +28,17 @@ STRATEGIES = {
 def predict(strategy, workload, cluster, workers, **options):
     """The Step, or the Unavailable saying why not (a worker count the cluster cannot hold
     raises ValueError: that is the user's mistake, not the strategy's); with the waiting
-    for the slowest rank its synchronizations cost (waits.py)."""
+    for the slowest rank its synchronizations cost (waits.py), and, where a host's ranks
+    outnumber its cores, what each synchronization of them adds (crowding.py)."""
     try:
         step = STRATEGIES[strategy](workload, cluster, workers, **options)
     except Unavailable as e:
         return e
     group = tensor.group_size(cluster, workers, options.get("tp")) if strategy == "tensor" else workers
-    wait = waits.seconds(group, workload.step_jitter_s, waits.synchronizations(strategy, workload))
+    syncs = waits.synchronizations(strategy, workload)
+    wait = waits.seconds(group, workload.step_jitter_s, syncs)
+    if cluster.crowding:   # more of the group's ranks than cores on a host (crowding.py)
+        _, ranks_here = data_parallel.placement(cluster, workers)
+        wait += cluster.crowding.seconds(syncs, workload.step_compute_s, min(group, ranks_here), ranks_here,
+                                         cluster.cores)
     return dataclasses.replace(step, wait_s=wait) if wait else step

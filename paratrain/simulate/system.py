@@ -17,6 +17,7 @@ class Cluster:
     host_algorithms: tuple = ("ring", "tree")   # the all-reduces paratrain chooses from inside a host
     cores: int = None            # cores a host's devices share (this machine's processes), None: one each
     contention: float = 1.0      # k in (P/cores)^k: how ranks sharing cores slow a collective (calibrate.py)
+    crowding: object = None      # crowding.Crowding: a synchronization of more ranks than cores, measured here
 
     @property
     def devices(self):
