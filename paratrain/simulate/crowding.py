@@ -9,6 +9,8 @@ again. Measured here with plain processes (no paratrain in the way), four
 on two cores meeting at a barrier after each w of work:
 
     w = 1.0 ms: +1.63 ms a synchronization; 3.0 ms: +2.27; 7.9 ms: +3.18
+    (matrix products; --calibrate's elementwise work, minutes later: +1.24,
+    +1.53, +1.54)
 
 Two processes handing a token back and forth, four on the same two cores,
 pay under 0.2 ms a hand-off. So the cost is charged to a synchronization of
