@@ -101,3 +101,14 @@ def test_rank_exiting_after_the_rendezvous_is_named(step, backend):
     outs = outputs(procs, 50)
     for out in (outs[0], outs[2]):
         assert "init failed: RendezvousError" in out and "ranks [1] " in out and "exited" in out, out
+
+
+def test_a_free_port_is_chosen_below_the_ephemeral_range_and_never_twice():
+    """Outgoing connections take their ports from the kernel's ephemeral range, so a port
+    chosen there could be taken between the launcher's choice and rank 0's bind; and a
+    job's master and servers must not be handed the same one."""
+    from paratrain.launch import local
+    low = local._ephemeral_low()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(low - 16384 <= p < low for p in ports), ports
+    assert all(local.bind_error(p) is None for p in ports[:5])

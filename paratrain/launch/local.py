@@ -34,10 +34,38 @@ BOOTSTRAP = "paratrain.launch.bootstrap"   # runs the script, then exits without
 MAX_TIMEOUT = 365 * 86400.0   # a year; far beyond, the engines overflow (1e30 s: "too large to convert to C int")
 
 
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+_HANDED_OUT = set()   # ports this process chose already: a job's master and its servers differ
+
+
+def _ephemeral_low():
+    """The lowest port the kernel hands to outgoing connections (Linux's default 32768)."""
+    try:
+        with open(EPHEMERAL_PORTS) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host="127.0.0.1"):
-    """A TCP port that was free a moment ago: bind port 0, read what the kernel
-    chose, let it go. Another process can take it before rank 0 binds it; the
-    window is short, and torchrun accepts the same race."""
+    """A TCP port that was free a moment ago, for rank 0 or a server to bind soon after.
+    Chosen at random below the kernel's ephemeral range and tried: a port bind(0)
+    returns is one from that range, which any process's next outgoing connection
+    (a Gloo or ZeroMQ peer of a job running beside this one) may take as its own
+    before rank 0 binds it, and did, once in a suite of 1069 tests. Falls back to
+    bind(0), torchrun's way, where no port below the range is free."""
+    import random
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(64):
+        port = pick.randrange(max(1024, low - 16384), low) if low > 2048 else None
+        if port is None:
+            break
+        if port in _HANDED_OUT:
+            continue
+        if bind_error(port) is None:   # on every interface, as the rendezvous store listens
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
