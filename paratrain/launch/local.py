@@ -56,14 +56,9 @@ def free_port(host="127.0.0.1"):
     bind(0), torchrun's way, where no port below the range is free."""
     import random
     low = _ephemeral_low()
-    pick = random.SystemRandom()
-    for _ in range(64):
-        port = pick.randrange(max(1024, low - 16384), low) if low > 2048 else None
-        if port is None:
-            break
-        if port in _HANDED_OUT:
-            continue
-        if bind_error(port) is None:   # on every interface, as the rendezvous store listens
+    tries = [random.SystemRandom().randrange(max(1024, low - 16384), low) for _ in range(64)] if low > 2048 else []
+    for port in tries:
+        if port not in _HANDED_OUT and bind_error(port) is None:   # every interface, as the store listens
             _HANDED_OUT.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

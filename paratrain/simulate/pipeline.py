@@ -60,10 +60,11 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     f, b = workload.forward_s / m, workload.backward_s / m
     split = b * workload.split_cost            # B and W one after the other
     w = split * workload.weight_fraction
+    paid = cut + send                          # what F and B each add to their compute
     if schedule in schedules.SPLIT_BACKWARD:
-        cost = [{"F": f + cut + send, "B": split - w + cut + send, "W": w}] * p
+        cost = [{"F": f + paid, "B": split - w + paid, "W": w}] * p
     else:   # the engine splits every stage's backward but the first's, W at once
-        cost = [{"F": f + cut + send, "B": b + cut + send}] + [{"F": f + cut + send, "B": split + cut + send}] * (p - 1)
+        cost = [{"F": f + paid, "B": b + paid}] + [{"F": f + paid, "B": split + paid}] * (p - 1)
     makespan, busy, _trace = schedules.simulate(schedule, p, m, cost=cost)
     sends, inside = 2 * m * send, 2 * m * cut
     replicas = workers // (p * t)

@@ -71,8 +71,9 @@ def compare_layout(name, workers):
     a pipeline of every worker with 4 micro-batches, a tensor group of every worker; a
     combination's own dp x pp x tp)."""
     from ..compare.strategies import combination, train_flags
-    if combination(name):   # dpD-ppP-tpT: a 1F1B pipeline of 4 micro-batches where it has stages
-        dp, pp, tp = combination(name)
+    mesh = combination(name)
+    if mesh:   # dpD-ppP-tpT: a 1F1B pipeline of 4 micro-batches where it has stages
+        dp, pp, tp = mesh
         return Layout("pipeline" if pp > 1 else "tensor", train_flags(name, workers), dp, pp=pp, tp=tp,
                       microbatches=4 if pp > 1 else None)
     if name in ("pipeline", "pipeline-zb"):
