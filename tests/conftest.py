@@ -29,27 +29,6 @@ def python_m(args, env, cwd=ROOT, timeout=150):
     return forkserver.run([sys.executable, "-m", *args], env, cwd=cwd, timeout=timeout)
 
 
-def once_per_run(tmp_path_factory, name, make):
-    """``make()``'s result (JSON), made by one process of the run. Under ``pytest -n 2`` a
-    module's tests are shared out between the two workers, and each sets the module's
-    fixtures up anew (xdist's grouping marks do not reach pytest 9's node ids): a fixture
-    that trains a dozen jobs would train them twice. The first worker to ask makes it,
-    holding a lock in the run's folder; the other waits, then reads what it wrote."""
-    import fcntl
-    import json
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return make()
-    shared = tmp_path_factory.getbasetemp().parent   # the run's folder, above each worker's own
-    record = shared / f"{name}.json"
-    with open(shared / f"{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if record.exists():
-            return json.loads(record.read_text())
-        made = make()
-        record.write_text(json.dumps(made))
-        return made
-
-
 # What the suite's workers and front-ends import: torch, the optimizer's torch._dynamo,
 # the run's plot, the digits (scikit-learn, which sets KMP_* variables as it is imported:
 # preloaded, a front-end's workers still fork), and the Hugging Face models of the hf-* tests.
@@ -240,12 +219,48 @@ QUICK_MODULES = {"test_algorithms", "test_config", "test_elastic_sampler", "test
 ALONE_MODULES = {"test_mpi_backend", "test_stall"}
 
 
+# Modules whose tests share one costly module fixture (a dozen training jobs): under
+# pytest -n 2 all their tests go to one worker, which sets the fixture up once.
+TOGETHER_MODULES = {"test_train_elastic", "test_examples"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
         if item.module.__name__ in ALONE_MODULES:
             item.add_marker(pytest.mark.alone)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_turn)   # the order the scheduler below hands the tests out in
+
+
+def _turn(item):
+    """When a test's turn comes under pytest -n 2: the modules run together first (the
+    longest units of work), then the tests that launch processes, then the in-process ones,
+    which fill the cores while the last launches end, then those that run alone, which
+    then wait for no long test of the other worker."""
+    if item.get_closest_marker("alone"):
+        return 3
+    if item.get_closest_marker("quick"):
+        return 2
+    return 0 if item.module.__name__ in TOGETHER_MODULES else 1
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest -n 2 hands out one unit of work at a time, in the order above (xdist's
+    load-scope scheduling, whose units are single tests here but for TOGETHER_MODULES'
+    modules). xdist's default hands a quarter of the tests out at the start, and a test
+    marked alone then waits for whatever long test the other worker was given."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestsOrModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if Path(module).stem in TOGETHER_MODULES else nodeid
+    return TestsOrModules(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -255,13 +270,12 @@ def pytest_runtest_protocol(item, nextitem):
     starts until it has ended. A turnstile taken first keeps a stream of shared holders
     from starving it. Outside this hook's wait, pytest-timeout's clock runs: a test is not
     timed while it waits for its turn."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
     import fcntl
-    base = os.path.join(tempfile.gettempdir(), f"paratrain-pytest-{run}")
-    with open(base + ".turnstile", "a") as turnstile, open(base + ".lock", "a") as lock:
+    shared = Path(item.config.option.basetemp).parent   # the run's folder; xdist gives each worker one below
+    with open(shared / "alone.turnstile", "a") as turnstile, open(shared / "alone.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)

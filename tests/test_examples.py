@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, once_per_run
+from conftest import ROOT
 
 EXAMPLES = ROOT / "examples"
 JOB_TIMEOUT = 150   # seconds for the jobs, all six sharing the machine; together they take about 30 on 2 quiet cores
@@ -131,7 +131,7 @@ def jobs(request, tmp_path_factory):
     started at once, once for the whole suite."""
     selected = sorted({item.callspec.params["script"] for item in request.session.items
                        if item.module is request.module and hasattr(item, "callspec")})
-    return once_per_run(tmp_path_factory, "examples-" + "-".join(selected), lambda: run_all(selected, tmp_path_factory))
+    return run_all(selected, tmp_path_factory)
 
 
 def run_all(scripts, tmp_path_factory):

@@ -6,12 +6,9 @@ over the same samples at any world size, so that run is one worker taking the wh
 global batch (a step done again from a commit, or a sample used twice or skipped,
 would show in the parameters). Every step is logged once, in order, whoever wrote it."""
 import json
-import pathlib
-import subprocess
 
 import pytest
 import torch
-from conftest import once_per_run
 from test_train import front_end, ok, run_dirs, side_by_side, train
 
 WORKERS, BATCH, STEPS, COMMIT_EVERY = 4, 16, 60, 5
@@ -78,12 +75,8 @@ def runs(tmp_path_factory):
     jobs.update(ONEBIT)
     order = ["lost_and_joined", "reference", "below_min", "shrink", "zero_join", *ZERO_KILLS, *MESHES, *ONEBIT]
 
-    def make():
-        results = side_by_side(*[(paths[name], *COMMON, *jobs[name]) for name in order])   # a job's --steps wins
-        return {name: ([res.args, res.returncode, res.stdout, res.stderr], str(run_dirs(paths[name])[0]))
-                for name, res in zip(order, results)}
-    made = once_per_run(tmp_path_factory, "train_elastic_runs", make)
-    return {name: (subprocess.CompletedProcess(*res), pathlib.Path(run_dir)) for name, (res, run_dir) in made.items()}
+    results = side_by_side(*[(paths[name], *COMMON, *jobs[name]) for name in order])   # a job's --steps wins
+    return {name: (res, run_dirs(paths[name])[0]) for name, res in zip(order, results)}
 
 
 def parameters(run_dir):
