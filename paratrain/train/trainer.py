@@ -18,6 +18,7 @@ says where in the epoch we are, the optimizer state travels in the checkpoint,
 and the built-in models have no dropout, so a run stopped at step k and
 resumed reaches the same parameters at step k+j as a run that never stopped.
 """
+import importlib
 import itertools
 import json
 import os
@@ -100,6 +101,9 @@ class TrainingRun:
 
     def __init__(self, args):
         self.args = args
+        # torch._dynamo, which the optimizer's first step imports, holds 23 MiB of heap: imported
+        # before the baseline, a fresh worker counts what one forked from a fork server does
+        importlib.import_module("torch._dynamo")
         self.memory = PeakMemory()   # above the interpreter and its libraries, before the task
         chosen = strategies.STRATEGIES[args.strategy]
         self.task = build_task(args.model, seed=args.seed, sparse=chosen.SPARSE)
