@@ -74,6 +74,27 @@ def test_tensor_parallelism_pays_four_activation_all_reduces_a_layer():
     assert "activation_bytes" in str(predict("tensor", gpt_like(hidden=None), HOST, 4))
 
 
+def test_a_group_s_all_reduce_on_a_host_of_more_ranks_than_cores_is_slowed_as_the_job_s():
+    """4 workers on 2 cores: a tensor group's all-reduce, of 2 or of all 4, goes at the pace of
+    memory shared by the host's 4 ranks (calibrate.oversubscribed), as a job-wide one does;
+    with a core a rank, or no cores given, the link's own."""
+    import dataclasses
+
+    from paratrain.simulate.calibrate import oversubscribed
+    w = gpt_like()
+    crowded = dataclasses.replace(HOST, cores=2, contention=1.5)
+    slow = HOST.intra.slowed(oversubscribed(4, 2, 1.5))
+    assert oversubscribed(4, 2, 1.5) == pytest.approx(2 * 2 ** 0.5)
+    for t in (2, 4):
+        act = t * w.batch_per_device * 64 * 256 * 4
+        per = min(all_reduce(a, t, act).seconds(slow) for a in ("ring", "tree"))
+        replicas = all_reduce("ring", 4 // t, w.gradient_bytes / t).seconds(slow) if t == 2 else 0
+        got = predict("tensor", w, crowded, 4, tp=t)
+        assert got.comm_s == pytest.approx(4 * 8 * per + replicas), t
+    assert data_parallel.group_all_reduce_seconds(crowded, 2, False, 1 << 20, workers=2) == \
+        data_parallel.group_all_reduce_seconds(HOST, 2, False, 1 << 20, workers=4)   # a core each; no cores
+
+
 def test_a_pipeline_of_tensor_groups_adds_each_stage_s_all_reduces_to_its_actions():
     """3D (--pp 2 --tp 2 on 8 devices: 2 replicas of 2 stages of 2): a micro-batch is t times
     larger, each stage's layers pay two all-reduces of its activations in F and two in B, and

@@ -62,13 +62,16 @@ def all_reduce_seconds(cluster, workers, n, algorithm):
     return all_reduce(algorithm, workers, n).seconds(slowest_link(cluster, workers, algorithm))
 
 
-def group_all_reduce_seconds(cluster, size, across_hosts, n, algorithm=None):
+def group_all_reduce_seconds(cluster, size, across_hosts, n, algorithm=None, workers=None):
     """An all-reduce over a group of ``size`` devices that is not the whole job (a stage's or
     a tensor group's replicas): over the network when ``across_hosts``, by ``algorithm`` or
-    the cheapest of those paratrain runs there (inside a host, the cluster's host algorithms)."""
+    the cheapest of those paratrain runs there (inside a host, the cluster's host algorithms).
+    Inside a host, its memory is slowed as a whole job's is when more processes than cores
+    share it: the job's ``workers`` there, whose other groups run theirs, or compute, beside it."""
     if size == 1:
         return 0.0
-    link = cluster.inter if across_hosts else cluster.intra
+    link = cluster.inter if across_hosts else cluster.intra.slowed(
+        oversubscribed(placement(cluster, max(size, workers or size))[1], cluster.cores, cluster.contention))
     algorithms = (algorithm,) if algorithm and algorithm != "hierarchical" else \
         ("ring", "tree") if across_hosts else cluster.host_algorithms
     return min(all_reduce(a, size, n).seconds(link) for a in algorithms)

@@ -56,7 +56,7 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     cut = 0.0   # a micro-batch's tensor all-reduces in F, and as many in B
     if t > 1:
         cut = tensor.ALL_REDUCES_PER_LAYER // 2 * workload.layers / p * data_parallel.group_all_reduce_seconds(
-            cluster, t, t > cluster.devices_per_node, activations)
+            cluster, t, t > cluster.devices_per_node, activations, workers=workers)
     f, b = workload.forward_s / m, workload.backward_s / m
     split = b * workload.split_cost            # B and W one after the other
     w = split * workload.weight_fraction
@@ -69,7 +69,7 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     sends, inside = 2 * m * send, 2 * m * cut
     replicas = workers // (p * t)
     grads = data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, workload.gradient_bytes / (p * t),
-                                                   algorithm)
+                                                   algorithm, workers)
     compute = max(busy) - sends - inside
     return Step(workers, compute, sends + inside + grads, bubble_s=max(0.0, makespan - max(busy)),
                 comm_s=sends + inside + grads,

@@ -35,13 +35,15 @@ def step(workload, cluster, workers, tp=None, algorithm=None, bucket_mb=data_par
         return data_parallel.step(workload, cluster, workers, algorithm, bucket_mb)
     layers = workload.need_layers("tensor parallelism")
     activations = workload.layer_activation_bytes("tensor parallelism") * t
-    per_layer = data_parallel.group_all_reduce_seconds(cluster, t, t > cluster.devices_per_node, activations)
+    per_layer = data_parallel.group_all_reduce_seconds(cluster, t, t > cluster.devices_per_node, activations,
+                                                           workers=workers)
     inside = ALL_REDUCES_PER_LAYER * layers * per_layer
     replicas = workers // t
     across = 0.0, 0.0
     if replicas > 1:
         across = data_parallel.overlapped(
             workload, workload.gradient_bytes / t,
-            lambda n: data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, n, algorithm), bucket_mb)
+            lambda n: data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, n, algorithm, workers),
+            bucket_mb)
     return Step(workers, workload.step_compute_s, inside + across[0], comm_s=inside + across[1],
                 how=f"tp {t} x dp {replicas}", batch_per_device=workload.batch_per_device)
