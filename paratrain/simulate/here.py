@@ -288,14 +288,14 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
     the first under 1F1B, W at once. Timed as the engine runs them: the whole backward
     (the first stage's under 1F1B); B, one autograd call for the gradients of each
     weight-owning module's output and of the parameters B keeps (norms, embeddings), the
-    graph kept for W; W, a plain nn.Linear's two products (engine._linear_weight_gradients),
+    graph kept for W; W, engine.weight_gradients for each: a plain nn.Linear's two products,
     another module's (a tensor-parallel layer: ``tp`` > 1 cuts the model as cut_step_seconds
     does) one autograd call for its own weights."""
     import copy
 
     import torch
 
-    from ..parallel.pipeline.engine import _WEIGHTS_IN_B, _linear_weight_gradients, _own_params
+    from ..parallel.pipeline.engine import parameters_left_to_b, weight_gradients, weight_owners
     task = task_of(model, seed)
 
     def parts():
@@ -303,10 +303,8 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
         if tp > 1:
             from ..parallel.tensor import parallelize
             copied = parallelize(copied, group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
-        owners = [m for m in copied.modules()
-                  if m is not copied and _own_params(m) and not isinstance(m, _WEIGHTS_IN_B)]
-        owned = {id(q) for m in owners for q in _own_params(m)}
-        loose = [q for q in copied.parameters() if id(q) not in owned]
+        owners = weight_owners(copied)
+        loose = parameters_left_to_b(copied, owners)
         for sample in _batches(task, batch):
             captured = []
             hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out)))
@@ -322,12 +320,8 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
                                       allow_unused=True)
             t3 = time.perf_counter()
             for (mod, x, out), g in zip(captured, got):
-                if g is None:
-                    continue
-                if type(mod) is torch.nn.Linear:
-                    _linear_weight_gradients(mod, x.detach(), g)
-                else:
-                    torch.autograd.grad(out, _own_params(mod), g, retain_graph=True, allow_unused=True)
+                if g is not None:
+                    weight_gradients(mod, x.detach(), out, g)
             t4 = time.perf_counter()
             copied.zero_grad(set_to_none=True)
             yield t1 - t0, t2 - t1, t3 - t2, t4 - t3

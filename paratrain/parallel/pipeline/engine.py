@@ -287,8 +287,7 @@ class Pipeline:
         """B of a split backward: gradients of the inputs, of each weight-owning
         module's output (kept for W), and of parameters no such module owns."""
         captured = [(mod, inp, out) for mod, inp, out in state["captured"] if out.requires_grad]
-        covered = {id(q) for mod, _, _ in captured for q in _own_params(mod)}
-        loose = [q for q in chunk.parameters() if q.requires_grad and id(q) not in covered]
+        loose = parameters_left_to_b(chunk, [mod for mod, _, _ in captured])
         wanted = leaves + [out for _, _, out in captured] + loose
         if not outputs or not wanted:
             state["wgrads"] = []
@@ -306,15 +305,9 @@ class Pipeline:
         began = time.perf_counter()
         self._cpu_began = trace.cpu_now() if trace.ON else None
         state = self._state.pop((mb, c))
-        # one autograd call per module, asking for its own weights only: asked together,
-        # a module's output gradient would also flow back through the modules before it
-        # and add to their weights what their own output gradients already hold
         for mod, inp, out, g in state.get("wgrads", []):
-            if inp is not None and inp[0]._version == inp[1]:   # (changed in place since: autograd says so)
-                _linear_weight_gradients(mod, inp[0], g)
-                continue
-            params = _own_params(mod)
-            _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
+            unchanged = inp is not None and inp[0]._version == inp[1]   # (changed in place: autograd's way)
+            weight_gradients(mod, inp[0] if unchanged else None, out, g)
         self._held -= state["saved_bytes"]
         return began
 
@@ -326,9 +319,8 @@ class Pipeline:
                 linear = type(module) is torch.nn.Linear and len(args) == 1 and torch.is_tensor(args[0])
                 self._capture.append((module, (args[0], args[0]._version) if linear else None, output))
         for chunk in self.stage.chunks:
-            for mod in chunk.module.modules():
-                if mod is not chunk.module and _own_params(mod) and not isinstance(mod, _WEIGHTS_IN_B):
-                    mod.register_forward_hook(hook)
+            for mod in weight_owners(chunk.module):
+                mod.register_forward_hook(hook)
 
     # ---- forward only (evaluation) ----------------------------------------------------------
 
@@ -418,6 +410,32 @@ _WEIGHTS_IN_B = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchn
 
 def _own_params(module):
     return [q for q in module._parameters.values() if q is not None and q.requires_grad]
+
+
+def weight_owners(module):
+    """The modules inside ``module`` (not itself) whose weight gradients W computes: each
+    owning a trainable parameter of its own, but for those of _WEIGHTS_IN_B."""
+    return [m for m in module.modules() if m is not module and _own_params(m) and not isinstance(m, _WEIGHTS_IN_B)]
+
+
+def parameters_left_to_b(module, owners):
+    """``module``'s trainable parameters that none of ``owners`` holds: B computes their
+    gradients along with the inputs'."""
+    covered = {id(q) for m in owners for q in _own_params(m)}
+    return [q for q in module.parameters() if q.requires_grad and id(q) not in covered]
+
+
+def weight_gradients(module, x, out, grad):
+    """W of one weight owner, added to its parameters' .grad from ``grad``, the gradient of
+    its output ``out``: a plain nn.Linear given its input ``x`` by two products of our own,
+    any other by one autograd call for its own weights only (asked together, a module's
+    output gradient would also flow back through the modules before it and add to their
+    weights what their own output gradients already hold)."""
+    if x is not None and type(module) is torch.nn.Linear:
+        _linear_weight_gradients(module, x, grad)
+        return
+    params = _own_params(module)
+    _accumulate(params, torch.autograd.grad(out, params, grad, retain_graph=True, allow_unused=True))
 
 
 @torch.no_grad()
