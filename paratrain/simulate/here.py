@@ -295,7 +295,7 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
 
     import torch
 
-    from ..parallel.pipeline.engine import parameters_left_to_b, weight_gradients, weight_owners
+    from ..parallel.pipeline.engine import linear_input, parameters_left_to_b, weight_gradients, weight_owners
     task = task_of(model, seed)
 
     def parts():
@@ -307,8 +307,10 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
         loose = parameters_left_to_b(copied, owners)
         for sample in _batches(task, batch):
             captured = []
-            hooks = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out)))
-                     for m in owners]
+
+            def capture(mod, args, out):
+                captured.append((mod, linear_input(mod, args), out))
+            hooks = [m.register_forward_hook(capture) for m in owners]
             t0 = time.perf_counter()
             loss = task.loss(copied, sample)
             t1 = time.perf_counter()
@@ -321,7 +323,7 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
             t3 = time.perf_counter()
             for (mod, x, out), g in zip(captured, got):
                 if g is not None:
-                    weight_gradients(mod, x.detach(), out, g)
+                    weight_gradients(mod, None if x is None else x.detach(), out, g)
             t4 = time.perf_counter()
             copied.zero_grad(set_to_none=True)
             yield t1 - t0, t2 - t1, t3 - t2, t4 - t3

@@ -36,7 +36,7 @@ def step(workload, cluster, workers, tp=None, algorithm=None, bucket_mb=data_par
     layers = workload.need_layers("tensor parallelism")
     activations = workload.layer_activation_bytes("tensor parallelism") * t
     per_layer = data_parallel.group_all_reduce_seconds(cluster, t, t > cluster.devices_per_node, activations,
-                                                           workers=workers)
+                                                       workers=workers)
     inside = ALL_REDUCES_PER_LAYER * layers * per_layer
     replicas = workers // t
     across = 0.0, 0.0

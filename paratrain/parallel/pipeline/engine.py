@@ -306,7 +306,7 @@ class Pipeline:
         self._cpu_began = trace.cpu_now() if trace.ON else None
         state = self._state.pop((mb, c))
         for mod, inp, out, g in state.get("wgrads", []):
-            unchanged = inp is not None and inp[0]._version == inp[1]   # (changed in place: autograd's way)
+            unchanged = inp is not None and inp[0]._version == inp[1]   # (changed in place since: autograd says so)
             weight_gradients(mod, inp[0] if unchanged else None, out, g)
         self._held -= state["saved_bytes"]
         return began
@@ -316,8 +316,8 @@ class Pipeline:
         a plain nn.Linear's input (its W is then two products of our own)."""
         def hook(module, args, output):
             if self._capture is not None and torch.is_tensor(output):
-                linear = type(module) is torch.nn.Linear and len(args) == 1 and torch.is_tensor(args[0])
-                self._capture.append((module, (args[0], args[0]._version) if linear else None, output))
+                x = linear_input(module, args)
+                self._capture.append((module, None if x is None else (x, x._version), output))
         for chunk in self.stage.chunks:
             for mod in weight_owners(chunk.module):
                 mod.register_forward_hook(hook)
@@ -423,6 +423,14 @@ def parameters_left_to_b(module, owners):
     gradients along with the inputs'."""
     covered = {id(q) for m in owners for q in _own_params(m)}
     return [q for q in module.parameters() if q.requires_grad and id(q) not in covered]
+
+
+def linear_input(module, args):
+    """A plain nn.Linear's input (its forward's ``args``), from which weight_gradients makes
+    its W; None for any other module."""
+    if type(module) is torch.nn.Linear and len(args) == 1 and torch.is_tensor(args[0]):
+        return args[0]
+    return None
 
 
 def weight_gradients(module, x, out, grad):
