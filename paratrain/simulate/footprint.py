@@ -39,20 +39,15 @@ def measure(model, batch, seed=0):
     import torch
 
     from ..train.memory import PeakMemory, heap_mb
-    from ..train.optimizer import make_optimizer
     from ..train.tasks import build_task
+    from .here import ComputeOnlyGroup, training_steps   # (imported before the heap's baseline)
     torch.set_num_threads(1)
     memory = PeakMemory()
     task = build_task(model, seed=seed)
     built = heap_mb() - memory.heap_before
-    optimizer = make_optimizer(task.defaults["optimizer"], task.model.parameters(), task.defaults["lr"])
-    loader = iter(torch.utils.data.DataLoader(task.train_set, batch_size=batch, shuffle=False, drop_last=True))
+    steps = training_steps(task, batch, copied=False, sample=memory.sample)   # its optimizer lives on below
     for _ in range(STEPS):
-        task.loss(task.model, next(loader)).backward()
-        memory.sample()   # where the trainer samples too
-        optimizer.step()
-        memory.sample()
-        optimizer.zero_grad(set_to_none=True)
+        next(steps)
     steady = heap_mb() - memory.heap_before
     train_peak = memory.heap_peak - memory.heap_before
     evaluation = memory.added_by(lambda: task.evaluate(task.model))
@@ -62,7 +57,6 @@ def measure(model, batch, seed=0):
         import copy
 
         from ..parallel.tensor import parallelize
-        from .here import ComputeOnlyGroup
         cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(CUT),
                           plan=task.tensor_plan(task.model))
         memory = PeakMemory()

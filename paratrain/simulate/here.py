@@ -70,18 +70,27 @@ def layer_outputs(task, batch_size):
     return len(leaves), (sum(sizes) / len(sizes) if sizes else None)
 
 
-def _steps(task, batch_size, model=None):
+def training_steps(task, batch_size, model=None, copied=True, sample=None):
     """Seconds of each step, forever: forward, backward and the task's optimizer step on
-    ``batch_size`` samples, on a copy of ``model`` (else the task's own), left as it was."""
+    ``batch_size`` samples, on a copy of ``model`` (else the task's own), left as it was;
+    with ``copied`` False on the model itself (footprint.py: a copy's parameters would
+    count in the heap it measures). ``sample()``, if given, is called where the trainer
+    samples the heap: after backward and after the optimizer's step."""
     import copy
 
     from ..train.optimizer import make_optimizer
-    model = copy.deepcopy(task.model if model is None else model)
+    model = task.model if model is None else model
+    if copied:
+        model = copy.deepcopy(model)
     optimizer = make_optimizer(task.defaults["optimizer"], model.parameters(), task.defaults["lr"])
     for batch in _batches(task, batch_size):
         t0 = time.perf_counter()
         task.loss(model, batch).backward()
+        if sample:
+            sample()
         optimizer.step()
+        if sample:
+            sample()
         optimizer.zero_grad(set_to_none=True)
         yield time.perf_counter() - t0
 
@@ -104,10 +113,10 @@ class Timed(float):
 
 
 def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
-    """Seconds of a training step on ``batch_size`` samples on this process (``_steps``;
+    """Seconds of a training step on ``batch_size`` samples on this process (``training_steps``;
     ``model``: another model of the task's, a cut one), a Timed of ``timed`` steps after
     ``warmup``."""
-    return _timed(_steps(task, batch_size, model), warmup, timed)
+    return _timed(training_steps(task, batch_size, model), warmup, timed)
 
 
 def _timed(seconds, warmup=WARMUP, timed=TIMED):
@@ -152,7 +161,7 @@ def one_thread():
 def _compute_until(task, batch, stop, started):
     import torch
     torch.set_num_threads(1)
-    for i, _ in enumerate(_steps(task, batch)):
+    for i, _ in enumerate(training_steps(task, batch)):
         if i == 0:
             started.release()
         if stop.is_set():
