@@ -190,7 +190,6 @@ def test_ranks_sharing_cores_go_at_the_pace_of_the_most_crowded_core():
     assert calibrate.time_shared(3, 2) == 1.5 and calibrate.time_shared(1, 2) == 1.0
 
 
-
 def test_crowding_is_fitted_from_synthetic_points_and_charged_to_a_group_larger_than_the_cores():
     """A synchronization of more ranks than cores costs base + per_work x the work between
     two (crowding.py): the fit recovers both, never below 0, and predict charges tensor

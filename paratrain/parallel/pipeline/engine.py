@@ -435,11 +435,11 @@ def linear_input(module, args):
 
 def weight_gradients(module, x, out, grad):
     """W of one weight owner, added to its parameters' .grad from ``grad``, the gradient of
-    its output ``out``: a plain nn.Linear given its input ``x`` by two products of our own,
-    any other by one autograd call for its own weights only (asked together, a module's
-    output gradient would also flow back through the modules before it and add to their
-    weights what their own output gradients already hold)."""
-    if x is not None and type(module) is torch.nn.Linear:
+    its output ``out``: a plain nn.Linear given its input ``x`` (linear_input's) by two
+    products of our own, any other (``x`` None) by one autograd call for its own weights
+    only (asked together, a module's output gradient would also flow back through the
+    modules before it and add to their weights what their own output gradients already hold)."""
+    if x is not None:
         _linear_weight_gradients(module, x, grad)
         return
     params = _own_params(module)
