@@ -77,22 +77,58 @@ def test_quick_benchmark_reports_every_engine_and_collective(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_quick_benchmark_with_shared_buffers_extra_algorithms_and_the_hierarchical_run(tmp_path):
-    """--buffers shared, --algorithms and --hierarchical reach the JSON: each extra
-    engine measured and its result checked against numpy like the others."""
+    """--buffers shared, --algorithms, --hierarchical and --interleave-sizes reach the JSON:
+    each extra engine measured and its result checked against numpy like the others."""
     code = main(["--quick", "-n", "2", "--sizes", "4K,64K", "--collectives", "all_reduce,all_gather",
                  "--buffers", "shared", "--algorithms", "ring,tree", "--hierarchical", "--no-mpi",
-                 "--bind-to", "core", "--out", str(tmp_path)])
+                 "--bind-to", "core", "--interleave-sizes", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "collectives.json").read_text())
     assert data["environment"]["launcher"] == "subprocesses"
     assert_pinned_to_own_cpus(data["environment"])
     assert data["config"]["buffers"] == "shared" and data["config"]["hierarchical"] is True
+    assert data["config"]["interleave_sizes"] is True
     engines = {(r["engine"], r["run"]) for r in data["results"]}
     assert {("paratrain", "main"), ("paratrain/ring", "main"), ("paratrain/tree", "main"), ("gloo", "main"),
             ("paratrain-hier", "hierarchical")} <= engines, engines
     for r in data["results"]:
         assert r["verified"] and r["median_us"] > 0, r
     assert {r["collective"] for r in data["results"] if r["engine"] == "paratrain/ring"} == {"all_reduce"}
+
+
+def test_interleaved_sizes_take_turns_in_every_round():
+    """--interleave-sizes: round i times every size (the order rotated) before round i+1
+    starts, each size its own rounds; every engine checked once per size."""
+    import numpy as np
+
+    from paratrain.bench.collectives_worker import _measure_interleaved
+    log = []
+
+    class Case:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+        def reset(self):
+            pass
+
+        def call(self, engine):
+            log.append((self.nbytes, engine.name))
+
+        def check(self, engine):
+            return engine.name == "a"
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def barrier(self):
+            pass
+    cases = [Case(1), Case(2), Case(3)]
+    out = _measure_interleaved(cases, [Engine("a"), Engine("b")], [2, 3, 2], warmup=1, calls=[1, 1, 1])
+    assert [t.shape for t, _ in out] == [(2, 2), (2, 3), (2, 2)]
+    assert all(np.isfinite(t).all() and list(ok) == [1.0, 0.0] for t, ok in out)
+    assert [n for n, _ in log] == [1, 1, 2, 2, 3, 3, 2, 2, 3, 3, 1, 1, 2, 2]   # size 2 has a third round
+    assert log[:2] == [(1, "a"), (1, "b")] and log[6:8] == [(2, "b"), (2, "a")]   # engines rotate too
 
 
 @pytest.mark.parametrize("n, ranks", [(6, (1, 6)), (10, (2, 9)), (20, (6, 15)), (100, (40, 61))])

@@ -142,7 +142,8 @@ def test_a_pretend_link_is_measured_in_a_limited_namespace_and_carries_to_the_hi
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     got = calibrate.measure_link("1gbit", runner=bench)
-    assert all(cmd[:2] == [link.tool("unshare"), "-n"] and "1gbit" in cmd for cmd in commands)
+    assert all(cmd[:2] == [link.tool("unshare"), "-n"] and "1gbit" in cmd and "--interleave-sizes" in cmd
+               for cmd in commands)
     assert [("--hierarchical" in c, c[c.index("-n", 2) + 1]) for c in commands] == [(False, "2"), (True, "4")]
     fitted, _ = calibrate.fit(got["net"], caches=(0,))
     errors = calibrate.link_errors(got, fitted, intra, 2, 2.0)

@@ -86,6 +86,9 @@ def parser():
                    help=f"whole-buffer sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=None,
                    help="rounds per size (default: by size, 300 up to 1 MiB, 128 at 16 MiB, 32 at 64 MiB)")
+    p.add_argument("--interleave-sizes", action="store_true",
+                   help="each round times every size in turn, instead of one size's rounds after another: "
+                        "the sizes then see the same host when its speed moves (calibrating a link)")
     p.add_argument("--calls", type=int, default=None,
                    help="back-to-back calls per engine in each timed turn, the time divided by them "
                         f"(default: 10 up to {CALLS_BELOW // 1024} KiB, 1 above)")
@@ -177,7 +180,7 @@ def bench(args):
         notes.append("Open MPI left out: no mpirun next to this Python or on PATH, or mpi4py is not installed.")
     cfg = dict(collectives=args.collectives, sizes=sizes, iters=iters, calls=calls, warmup=warmup, engines=engines,
                algorithms=args.algorithms, hierarchical=False, hosts=2, op_timeout=OP_TIMEOUT,
-               buffers=args.buffers)
+               buffers=args.buffers, interleave_sizes=args.interleave_sizes)
     n_eng = len(engines) + len(args.algorithms)
     timeout = args.timeout or 2 * estimate_seconds(sizes, iters, warmup, args.collectives, n_eng, args.nproc)
     out = Path(args.out)
@@ -217,7 +220,7 @@ def bench(args):
                 config=dict(nproc=args.nproc, collectives=args.collectives, sizes=sizes, iters=iters, calls=calls,
                             warmup=warmup, engines=engines, algorithms=args.algorithms,
                             hierarchical=args.hierarchical, dtype="float32", buffers=args.buffers,
-                            bind_to=args.bind_to),
+                            bind_to=args.bind_to, interleave_sizes=args.interleave_sizes),
                 conventions=report.HEADER, notes=notes)
     json_path, png_path = out / "collectives.json", out / "collectives.png"
     report.write_json(json_path, results, meta)

@@ -15,6 +15,11 @@ Method (nccl-tests' conventions, adapted to engines of very different speeds):
   collective is done when the last rank is done), gathered after the size is
   finished, and the reported figure is the median over rounds (computed in
   report.py).
+- ``--interleave-sizes``: the rounds go over every size instead, round i a
+  turn of every engine at every size, so that on a shared host whose speed
+  moves within seconds the sizes see the same host (a link's alpha and beta
+  come from the sizes' differences); each size's calls then find the caches
+  the other sizes left.
 - Small sizes make several calls per turn (collectives.default_calls), as
   nccl-tests and the OSU benchmarks time a loop of calls: a CPU that has just
   slept runs slower for a while, so with one call per turn an engine's
@@ -62,21 +67,46 @@ def _engines(cfg, group, mpi):
     return base, extra
 
 
-def _measure(case, engines, iters, warmup, calls):
-    """(times: engines x iters seconds on this rank, ok: one check per engine)."""
+def _warm(case, engines, warmup):
+    """Each engine's untimed calls, the first checked: one check per engine (1.0 right)."""
     ok = []
     for e in engines:
         ok.append(case.check(e))
         for _ in range(warmup - 1):
             case.reset()
             case.call(e)
-    times = np.empty((len(engines), iters))
+    return np.array(ok, dtype=np.float64)
+
+
+def _round(case, engines, i, calls, times):
+    """Round ``i``: a timed turn of every engine, the order rotated by the round."""
     E = len(engines)
+    for k in range(E):
+        j = (i + k) % E
+        times[j, i] = _timed(engines[j], case, calls)
+
+
+def _measure(case, engines, iters, warmup, calls):
+    """(times: engines x iters seconds on this rank, ok: one check per engine)."""
+    ok = _warm(case, engines, warmup)
+    times = np.empty((len(engines), iters))
     for i in range(iters):
-        for k in range(E):
-            j = (i + k) % E
-            times[j, i] = _timed(engines[j], case, calls)
-    return times, np.array(ok, dtype=np.float64)
+        _round(case, engines, i, calls, times)
+    return times, ok
+
+
+def _measure_interleaved(cases, engines, iters, warmup, calls):
+    """``_measure`` of every size at once: round i is a turn of every engine at every size
+    (the sizes' order rotated too), so a slow stretch of a shared host falls on every size
+    alike instead of on the one being measured then. [(times, ok)] in the cases' order."""
+    out = [(np.empty((len(engines), n)), _warm(case, engines, warmup)) for case, n in zip(cases, iters)]
+    S = len(cases)
+    for i in range(max(iters)):
+        for k in range(S):
+            s = (i + k) % S
+            if i < iters[s]:
+                _round(cases[s], engines, i, calls[s], out[s][0])
+    return out
 
 
 def _progress(rank, text):
@@ -105,9 +135,17 @@ def run(cfg):
     rows = []
     for coll in cfg["collectives"]:
         engines = base + (extra if coll == "all_reduce" else [])
+        measured = None
+        if cfg.get("interleave_sizes"):
+            cases = [Case(coll, nbytes, P, rank, alloc) for nbytes in cfg["sizes"]]
+            measured = iter(_measure_interleaved(cases, engines, cfg["iters"], cfg["warmup"], cfg["calls"]))
         for nbytes, iters, calls in zip(cfg["sizes"], cfg["iters"], cfg["calls"]):
-            case = Case(coll, nbytes, P, rank, alloc)
-            times, ok = _measure(case, engines, iters, cfg["warmup"], calls)
+            if measured is None:
+                case = Case(coll, nbytes, P, rank, alloc)
+                times, ok = _measure(case, engines, iters, cfg["warmup"], calls)
+            else:
+                case = cases.pop(0)
+                times, ok = next(measured)
             everyone = gather_to_all(group, np.concatenate([times.ravel(), ok]))
             slowest = everyone[:, :times.size].max(axis=0).reshape(times.shape)
             verified = everyone[:, times.size:].min(axis=0) > 0
