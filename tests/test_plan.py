@@ -26,6 +26,12 @@ def test_the_layouts_of_4_workers():
     assert cut.flags[-2:] == ["--tp", "2"] and "zb-h1" in cut.flags
     assert not any(l.pp * l.tp > 4 for l in plan.layouts(4, layers=4))
     assert not any(l.pp == 4 for l in plan.layouts(4, layers=3))   # a stage needs a layer
+    # a tensor group's two replicas also compressing their gradients, as train runs them; tp 4 has one replica
+    squeezed = [l for l in plan.layouts(4, layers=4) if l.compression]
+    assert [(l.tp, l.dp, l.compression, l.flags[-1]) for l in squeezed] == [(2, 2, "topk", "topk:0.01"),
+                                                                            (2, 2, "powersgd", "powersgd:4")]
+    from paratrain.compare.strategies import refused
+    assert all(refused(["--model", "gpt", "--workers", "4", *l.flags]) is None for l in squeezed)
     assert {l.strategy for l in plan.layouts(3)} >= {"pipeline", "tensor"} and \
         not any(l.pp == 2 for l in plan.layouts(3))                # 2 does not divide 3
 
@@ -38,6 +44,7 @@ def test_zero_s_state_is_the_papers():
     assert memory.state_bytes("zero3", P, memory.ADAM, 4) == 16 * P / 4
     assert memory.state_bytes("pipeline", P, memory.ADAM, 4, pp=2) == 8 * P
     assert memory.state_bytes("topk", P, memory.SGD_MOMENTUM, 2) == 16 * P
+    assert memory.state_bytes("tensor", P, memory.ADAM, 4, tp=2, compression="topk") == (16 * P + 4 * P) / 2
 
 
 def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, monkeypatch):
@@ -85,6 +92,10 @@ class FakeMeasured:
         self.splits[1].append((batch, tp))
         return self.splits[0]
 
+    def encode(self, spec, replicas, tp=1):
+        self.encoded = getattr(self, "encoded", []) + [(spec, replicas, tp)]
+        return 0.007 / tp
+
 
 def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
     """Under ZB-H1 every stage runs B then W, W the measured share of a split backward that
@@ -104,6 +115,26 @@ def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
         split = {"F": f, "B": 0.75 * 1.2 * b, "W": 0.25 * 1.2 * b}
         cost = [split, split] if schedule == "zb-h1" else [{"F": f, "B": b}, {"F": f, "B": 1.2 * b}]
         assert step.step_s == pytest.approx(schedules.simulate(schedule, 2, m, cost=cost)[0]), name
+
+
+def test_compression_is_charged_the_compressor_s_time_measured_on_the_model():
+    """top-k, PowerSGD, and a tensor group's replicas compressing: the encoding charged is
+    the compressor's call timed here (on a worker's shard of the cut model with --tp), not
+    compressed.py's four passes, and it is shared out like compute when workers outnumber
+    the cores."""
+    from paratrain.simulate import compressed
+    w = memory_workload()
+    for layout, spec, tp in ((plan.compare_layout("topk", 2), "topk:0.01", 1),
+                             (plan.compare_layout("powersgd", 2), "powersgd:4", 1),
+                             (next(l for l in plan.layouts(4, 4) if l.compression == "topk"), "topk:0.01", 2)):
+        measured = FakeMeasured(None)
+        step, _ = plan.predicted(layout, w, CLUSTER, memory.ADAM, measured=measured)
+        assert measured.encoded == [(spec, layout.dp, tp)] and step.extra_s == pytest.approx(0.007 / tp)
+        assert step.extra_s != pytest.approx(compressed.encode_seconds(CLUSTER, w.gradient_bytes / tp))
+        crowded, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, cores=1), memory.ADAM, measured=measured)
+        assert crowded.extra_s == pytest.approx(0.007 / tp * layout.dp * tp)   # dp x tp workers on 1 core
+    step, _ = plan.predicted(plan.compare_layout("topk", 2), w, CLUSTER, memory.ADAM)   # nothing measured
+    assert step.extra_s == pytest.approx(compressed.encode_seconds(CLUSTER, w.gradient_bytes))
 
 
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():

@@ -74,6 +74,28 @@ def test_tensor_parallelism_pays_four_activation_all_reduces_a_layer():
     assert "activation_bytes" in str(predict("tensor", gpt_like(hidden=None), HOST, 4))
 
 
+def test_a_tensor_group_s_replicas_compress_their_shards_gradients():
+    """--tp 2 --compression on 2 hosts of 2: each replica's shard (n / 2 bytes) crosses the
+    network as top-k pairs or PowerSGD factors instead of whole, and each worker encodes
+    its shard; the activations' all-reduces inside the host are as uncompressed."""
+    w, one = gpt_like(), 1e6   # one bucket: its seconds are the replicas' whole exchange
+    two = Cluster("two", 2, 2, intra=Link(10e-6, 1e-9, 0.2e-9), inter=Link(50e-6, 8e-9, 0.1e-9))
+    shard = w.gradient_bytes / 2
+    plain = predict("tensor", w, two, 4, tp=2, bucket_mb=one)
+    whole = min(all_reduce(a, 2, shard).seconds(two.inter) for a in ("ring", "tree"))
+    k = round(0.01 * shard / 4)
+    pairs = all_gather(2, 2 * k * 8).seconds(two.inter) + 2 * k * 4 * two.inter.gamma
+    factors = 2 * min(all_reduce(a, 2, shard * 4 / 256).seconds(two.inter) for a in ("ring", "tree"))
+    for compression, across in (("topk", pairs), ("powersgd", factors)):
+        got = predict("tensor", w, two, 4, tp=2, bucket_mb=one, compression=compression)
+        assert got.comm_s == pytest.approx(plain.comm_s - whole + across), compression
+        assert got.extra_s == pytest.approx(compressed.encode_seconds(two, shard)) and compression in got.how
+        assert got.comm_s < plain.comm_s
+    # no tensor group: compressed data parallelism itself; one replica: nothing to compress
+    assert predict("tensor", w, two, 4, tp=1, compression="topk") == predict("topk", w, two, 4)
+    assert predict("tensor", w, two, 2, tp=2, compression="topk").extra_s == 0
+
+
 def test_a_group_s_all_reduce_on_a_host_of_more_ranks_than_cores_is_slowed_as_the_job_s():
     """4 workers on 2 cores: a tensor group's all-reduce, of 2 or of all 4, goes at the pace of
     memory shared by the host's 4 ranks (calibrate.oversubscribed), as a job-wide one does;
@@ -195,6 +217,10 @@ def test_simulate_all_gives_a_row_per_strategy_and_count(capsys):
     assert [(r["strategy"], r["workers"]) for r in rows] == [(s, n) for s in STRATEGIES for n in (8, 512)]
     unavailable = {r["strategy"] for r in rows if "unavailable" in r}
     assert unavailable == {"pipeline", "pipeline-zb", "tensor", "powersgd"}   # VGG's file gives no layers nor width
+    with pytest.raises(SystemExit):   # --compression is the tensor groups' replicas'; dp has names of its own
+        command.main(["--cluster", str(EXAMPLES / "horovod-cluster.toml"), "--workload",
+                      str(EXAMPLES / "horovod-vgg16.toml"), "--strategy", "dp", "--compression", "topk"])
+    assert "give --strategy topk" in capsys.readouterr().err
 
 
 def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_cluster(tmp_path, capsys):
@@ -216,6 +242,12 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
     calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10}}}))
     cluster = here.cluster_here(calibration)
     assert cluster.intra == Link(1e-5, 1e-10, 2e-10) and cluster.nodes == 1
+    # a compressor timed on the model's gradients, and the same declared in a file
+    assert 0 < here.encode_seconds("mlp", "powersgd:4", 2) < 1 and 0 < here.encode_seconds("mlp", "topk:0.01", 2) < 1
+    (tmp_path / "e.toml").write_text('params = 1000\nbytes_per_param = 4\nbatch_per_device = 8\n'
+                                     'step_compute_ms = 5\nencode_ms = 3\n')
+    declared = load_workload(tmp_path / "e.toml")
+    assert declared.encode_s == 0.003 and predict("topk", declared, HOST, 4).extra_s == 0.003
     assert data_parallel.step(w, cluster, 2).how == "direct"   # what paratrain runs inside a host
     assert cluster.crowding is None   # a calibration from before crowding.py: nothing charged
     calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10}},

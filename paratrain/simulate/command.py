@@ -70,6 +70,9 @@ def build_parser():
                    help="tensor: devices per tensor group (default: a host's); pipeline: each stage cut across "
                         "TP devices (3D; default 1)")
     p.add_argument("--servers", type=int, default=None, help="ps-*: parameter servers (default: one a host)")
+    p.add_argument("--compression", choices=("topk", "powersgd"), default=None,
+                   help="tensor: the replicas of the tensor groups compress their gradients (top-k 1%%, PowerSGD "
+                        "rank 4, as paratrain train --tp T --compression)")
     p.add_argument("--workers", type=_workers, default=[1, 8, 64], help="worker counts, comma-separated")
     p.add_argument("--json", action="store_true", help="print {\"rows\": [...]} instead of a table")
     return p
@@ -190,13 +193,16 @@ def main(argv=None):
         return calibrate_here(args.calibration or calibration_path(), args.links)
     if args.cluster is None or args.workload is None:
         parser.error("give --cluster and --workload (or --calibrate)")
+    if args.compression and args.strategy not in ("tensor", "all"):
+        parser.error(f"--compression is for --strategy tensor (its replicas' gradients); for data parallelism "
+                     f"compressed, give --strategy {args.compression}")
     try:
         cluster = here.cluster_here(args.calibration or calibration_path()) if args.cluster == "here" \
             else load_cluster(args.cluster)
         workload = load_workload(args.workload)
         table = rows(cluster, workload, args.strategy, args.workers, algorithm=args.algorithm,
                      bucket_mb=args.bucket_mb, stages=args.stages, microbatches=args.microbatches, tp=args.tp,
-                     servers=args.servers)
+                     servers=args.servers, compression=args.compression)
     except ValueError as e:
         print(f"paratrain simulate: error: {e}", file=sys.stderr)
         return 2

@@ -16,9 +16,12 @@ Encoding reads a bucket a few times (top-k: the magnitudes, the selection,
 the gather, the error feedback; PowerSGD: two products with the thin factor,
 the error feedback, the decompression): ``ENCODE_PASSES`` passes at the
 cluster's ``encode_gbps`` (a device's rate of streaming through gradient
-memory; default its ``reduce_gbps``, else its intra-node rate). It adds to
-the step: the encoder runs on the device that computes. What this leaves
-out: top-k's warm-up (denser early steps) and the small tensors sent whole.
+memory; default its ``reduce_gbps``, else its intra-node rate), or the
+workload's ``encode_s`` where it is measured (here.encode_seconds: the
+compressor itself timed on the model's gradients, as plan and compare do)
+or declared. It adds to the step: the encoder runs on the device that
+computes. What this leaves out: top-k's warm-up (denser early steps) and
+the small tensors sent whole.
 """
 from . import data_parallel
 from .collectives import all_gather
@@ -27,17 +30,41 @@ from .step import Step, Unavailable
 ENCODE_PASSES = 4
 TOPK_RATIO = 0.01      # paratrain train --compression topk's default
 POWERSGD_RANK = 4      # and powersgd's
+SPECS = {"topk": f"topk:{TOPK_RATIO:g}", "powersgd": f"powersgd:{POWERSGD_RANK}"}   # train's words for them
 
 
 def encode_seconds(cluster, n):
     return ENCODE_PASSES * n * cluster.encode_beta
 
 
-def topk_seconds(cluster, workers, n, ratio):
-    """One bucket of n gradient bytes by top-k: the all-gather of every rank's pairs, and the sum."""
+def encoding(workload, cluster, n):
+    """A worker's encoding of its n gradient bytes a step: the workload's, measured or
+    declared, else the formula."""
+    return workload.encode_s if workload.encode_s is not None else encode_seconds(cluster, n)
+
+
+def topk_seconds(cluster, workers, n, ratio, link=None):
+    """One bucket of n gradient bytes by top-k: the all-gather of every rank's pairs, and the
+    sum; over ``link`` (default: the one the whole job's collectives meet)."""
     k = max(1, round(ratio * n / 4))
-    link = data_parallel.slowest_link(cluster, workers)
+    link = link or data_parallel.slowest_link(cluster, workers)
     return all_gather(workers, workers * k * 8).seconds(link) + workers * k * 4 * link.gamma
+
+
+def seconds_of(compression, cluster, ranks, across_hosts, workers, hidden, algorithm=None):
+    """A bucket's seconds of n bytes as a group of ``ranks`` replicas sends it under
+    ``compression`` ("topk" or "powersgd", at paratrain train's defaults), the group not
+    the whole job of ``workers`` (a tensor group's replicas): its link as
+    data_parallel.group_link, across hosts or not."""
+    if compression == "topk":
+        link = data_parallel.group_link(cluster, ranks, across_hosts, workers)
+        return lambda n: topk_seconds(cluster, ranks, n, TOPK_RATIO, link)
+    if compression == "powersgd":
+        if not hidden:
+            raise Unavailable("powersgd factors the layers' matrices: give the workload's hidden")
+        return lambda n: 2 * data_parallel.group_all_reduce_seconds(cluster, ranks, across_hosts,
+                                                                   n * POWERSGD_RANK / hidden, algorithm, workers)
+    raise ValueError(f"no cost model for compression {compression!r}; known: topk, powersgd")
 
 
 def powersgd_seconds(cluster, workers, n, rank, hidden, algorithm):
@@ -53,7 +80,7 @@ def _step(workload, cluster, workers, seconds_of, how, bucket_mb):
     exposed, comm = data_parallel.overlapped(workload, workload.gradient_bytes, seconds_of, bucket_mb)
     return Step(workers, workload.step_compute_s, exposed, comm_s=comm, how=how,
                 batch_per_device=workload.batch_per_device,
-                extra_s=encode_seconds(cluster, workload.gradient_bytes))
+                extra_s=encoding(workload, cluster, workload.gradient_bytes))
 
 
 def topk_step(workload, cluster, workers, ratio=TOPK_RATIO, bucket_mb=data_parallel.BUCKET_MB, **_):

@@ -70,11 +70,19 @@ def group_all_reduce_seconds(cluster, size, across_hosts, n, algorithm=None, wor
     share it: the job's ``workers`` there, whose other groups run theirs, or compute, beside it."""
     if size == 1:
         return 0.0
-    link = cluster.inter if across_hosts else cluster.intra.slowed(
-        oversubscribed(placement(cluster, max(size, workers or size))[1], cluster.cores, cluster.contention))
+    link = group_link(cluster, size, across_hosts, workers)
     algorithms = (algorithm,) if algorithm and algorithm != "hierarchical" else \
         ("ring", "tree") if across_hosts else cluster.host_algorithms
     return min(all_reduce(a, size, n).seconds(link) for a in algorithms)
+
+
+def group_link(cluster, size, across_hosts, workers=None):
+    """The link a group of ``size`` devices that is not the whole job meets: the network when
+    ``across_hosts``; else the host's memory, slowed by the job's ``workers`` there."""
+    if across_hosts:
+        return cluster.inter
+    return cluster.intra.slowed(oversubscribed(placement(cluster, max(size, workers or size))[1], cluster.cores,
+                                               cluster.contention))
 
 
 def choose(cluster, workers, n):

@@ -5,7 +5,7 @@ parameters 4 bytes, gradients 4, optimizer state K: Adam's two moments 8,
 SGD's momentum 4), divided as each strategy divides it:
 
 - dp, dp-naive: all of it, (8 + K) P; top-k and PowerSGD add their residuals
-  (error feedback, 4 P);
+  (error feedback, 4 P; inside a tensor group of t, 4 P / t: its shard's);
 - ZeRO: stage 1 4P + 4P + KP/N, stage 2 4P + (4 + K)P/N, stage 3 (8 + K)P/N;
 - a pipeline of p stages, a tensor group of t: (8 + K)P/p, (8 + K)P/t;
 - a parameter-server worker: parameters and gradients (the optimizer is on
@@ -23,14 +23,16 @@ ADAM, SGD_MOMENTUM = 8, 4
 MB = 1 << 20
 
 
-def state_bytes(strategy, P, K, workers, pp=1, tp=1):
+def state_bytes(strategy, P, K, workers, pp=1, tp=1, compression=None):
+    """Bytes of training state a worker holds (above); ``compression``: a tensor group's
+    replicas compressing their gradients, with a residual of the shard's size."""
     if strategy.startswith("zero"):
         stage = int(strategy[-1])
         return {1: 8 * P + K * P / workers, 2: 4 * P + (4 + K) * P / workers, 3: (8 + K) * P / workers}[stage]
     if strategy.startswith("ps-"):
         return 8 * P
     whole = (8 + K) * P / (pp * tp)
-    return whole + (4 * P if strategy in ("topk", "powersgd") else 0)
+    return whole + (4 * P / (pp * tp) if strategy in ("topk", "powersgd") or compression else 0)
 
 
 def activation_bytes(workload, samples, heads=None, layers=None):

@@ -17,20 +17,24 @@ calibrated) for the model measured here; those predicted to hold more than
 the same samples, that is by samples/s (a pipeline's step takes one batch
 where data parallelism's takes one a worker).
 ``--verify`` runs the first three here and prints predicted against
-measured. Not enumerated yet: ZeRO or compression inside a pipeline or tensor
-group.
+measured. Each tensor group whose workers leave more than one replica is
+also offered with the replicas' gradients compressed (top-k and PowerSGD at
+train's defaults: ``--tp T --compression``), which pays where the replicas
+meet over a slow link. Not enumerated: ZeRO or compression inside a
+pipeline, which ``paratrain train`` does not run.
 """
 import argparse
 import dataclasses
 import json
 import sys
 
-from . import here, memory
+from . import compressed, here, memory
 from .calibrate import time_shared
 from .step import Unavailable
 from .strategies import predict
 
 MICROBATCHES = (4, 8)
+COMPRESSIONS = compressed.SPECS   # a tensor group's replicas compressing: train's defaults
 
 
 @dataclasses.dataclass
@@ -41,11 +45,12 @@ class Layout:
     pp: int = 1
     tp: int = 1
     microbatches: int = None
+    compression: str = None   # a tensor group's replicas compressing their gradients: "topk", "powersgd"
 
     @property
     def options(self):
         return {"stages": self.pp if self.pp > 1 else None, "tp": self.tp if self.tp > 1 else 1,
-                "microbatches": self.microbatches or 4}
+                "microbatches": self.microbatches or 4, "compression": self.compression}
 
 
 def layouts(workers, layers=None):
@@ -63,6 +68,9 @@ def layouts(workers, layers=None):
                                              *schedule, *cut], workers // (p * t), pp=p, tp=t, microbatches=m))
     for t in sizes:
         out.append(Layout("tensor", ["--strategy", "allreduce", "--tp", str(t)], workers // t, tp=t))
+        if workers // t > 1:
+            out += [Layout("tensor", ["--strategy", "allreduce", "--tp", str(t), "--compression", spec],
+                           workers // t, tp=t, compression=name) for name, spec in COMPRESSIONS.items()]
     return out
 
 
@@ -155,16 +163,20 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
         split = measured.split(microbatch_samples(layout, workload), layout.tp)
         per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
-    if cluster.cores:   # more workers than cores: each computes on a share of one
-        per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s
-                                         * time_shared(layout.dp * share, cluster.cores))
+    spec = compressed.SPECS.get(layout.compression or layout.strategy)
+    if spec and measured:   # the compressor timed on this model's gradients, not the formula's passes
+        per_worker = dataclasses.replace(per_worker, encode_s=float(measured.encode(spec, layout.dp, layout.tp)))
+    if cluster.cores:   # more workers than cores: each computes (and encodes) on a share of one
+        slower = time_shared(layout.dp * share, cluster.cores)
+        per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s * slower,
+                                         encode_s=per_worker.encode_s and per_worker.encode_s * slower)
     step = predict(layout.strategy, per_worker, cluster, layout.dp * share, **layout.options)
     in_flight = layout.pp if layout.pp > 1 else 1   # 1F1B holds up to p micro-batches at the first stage
     samples = workload.batch_per_device / (layout.microbatches or 1) * in_flight if layout.pp > 1 \
         else workload.batch_per_device
     layers = (workload.layers or 1) / layout.pp
     state = memory.state_bytes(layout.strategy, workload.params, optimizer_bytes, layout.dp * share, layout.pp,
-                               layout.tp)
+                               layout.tp, layout.compression)
     if footprint:
         share_of_model = samples / footprint.batch * layers / (workload.layers or 1) / layout.tp
         return step, footprint.peak(state, footprint.activations * share_of_model, layout.tp)
@@ -209,6 +221,7 @@ def command_line(model, workers, layout):
 def row(model, workers, layout, step, held):
     return {"strategy": layout.strategy, "command": command_line(model, workers, layout),
             "dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "microbatches": layout.microbatches,
+            "compression": layout.compression,
             "predicted_step_ms": step.step_s * 1e3, "predicted_samples_per_s": step.samples_per_s,
             "predicted_memory_mb": held / memory.MB, "how": step.how}
 
@@ -264,7 +277,8 @@ def show(args, cluster, rows, dropped):
         t.add_column("measured memory", justify="right")
     t.add_column("command", justify="left")
     for i, r in enumerate(rows[:max(args.top, 3 if measured else 0)], 1):
-        cells = [str(i), r["strategy"], f"{r['dp']} x {r['pp']} x {r['tp']}", str(r["microbatches"] or "-"),
+        name = r["strategy"] + (f" + {r['compression']}" if r.get("compression") else "")
+        cells = [str(i), name, f"{r['dp']} x {r['pp']} x {r['tp']}", str(r["microbatches"] or "-"),
                  f"{r['predicted_step_ms']:.1f} ms", f"{r['predicted_samples_per_s']:,.0f}",
                  f"{r['predicted_memory_mb']:.0f} MiB"]
         if measured:

@@ -47,6 +47,7 @@ class Workload:
     step_jitter_s: float = 0.0   # the standard deviation of step_compute_s from step to step (waits.py)
     weight_fraction: float = 1 / 2   # the weight gradients' share of the backward (a zero-bubble pipeline's W)
     split_cost: float = 1.0      # a backward split into B and W against a whole one (pipeline.py)
+    encode_s: float = None       # a worker's compression of a step's gradients (None: compressed.py's formula)
 
     @property
     def gradient_bytes(self):
