@@ -12,9 +12,24 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 
 
+_flights = None   # this pytest worker's folder for the flight recorders of the jobs its tests start
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flight_folder(tmp_path_factory):
+    global _flights
+    _flights = tmp_path_factory.mktemp("flight")
+
+
+def flight_env():
+    """PARATRAIN_FLIGHT_DIR for one job a test starts: a folder of its own under the run's
+    pytest folder (pytest keeps the last few runs'), not one in /tmp per job that stays."""
+    return {"PARATRAIN_FLIGHT_DIR": tempfile.mkdtemp(prefix="job-", dir=_flights)} if _flights else {}
+
+
 def launch(n, script, *args, env=None, timeout=150, launcher_args=()):
     """Run a worker script under `python -m paratrain.run -n N`; returns CompletedProcess (text)."""
-    e = dict(os.environ)
+    e = dict(os.environ, **flight_env())
     e.setdefault("PARATRAIN_TIMEOUT", "30")
     e.update(env or {})
     cmd = [sys.executable, "-m", "paratrain.run", "-n", str(n), *launcher_args, str(WORKERS / script), *args]
@@ -89,10 +104,10 @@ def spawn(n, script, *args, env=None, port=None):
     from paratrain.launch.local import free_port
     port = port or free_port()
     address = os.environ.get("PARATRAIN_FORKSERVER")
-    procs = []
+    procs, flight = [], flight_env()   # one folder for the job's ranks
     for r in range(n):
         e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PARATRAIN_TIMEOUT="30")
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PARATRAIN_TIMEOUT="30", **flight)
         e.update(env or {})
         cmd = [sys.executable, str(WORKERS / script), *args]
         if address:
