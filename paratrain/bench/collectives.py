@@ -129,7 +129,7 @@ def _run(args, cfg, use_mpi, tmp, tag, timeout, extra_env=None):
     cfg = dict(cfg, result=str(Path(tmp) / f"result-{tag}.json"))
     cfg_path = Path(tmp) / f"config-{tag}.json"
     cfg_path.write_text(json.dumps(cfg))
-    env = launcher.worker_env(launcher.free_port_pair(), dict(extra_env or {}, PARATRAIN_TIMEOUT=str(OP_TIMEOUT)))
+    env = launcher.worker_env(launcher.free_port(), dict(extra_env or {}, PARATRAIN_TIMEOUT=str(OP_TIMEOUT)))
     how = "mpirun" if use_mpi else "subprocesses"
     print(f"[bench] {tag} run: {args.nproc} ranks via {how}, engines {', '.join(cfg['engines'])}"
           f"{' (hierarchical, 2 pretend hosts)' if cfg['hierarchical'] else ''}"

@@ -58,8 +58,7 @@ def _engines(cfg, group, mpi):
         return [Paratrain(group, name="paratrain-hier")], []
     base = [Paratrain(group)]
     if "gloo" in cfg["engines"]:
-        base.append(Gloo(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]) + 1,
-                         group.rank, group.world_size, cfg["op_timeout"]))
+        base.append(Gloo(group, os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["op_timeout"]))
     if mpi is not None:
         base.append(mpi)
     default = group.default_algorithm(1)

@@ -62,7 +62,7 @@ class TrainingEngine:
         return self.wire_bytes() / max(1, self.steps)
 
 
-def build(name, task, cfg, group, port):
+def build(name, task, cfg, group):
     """The engine called name, training its own copy of the task's model (the same initial weights)."""
     import copy
 
@@ -86,7 +86,7 @@ def build(name, task, cfg, group, port):
     else:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-        init_gloo(group, port, cfg["timeout"])
+        init_gloo(group, cfg["timeout"])
         model = torch.nn.parallel.DistributedDataParallel(mine)
         width = 4
         if arg == "ddp+fp16":
@@ -105,18 +105,15 @@ def build(name, task, cfg, group, port):
 
 
 def main(cfg_path):
-    import os
-
     import paratrain as pt
 
     from ..train.tasks import build_task
     cfg = json.loads(open(cfg_path).read())
     torch.set_num_threads(1)
     group = pt.init()
-    port = int(os.environ["MASTER_PORT"])
     task = build_task(TASK, seed=cfg.get("seed", 0))
     numel = sum(p.numel() for p in task.model.parameters())
-    engines = [build(name, task, cfg, group, port) for name in cfg["engines"]]
+    engines = [build(name, task, cfg, group) for name in cfg["engines"]]
     times = rounds.interleaved(engines, cfg, group, None, None)
     report = {}
     for e in engines:

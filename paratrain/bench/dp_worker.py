@@ -33,7 +33,6 @@ order that rotates by one each round, after that engine's own barrier; a
 round's time is the slowest rank's. Rank 0 writes all rounds' times to JSON.
 """
 import json
-import os
 import sys
 import time
 
@@ -92,7 +91,7 @@ class AllReduceOnly(Engine):
         self.phases["averaging"] += time.perf_counter() - t0
 
 
-def make_engines(names, sizes, group, port, timeout):
+def make_engines(names, sizes, group, timeout):
     import paratrain as pt
     engines = []
     for name in names:
@@ -111,7 +110,7 @@ def make_engines(names, sizes, group, port, timeout):
             engines.append(Engine(name, model, group.barrier))
         elif name == "ddp":
             import torch.distributed as dist
-            init_gloo(group, port, timeout)
+            init_gloo(group, timeout)
             model = torch.nn.parallel.DistributedDataParallel(build_model(sizes))
             engines.append(Engine(name, model, dist.barrier))
         else:
@@ -124,7 +123,7 @@ def main(cfg_path):
     cfg = json.loads(open(cfg_path).read())
     torch.set_num_threads(1)
     group = pt.init(backend="shm")
-    engines = make_engines(cfg["engines"], cfg["sizes"], group, int(os.environ["MASTER_PORT"]), cfg["timeout"])
+    engines = make_engines(cfg["engines"], cfg["sizes"], group, cfg["timeout"])
     gen = torch.Generator().manual_seed(1 + group.rank)
     x = torch.randn(cfg["batch"], cfg["sizes"][0], generator=gen)
     y = torch.randint(0, cfg["sizes"][-1], (cfg["batch"],), generator=gen)

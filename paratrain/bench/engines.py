@@ -10,13 +10,11 @@ timed call: a barrier of another engine would leave this one's internal state
 (Gloo's background thread, MPI's progress engine) in an unfair place.
 
 - Paratrain: ``pt.init(backend="shm")`` (or "hierarchical"), numpy in, numpy out.
-- Gloo: torch.distributed with its own store on MASTER_PORT+1; torch tensors
+- Gloo: torch.distributed with its own store (gloo_group.py); torch tensors
   share the numpy buffers' memory (``torch.from_numpy`` is a view, no copy).
 - Mpi: mpi4py's buffer-protocol calls (capitalised: no pickling), which go
   straight to Open MPI's C collectives.
 """
-from datetime import timedelta
-
 import numpy as np
 import torch
 
@@ -59,14 +57,12 @@ class Gloo:
 
     name = "gloo"
 
-    def __init__(self, addr, port, rank, world_size, timeout):
+    def __init__(self, group, addr, timeout):
         import torch.distributed as dist
 
-        from ..comm.world import bind_world_defaults_early
-        self.dist, self.rank = dist, rank
-        bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        from .gloo_group import init_gloo
+        self.dist, self.rank = dist, group.rank
+        init_gloo(group, timeout, addr)   # its store on a port rank 0 bound and sent over ``group``
         # torch 2.13 renamed the flat-buffer collectives; the old names warn on every call.
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

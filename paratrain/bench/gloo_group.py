@@ -5,18 +5,36 @@ neither hangs nor aborts."""
 import gc
 from datetime import timedelta
 
+import numpy as np
 import torch.distributed as dist
 
 from ..comm.world import bind_world_defaults_early
 
 
-def init_gloo(group, port, timeout):
+def init_gloo(group, timeout, addr="127.0.0.1"):
     """torch.distributed over Gloo beside paratrain's group, once per process (the
-    competitor engines of the benchmarks), on the port after the job's."""
+    competitor engines of the benchmarks)."""
     if not dist.is_initialized():
         bind_world_defaults_early()   # else the group outlives destroy_process_group() (world.py)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=group.rank,
+        dist.init_process_group("gloo", store=store_beside(group, timeout, addr), rank=group.rank,
                                 world_size=group.world_size, timeout=timedelta(seconds=timeout))
+
+
+def store_beside(group, timeout, addr="127.0.0.1"):
+    """A TCPStore for torch.distributed's rendezvous among ``group``'s ranks, on a port
+    rank 0's system chose as it bound it, sent to the others over ``group``. A port
+    picked in advance may be taken by another process (an outgoing connection of a job
+    beside this one) before rank 0 binds it: EADDRINUSE, and the other ranks would wait
+    out their timeout."""
+    wait = timedelta(seconds=timeout)
+    port = np.zeros(1, dtype=np.int64)
+    if group.rank == 0:
+        store = dist.TCPStore(addr, 0, group.world_size, is_master=True, timeout=wait, wait_for_workers=False)
+        port[0] = store.port
+    group.broadcast(port, src=0)
+    if group.rank != 0:
+        store = dist.TCPStore(addr, int(port[0]), group.world_size, is_master=False, timeout=wait)
+    return store
 
 
 def release_ddp(engines):

@@ -15,14 +15,13 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from .. import config
 from ..launch import binding, forkserver
-from ..launch.local import BOOTSTRAP
+from ..launch.local import BOOTSTRAP, free_port
 
 # Variables that would make paratrain believe it was started by torchrun; under
 # mpirun the ranks must come from OMPI_COMM_WORLD_* instead.
@@ -47,28 +46,6 @@ def mpi_available():
     """mpirun exists and mpi4py is installed. mpi4py is only *found* here, not
     imported: importing mpi4py.MPI would initialise MPI in the parent process."""
     return find_mpirun() is not None and importlib.util.find_spec("mpi4py") is not None
-
-
-def _port_free(host, port):
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_pair(host="127.0.0.1"):
-    """A port p with p and p+1 both free: p for paratrain's TCPStore, p+1 for Gloo's own store.
-    (Another program may still take them before the workers bind; then the
-    workers fail quickly with a rendezvous error naming the port.)"""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + 1 < 65536 and _port_free(host, port + 1):
-            return port
-    raise RuntimeError(f"could not find two consecutive free TCP ports on {host}")
 
 
 def worker_env(master_port, extra=None, host="127.0.0.1"):
@@ -174,7 +151,7 @@ def run_config(nproc, module, cfg, timeout, folder, name):
     from pathlib import Path
     path = Path(folder) / f"cfg-{name.replace('/', '-')}.json"
     path.write_text(json.dumps(cfg))
-    env = worker_env(free_port_pair(), {"PARATRAIN_TIMEOUT": str(timeout)})
+    env = worker_env(free_port(), {"PARATRAIN_TIMEOUT": str(timeout)})
     code = wait(start(nproc, [str(path)], env, False, module=module), timeout)
     if code != 0:
         raise RuntimeError(f"the {name} run failed (exit code {code}); its errors are above")

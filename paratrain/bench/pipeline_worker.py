@@ -184,7 +184,7 @@ class _OneTensor(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def make_engines(cfg, group, port):
+def make_engines(cfg, group):
     engines = []
     for name in cfg["engines"]:
         if name == "single":
@@ -198,7 +198,7 @@ def make_engines(cfg, group, port):
         if owner == "pt":
             engines.append(Ours(name, cfg, group, schedule, m))
         else:
-            init_gloo(group, port, cfg["timeout"])
+            init_gloo(group, cfg["timeout"])
             engines.append(Torch(name, cfg, group, schedule, m, cfg["batch"]))
     return engines
 

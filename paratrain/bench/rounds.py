@@ -44,20 +44,19 @@ def interleaved(engines, cfg, group, x, y, before=None, after=None):
 
 def serve_gpt(cfg_path, make_engines, report, split_batch=False, after=None):
     """A GPT benchmark worker's whole life (pipeline_, tensor_ and zero_worker.py): one
-    thread, the shm group, ``make_engines(cfg, group, port)``, one token batch (seeded
+    thread, the shm group, ``make_engines(cfg, group)``, one token batch (seeded
     alike on every rank; ``split_batch``: each rank its slice, as data parallelism
     reads), the interleaved rounds, then ``report(engines, cfg, x, y)`` (called on every
     rank: it may be collective) written by rank 0 to ``cfg["result"]``; torch's
     engines and Gloo group are released last."""
     import json
-    import os
 
     import paratrain as pt
 
     cfg = json.loads(open(cfg_path).read())
     torch.set_num_threads(1)
     group = pt.init(backend="shm")
-    engines = make_engines(cfg, group, int(os.environ["MASTER_PORT"]))
+    engines = make_engines(cfg, group)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)
     y = torch.randint(0, 256, (cfg["batch"], cfg["context"]), generator=gen)

@@ -136,7 +136,7 @@ class Torch(Engine):
         super().__init__(name, model, dist.barrier, TORCH_PLAN, group.world_size)
 
 
-def make_engines(cfg, group, port):
+def make_engines(cfg, group):
     engines = []
     for name in cfg["engines"]:
         if name == "single":
@@ -144,7 +144,7 @@ def make_engines(cfg, group, port):
         elif name.startswith(("pt/", "pt-sp/")):
             engines.append(Ours(name, cfg, group, sequence_parallel=name.startswith("pt-sp/")))
         elif name.startswith("torch/"):
-            init_gloo(group, port, cfg["timeout"])
+            init_gloo(group, cfg["timeout"])
             engines.append(Torch(name, cfg, group))
         else:
             raise ValueError(f"unknown engine {name!r}")

@@ -62,7 +62,7 @@ class TorchZeroOne(Engine):
         return held_bytes(params, [q.grad for q in params], optimizer_tensors(self.opt.optim))
 
 
-def make_engines(cfg, group, port):
+def make_engines(cfg, group):
     import paratrain as pt
     engines = []
     for name in cfg["engines"]:
@@ -74,7 +74,7 @@ def make_engines(cfg, group, port):
         elif name.startswith("torch/"):
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
-            init_gloo(group, port, cfg["timeout"])
+            init_gloo(group, cfg["timeout"])
             if name == "torch/ddp":
                 model = DDP(build_gpt(cfg))
                 engines.append(Engine(name, model, torch.optim.Adam(model.parameters(), lr=1e-4), dist.barrier))
