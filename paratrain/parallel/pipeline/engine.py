@@ -95,6 +95,7 @@ class Pipeline:
         self.saved_per_forward = []          # bytes each forward of the last step saved for its backward
         self._held = 0
         self._param_storages = {q.untyped_storage().data_ptr() for q in stage.parameters()}
+        self._saved_by_shape = {}   # (chunk, input shapes, grad mode): bytes its forward saves
 
     # ---- before anything runs: every rank must run the same pipeline -----------------------
 
@@ -224,16 +225,22 @@ class Pipeline:
         began = time.perf_counter()
         self._cpu_began = trace.cpu_now() if trace.ON else None
         self._capture = [] if self._splits(s) else None
-        saved = _SavedBytes(self._param_storages)
+        shape = (c, tuple(tuple(v.shape) if torch.is_tensor(v) else None for v in values), torch.is_grad_enabled())
+        saved = None if shape in self._saved_by_shape else _SavedBytes(self._param_storages)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            if saved is None:
                 out = chunk(*values)
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    out = chunk(*values)
+                self._saved_by_shape[shape] = saved.bytes
         finally:
             captured, self._capture = self._capture, None
-        self._held += saved.bytes
-        self.saved_per_forward.append(saved.bytes)
+        saved_bytes = self._saved_by_shape[shape]
+        self._held += saved_bytes
+        self.saved_per_forward.append(saved_bytes)
         self.peak_activation_bytes = max(self.peak_activation_bytes, self._held)
-        state = {"inputs": values if s > 0 else (), "captured": captured, "saved_bytes": saved.bytes}
+        state = {"inputs": values if s > 0 else (), "captured": captured, "saved_bytes": saved_bytes}
         if s == self.stage.total - 1:
             loss = self.loss_fn(out, self._targets[mb])
             self._losses.append(loss.detach())
@@ -379,7 +386,12 @@ class Pipeline:
 
 class _SavedBytes:
     """Counts the bytes autograd saves during one forward, each storage once,
-    the stage's parameters not at all (they are not activations)."""
+    the stage's parameters not at all (they are not activations).
+
+    A Python call for every tensor autograd saves costs: gpt's forward of 4 samples
+    saves 109 and takes 8-15% longer with this hook (11.7-15.4 ms against 12.6-17.7).
+    A forward of the same chunk on inputs of the same shapes saves the same bytes, so
+    the engine counts each (chunk, shapes) once and runs the others without it."""
 
     def __init__(self, param_storages):
         self.params = param_storages
