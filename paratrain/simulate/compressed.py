@@ -37,6 +37,14 @@ def encode_seconds(cluster, n):
     return ENCODE_PASSES * n * cluster.encode_beta
 
 
+def factor_bytes(n, hidden, rank=POWERSGD_RANK):
+    """What PowerSGD sends of n gradient bytes: rank-``rank`` factors of the layers' matrices,
+    taken as ``hidden`` x ``hidden``."""
+    if not hidden:
+        raise Unavailable("powersgd factors the layers' matrices: give the workload's hidden")
+    return n * rank / hidden
+
+
 def encoding(workload, cluster, n):
     """A worker's encoding of its n gradient bytes a step: the workload's, measured or
     declared, else the formula."""
@@ -60,17 +68,15 @@ def seconds_of(compression, cluster, ranks, across_hosts, workers, hidden, algor
         link = data_parallel.group_link(cluster, ranks, across_hosts, workers)
         return lambda n: topk_seconds(cluster, ranks, n, TOPK_RATIO, link)
     if compression == "powersgd":
-        if not hidden:
-            raise Unavailable("powersgd factors the layers' matrices: give the workload's hidden")
-        return lambda n: 2 * data_parallel.group_all_reduce_seconds(cluster, ranks, across_hosts,
-                                                                   n * POWERSGD_RANK / hidden, algorithm, workers)
+        share = factor_bytes(1, hidden)   # what a gradient byte sends (Unavailable without a width)
+        return lambda n: 2 * data_parallel.group_all_reduce_seconds(cluster, ranks, across_hosts, n * share,
+                                                                   algorithm, workers)
     raise ValueError(f"no cost model for compression {compression!r}; known: topk, powersgd")
 
 
 def powersgd_seconds(cluster, workers, n, rank, hidden, algorithm):
     """One bucket of n gradient bytes by PowerSGD: two all-reduces of the factors (P, then Q)."""
-    factors = n * rank / hidden
-    return 2 * data_parallel.all_reduce_seconds(cluster, workers, factors, algorithm)
+    return 2 * data_parallel.all_reduce_seconds(cluster, workers, factor_bytes(n, hidden, rank), algorithm)
 
 
 def _step(workload, cluster, workers, seconds_of, how, bucket_mb):
@@ -90,9 +96,8 @@ def topk_step(workload, cluster, workers, ratio=TOPK_RATIO, bucket_mb=data_paral
 
 def powersgd_step(workload, cluster, workers, rank=POWERSGD_RANK, algorithm=None,
                   bucket_mb=data_parallel.BUCKET_MB, **_):
-    if not workload.hidden:
-        raise Unavailable("powersgd factors the layers' matrices: give the workload's hidden")
-    chosen = algorithm or data_parallel.choose(cluster, workers, workload.gradient_bytes * rank / workload.hidden)
+    chosen = algorithm or data_parallel.choose(cluster, workers, factor_bytes(workload.gradient_bytes, workload.hidden,
+                                                                              rank))
     return _step(workload, cluster, workers,
                  lambda n: powersgd_seconds(cluster, workers, n, rank, workload.hidden, chosen),
                  f"PowerSGD rank {rank}, {chosen}", bucket_mb)

@@ -40,7 +40,7 @@ def measure(model, batch, seed=0):
 
     from ..train.memory import PeakMemory, heap_mb
     from ..train.tasks import build_task
-    from .here import ComputeOnlyGroup, training_steps   # (imported before the heap's baseline)
+    from .here import cut_copy, training_steps   # (imported before the heap's baseline)
     torch.set_num_threads(1)
     memory = PeakMemory()
     task = build_task(model, seed=seed)
@@ -54,11 +54,7 @@ def measure(model, batch, seed=0):
     peak = memory.report()["peak_memory_mb"]
     got = {"task_mb": built, "steady_mb": steady, "train_peak_mb": train_peak, "peak_mb": peak}
     if task.tensor_plan is not None:   # the evaluation through the model cut for --tp 2, against the whole
-        import copy
-
-        from ..parallel.tensor import parallelize
-        cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(CUT),
-                          plan=task.tensor_plan(task.model))
+        cut = cut_copy(task, CUT)
         memory = PeakMemory()
         got["cut_evaluation_share"] = memory.added_by(lambda: task.evaluate(cut)) / evaluation \
             if evaluation > 0 else 1.0

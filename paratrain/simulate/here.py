@@ -242,20 +242,27 @@ class ComputeOnlyGroup:
         return out
 
 
+def cut_copy(task, tp):
+    """A copy of ``task``'s model; with ``tp`` > 1 one worker's share of it, cut by its
+    tensor plan (as paratrain train --tp cuts it) over a ComputeOnlyGroup."""
+    import copy
+    model = copy.deepcopy(task.model)
+    if tp == 1:
+        return model
+    from ..parallel.tensor import parallelize
+    return parallelize(model, group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
+
+
 def cut_step_seconds(model, batch, tp, seed=0, alongside=0):
     """A training step (time_step) on ``batch`` samples of built-in ``model`` cut across ``tp``
     workers by its tensor plan (as paratrain train --tp cuts it), one worker's share, on one
     thread; its collectives left out (ComputeOnlyGroup)."""
-    import copy
-
-    from ..parallel.tensor import parallelize
     task = task_of(model, seed)
     if task.tensor_plan is None:
         raise ValueError(f"{model} has no tensor plan: paratrain train --tp does not cut it")
 
     def measure():
-        cut = parallelize(copy.deepcopy(task.model), group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
-        return time_step(task, batch, model=cut)
+        return time_step(task, batch, model=cut_copy(task, tp))
     return _once((model, batch, "tp", tp, alongside), model, batch, seed, alongside, measure)
 
 
@@ -300,18 +307,13 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
     graph kept for W; W, engine.weight_gradients for each: a plain nn.Linear's two products,
     another module's (a tensor-parallel layer: ``tp`` > 1 cuts the model as cut_step_seconds
     does) one autograd call for its own weights."""
-    import copy
-
     import torch
 
     from ..parallel.pipeline.engine import linear_input, parameters_left_to_b, weight_gradients, weight_owners
     task = task_of(model, seed)
 
     def parts():
-        copied = copy.deepcopy(task.model)
-        if tp > 1:
-            from ..parallel.tensor import parallelize
-            copied = parallelize(copied, group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
+        copied = cut_copy(task, tp)
         owners = weight_owners(copied)
         loose = parameters_left_to_b(copied, owners)
         for sample in _batches(task, batch):
@@ -352,18 +354,13 @@ def encode_seconds(model, spec, replicas, tp=1, seed=0, alongside=0):
     (four passes over the gradients at a memory rate) sees none of top-k's selection nor
     PowerSGD's products and orthogonalisation, tensor by tensor: for gpt it gives 1.3 ms
     where the compressors take 7-9."""
-    import copy
-
     import torch
 
     from ..parallel import compression
     task = task_of(model, seed)
 
     def calls():
-        cut = copy.deepcopy(task.model)
-        if tp > 1:
-            from ..parallel.tensor import parallelize
-            cut = parallelize(cut, group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
+        cut = cut_copy(task, tp)
         grads = [torch.randn_like(p) for p in cut.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         start, group, compressor = flat.clone(), ComputeOnlyGroup(replicas), compression.parse(spec)

@@ -44,15 +44,15 @@ def step(workload, cluster, workers, tp=None, algorithm=None, bucket_mb=data_par
     inside = ALL_REDUCES_PER_LAYER * layers * per_layer
     replicas = workers // t
     across, encode, how = (0.0, 0.0), 0.0, f"tp {t} x dp {replicas}"
-    if replicas > 1 and compression:
-        bucket_seconds = compressed.seconds_of(compression, cluster, replicas, hosts > 1, workers, workload.hidden,
-                                               algorithm)
-        encode = compressed.encoding(workload, cluster, workload.gradient_bytes / t)
-        how += f", {compression}"
-    elif replicas > 1:
-        def bucket_seconds(n):
-            return data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, n, algorithm, workers)
     if replicas > 1:
+        if compression:
+            bucket_seconds = compressed.seconds_of(compression, cluster, replicas, hosts > 1, workers,
+                                                   workload.hidden, algorithm)
+            encode = compressed.encoding(workload, cluster, workload.gradient_bytes / t)
+            how += f", {compression}"
+        else:
+            def bucket_seconds(n):
+                return data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, n, algorithm, workers)
         across = data_parallel.overlapped(workload, workload.gradient_bytes / t, bucket_seconds, bucket_mb)
     return Step(workers, workload.step_compute_s, inside + across[0], comm_s=inside + across[1], how=how,
                 batch_per_device=workload.batch_per_device, extra_s=encode)
