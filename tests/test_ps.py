@@ -94,6 +94,9 @@ def test_server_answers_bad_messages_with_errors_and_keeps_serving():
         meta = {"workers": 1, "mode": "bsp", "optimizer": "sgd", "hyper": {"lr": 0.1}, "pieces": [[0, 0, 4]]}
         h, _ = ask(wire.encode(head, meta, np.arange(4, dtype=np.float32)))
         assert h.op == Op.REPLY  # still serving after the bad ones
+        head = Header(op=Op.PUSH_PACKED, worker=0, key=-1, lo=0, hi=3, dtype_code=7, token=wire.token_digest("s3cret"))
+        h, meta = ask(wire.encode(head, {"codec": "topk", "k": 1}, np.zeros(8, np.uint8)))
+        assert h.op == Op.ERROR and "carries 4 entries, not 3" in meta["error"]   # a push of every shard
         head = Header(op=Op.PULL, worker=0, key=0, lo=0, hi=4, token=wire.token_digest("s3cret"))
         sock.send_multipart(wire.encode(head))
         h, _, payload = wire.decode(sock.recv_multipart(), max_payload=1 << 20)

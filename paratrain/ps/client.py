@@ -139,6 +139,8 @@ class Client(Requests):
             for pc in mine:   # the server lays its shards out in this order (server.initialise)
                 self.offsets[(pc.key, pc.lo)] = at
                 at += pc.hi - pc.lo
+        if self.codec is not None:
+            self.codec.prepare([[pc.hi - pc.lo for pc in mine] for mine in self.placement])
         got = self._request(requests, "register")
         for (s, *_), (_, reply, _) in got.items():
             self._map_shared(s, reply.get("shm"))
@@ -214,14 +216,16 @@ class Client(Requests):
                 if self.regions[s] is not None and mine and self.codec is None:
                     expected.add(self._send_shared(s, Op.PUSH, ring=True))
                     continue
+                if self.codec is not None and mine:   # every piece in one message (push_codecs.py)
+                    grad = np.concatenate([self._grad(pc) for pc in mine])
+                    packed, code, meta, payload = self.codec.encode(s, grad)
+                    op = Op.PUSH_PACKED if packed else Op.PUSH
+                    self._send(s, op, -1, 0, grad.size, meta, payload, dtype_code=code)
+                    expected.add((s, int(op), -1, 0))
+                    continue
                 for pc in mine:
-                    grad = np.ascontiguousarray(self._grad(pc))
-                    op, code, meta = Op.PUSH, 3, None
-                    if self.codec is not None:
-                        packed, code, meta, grad = self.codec.encode((pc.key, pc.lo), grad)
-                        op = Op.PUSH_PACKED if packed else Op.PUSH
-                    self._send(s, op, pc.key, pc.lo, pc.hi, meta, grad, dtype_code=code)
-                    expected.add((s, int(op), pc.key, pc.lo))
+                    self._send(s, Op.PUSH, pc.key, pc.lo, pc.hi, None, np.ascontiguousarray(self._grad(pc)))
+                    expected.add((s, int(Op.PUSH), pc.key, pc.lo))
             self._collect(expected | self._push_table_rows(), "push")
 
     def _push_table_rows(self):

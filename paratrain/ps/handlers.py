@@ -106,6 +106,15 @@ class Handlers:
             raise ValueError(f"no shard [{h.lo}, {h.hi}) of tensor {h.key} lives here")
         return shard
 
+    def _every_shard(self, h):
+        """The shards, in the order a push of all of them (key -1) concatenates them."""
+        if self.clocks is None:
+            raise ValueError("no model is registered yet: call register() first")
+        total = sum(shard.hi - shard.lo for shard in self.shards.values())
+        if h.hi - h.lo != total:
+            raise ValueError(f"a push of every shard here carries {total} entries, not {h.hi - h.lo}")
+        return list(self.shards.values())
+
     def _table(self, h):
         if self.clocks is None:
             raise ValueError("no model is registered yet: call register() first")
@@ -147,23 +156,26 @@ class Handlers:
         return {**self.regions.describe(), "bells": self.bells is not None}
 
     def _push(self, ident, h, meta, payload):
-        """A gradient for one shard over TCP, or, through the shared segment, for every
-        shard this worker has here (key -1: one message per server, as ps-lite batches
-        a worker's keys per server)."""
+        """A gradient for one shard over TCP; or for every shard this worker has here
+        (key -1: one message per server, as ps-lite batches a worker's keys per server),
+        through the shared segment or, compressed, in the payload."""
         if h.flags & shared.FLAG_SHM:
             if not self._shared(ident, h, meta):
                 return
             for shard in self.shards.values():
                 self._push_one(h, shard, self.regions.push(h.worker, self.offsets[(shard.key, shard.lo)],
                                                            shard.hi - shard.lo))
-        else:   # float32, or fp16 / bf16 widened (a compressed push: push_codecs.py)
-            shard = self._shard(h)
-            n = shard.hi - shard.lo
+        else:   # float32, or fp16 / bf16 widened, or packed (a compressed push: push_codecs.py)
+            shards = self._every_shard(h) if h.key == -1 else [self._shard(h)]
+            sizes = [shard.hi - shard.lo for shard in shards]
             if h.op == Op.PUSH_PACKED:
-                grad = push_codecs.decode(meta, payload, n)
+                grad = push_codecs.decode(meta, payload, sizes)
             else:
-                grad = push_codecs.widen(h.dtype_code, payload, n)
-            self._push_one(h, shard, grad)
+                grad = push_codecs.widen(h.dtype_code, payload, sum(sizes))
+            at = 0
+            for shard, n in zip(shards, sizes):
+                self._push_one(h, shard, grad[at:at + n])
+                at += n
         if h.flags & shared.FLAG_STEP and h.flags & shared.FLAG_SHM:
             # push, clock, pull in one request: the answer is the next clock's weights, sent as
             # soon as the consistency model allows (a BSP round: once every worker pushed),

@@ -3,21 +3,26 @@
     ps.register(model, optimizer="sgd", lr=0.05, compression="topk:0.01")
     paratrain train --strategy ps --compression topk:0.01 | onebit | fp16 | bf16
 
-A push carries one piece of a tensor ([lo, hi) of its flat gradient) to the
-server that owns it. Compressed, the piece travels as:
+A compressed push carries every piece a worker has on one server (their flat
+gradients concatenated in the server's order: key -1, [0, n) for n entries in
+all) in one message, as ps-lite batches a worker's keys per server, and as
+DataParallel compresses a bucket of many tensors at once: one encode and one
+message a server a step, not one a tensor. It travels as:
 
 - ``fp16`` / ``bf16``: a PUSH whose dtype code is float16 / bfloat16 (the
   header's element count still holds); the server widens it to float32;
 - ``topk:<r>``: a PUSH_PACKED, meta ``{"codec": "topk", "k": k}``, payload k
-  int32 offsets into the piece then k float32 values (DGC: the k entries of
-  largest magnitude, the rest kept as the worker's residual);
+  int32 offsets into the concatenation then k float32 values (DGC: the k
+  entries of largest magnitude, the rest kept as the worker's residual; the
+  smallest pieces, biases, sent whole as DataParallel's top-k sends them);
 - ``onebit``: a PUSH_PACKED, meta ``{"codec": "onebit", "block": b}``,
   payload the packed signs (ceil(n / 8) bytes) then one bfloat16 scale per
-  block of b entries (scaled sign, error feedback).
+  block of b entries, blocks counted inside each piece (scaled sign, error
+  feedback).
 
-Error feedback lives at the worker, one residual per piece, exactly as in
-DataParallel's compressors (parallel/compression/: the same ``encode``), so
-nothing a worker computed is lost, only delayed. The server averages the
+Error feedback lives at the worker, one residual per server, exactly as in
+DataParallel's compressors (parallel/compression/: the same ``encode``, each
+server's pieces a bucket), so nothing a worker computed is lost, only delayed. The server averages the
 decoded gradients as it does plain ones. PowerSGD is refused: its second
 factor needs the workers' first factors averaged first (an all-reduce among
 workers, not a push to a server).
@@ -28,11 +33,9 @@ compression is asked for where the link is slow, and a test on one host
 must see what a remote server would.
 
 The server trusts nothing in a packed push: the codec must be known, the
-sizes must match the piece exactly and every offset must fall inside it
+sizes must match its pieces exactly and every offset must fall inside them
 (``decode`` raises FrameError saying which).
 """
-import math
-
 import numpy as np
 import torch
 
@@ -59,23 +62,29 @@ class PushCodec:
         self.compressor = None if kind in CODES else parse_compressor(spec)
         if kind not in CODES and self.compressor is None:
             raise ValueError(f"unknown compression {spec!r} for parameter-server pushes; choose {', '.join(CHOICES)}")
-        self.pieces = {}
 
-    def encode(self, piece, grad):
-        """(packed, dtype code, meta, payload) for a float32 numpy ``grad``: packed says
-        PUSH_PACKED (else a PUSH of that dtype code)."""
+    def prepare(self, sizes):
+        """``sizes[s]``: the entries of each piece this worker pushes to server s, in the
+        server's order; each server's pieces are one bucket of the compressor's."""
+        if self.compressor is not None:
+            self.compressor.prepare(None, [torch.empty(sum(pieces)) for pieces in sizes],
+                                    [[(n,) for n in pieces] for pieces in sizes])
+
+    def encode(self, server, grad):
+        """(packed, dtype code, meta, payload) for the float32 numpy ``grad`` of every piece
+        this worker has on ``server``: packed says PUSH_PACKED (else a PUSH of that dtype
+        code). ``grad`` may be kept (as the residual's start): pass a fresh array."""
         if self.kind == "fp16":
             return False, CODES["fp16"], None, grad.astype(np.float16)
         if self.kind == "bf16":
             return False, CODES["bf16"], None, torch.from_numpy(grad).to(torch.bfloat16).view(torch.int16).numpy()
-        index = self.pieces.setdefault(piece, len(self.pieces))
-        flat = torch.from_numpy(np.array(grad, dtype=np.float32))   # a copy: the compressor keeps residuals
+        flat = torch.from_numpy(grad)
         if self.kind == "topk":
-            chosen, values = self.compressor.encode(index, flat)
+            chosen, values = self.compressor.encode(server, flat)
             payload = np.concatenate([chosen.to(torch.int32).numpy().view(np.uint8),
                                       values.to(torch.float32).numpy().view(np.uint8)])
             return True, 7, {"codec": "topk", "k": int(chosen.numel())}, payload
-        bits, scale = self.compressor.encode(index, flat)
+        bits, scale = self.compressor.encode(server, flat)
         payload = np.concatenate([bits.numpy(), scale.view(torch.int16).numpy().view(np.uint8)])
         return True, 7, {"codec": "onebit", "block": self.compressor.block}, payload
 
@@ -96,19 +105,19 @@ def widen(dtype_code, payload, n):
     return grad
 
 
-def decode(meta, payload, n):
-    """A PUSH_PACKED's gradient for a piece of n entries, as float32; FrameError if it
-    does not describe exactly such a piece."""
-    codec = meta.get("codec")
+def decode(meta, payload, sizes):
+    """A PUSH_PACKED's gradient for pieces of ``sizes`` entries, concatenated, as float32;
+    FrameError if it does not describe exactly those."""
+    codec, n = meta.get("codec"), sum(sizes)
     raw = np.frombuffer(payload, dtype=np.uint8)
     if codec == "topk":
         k = meta.get("k")
         if not isinstance(k, int) or not 0 < k <= n or raw.size != 8 * k:
-            raise FrameError(f"a top-k push of a {n}-entry piece needs 0 < k <= {n} and 8k payload bytes, "
+            raise FrameError(f"a top-k push of {n} entries needs 0 < k <= {n} and 8k payload bytes, "
                              f"got k={k!r} and {raw.size} bytes")
         offsets = raw[:4 * k].view(np.int32)
         if offsets.min() < 0 or offsets.max() >= n:
-            raise FrameError(f"a top-k push names offsets outside its {n}-entry piece "
+            raise FrameError(f"a top-k push names offsets outside its {n} entries "
                              f"({int(offsets.min())}..{int(offsets.max())})")
         grad = np.zeros(n, dtype=np.float32)
         np.add.at(grad, offsets, raw[4 * k:].view(np.float32))
@@ -117,11 +126,16 @@ def decode(meta, payload, n):
         block = meta.get("block")
         if not isinstance(block, int) or block < 1:
             raise FrameError(f"a 1-bit push needs a positive int block, got {block!r}")
-        nbits, blocks = -(-n // 8), math.ceil(n / block)
+        nbits = -(-n // 8)
+        runs, at = [], 0
+        for size in sizes:
+            runs.append((at, size))
+            at += size
+        blocks = sum(-(-size // block) for size in sizes)
         if raw.size != nbits + 2 * blocks:
-            raise FrameError(f"a 1-bit push of a {n}-entry piece in blocks of {block} needs {nbits + 2 * blocks} "
-                             f"bytes, got {raw.size}")
+            raise FrameError(f"a 1-bit push of pieces of {list(sizes)} entries in blocks of {block} needs "
+                             f"{nbits + 2 * blocks} bytes, got {raw.size}")
         bits = torch.from_numpy(raw[:nbits].copy())
         scale = torch.from_numpy(raw[nbits:].copy().view(np.int16)).view(torch.bfloat16)
-        return onebit_mod.decode(bits, scale, n, [(0, n)], block, torch.float32).numpy()
+        return onebit_mod.decode(bits, scale, n, runs, block, torch.float32).numpy()
     raise FrameError(f"unknown push codec {codec!r}: mixed paratrain versions? (known: topk, onebit)")

@@ -32,8 +32,10 @@ OSDI 2014, section 4).
     48     8    payload_nbytes
     56     8    token           first 8 bytes of sha256(PARATRAIN_PS_TOKEN), or zeros
 
-Ranges: PUSH and PULL name elements [lo, hi) of the flattened tensor ``key``;
-REPLY and ERROR echo the range of the request they answer. A PUSH with a dtype
+Ranges: PUSH and PULL name elements [lo, hi) of the flattened tensor ``key``
+(a compressed PUSH or PUSH_PACKED of key -1: [0, hi) of every shard the
+server holds, concatenated in its order); REPLY and ERROR echo the range of
+the request they answer. A PUSH with a dtype
 and a REPLY to a PULL (flags == PULL) with a dtype carry exactly hi - lo
 elements, and decode checks it. PUSH_ROWS / PULL_ROWS list their rows in meta,
 so their payload is not tied to [lo, hi); nor is a PUSH_PACKED's (a compressed
@@ -77,7 +79,7 @@ class Op(enum.IntEnum):
     ERROR = 8
     STATS = 9
     SHUTDOWN = 10
-    PUSH_PACKED = 11   # a compressed push of [lo, hi): codec in meta, bytes in the payload (push_codecs.py)
+    PUSH_PACKED = 11   # a compressed push of [lo, hi) (key -1: every shard): codec in meta, bytes in the payload
 
 
 _OPS = frozenset(int(o) for o in Op)
