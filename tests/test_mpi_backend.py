@@ -44,12 +44,22 @@ def _mpirun_env(**settings):
     return env
 
 
+# One mpirun of 3 ranks runs these one after another, each with its own pt.init and pt.destroy:
+# Open MPI and torch start once for them. name -> (tests/workers script, or None for this
+# file's worker(); the environment it runs with).
+PHASES = {
+    "collectives-debug": (None, {"PARATRAIN_DEBUG": "1"}),
+    "p2p": ("p2p_matching.py", {"PARATRAIN_DEBUG": "0"}),
+    "p2p-debug": ("p2p_matching.py", {"PARATRAIN_DEBUG": "1"}),
+    "reinit": ("reinit.py", {"PARATRAIN_DEBUG": "0"}),
+    "silent": ("silent_peer.py", {"PARATRAIN_DEBUG": "0", "PARATRAIN_TIMEOUT": "2"}),   # last: rank 1 sleeps on
+}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nprocs,debug", [(1, False), (2, False), (3, True), (5, False)],
-                         ids=["np1", "np2", "np3-debug", "np5"])
-def test_mpi_backend(nprocs, debug):
-    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
-                      PARATRAIN_DEBUG="1" if debug else "0")
+@pytest.mark.parametrize("nprocs", [1, 2, 5], ids=["np1", "np2", "np5"])
+def test_mpi_backend(nprocs):
+    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1", PARATRAIN_DEBUG="0")
     # "-m mpi4py" aborts the whole job when one rank raises, instead of leaving the others waiting.
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(nprocs), sys.executable, "-m", "mpi4py",
            __file__]
@@ -58,39 +68,60 @@ def test_mpi_backend(nprocs, debug):
     assert p.stdout.count("checks passed") == nprocs, p.stdout
 
 
-def _run_worker(script, passed, printers=3, timeout="30", debug="0"):
-    """tests/workers/<script> "mpi" under mpirun with 3 ranks; ``printers`` of them must print ``passed``."""
-    env = _mpirun_env(PARATRAIN_TIMEOUT=timeout, PARATRAIN_THREADS="1", OMP_NUM_THREADS="1",
-                      PARATRAIN_DEBUG=debug)
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpi4py",
-           str(Path(__file__).parent / "workers" / script), "mpi"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
-    assert p.stdout.count(passed) == printers, p.stdout
+@pytest.fixture(scope="module")
+def three_ranks():
+    """Every phase of PHASES in one mpirun of 3 ranks; its CompletedProcess."""
+    env = _mpirun_env(PARATRAIN_TIMEOUT="30", PARATRAIN_THREADS="1", OMP_NUM_THREADS="1")
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--tag-output", "-n", "3", sys.executable, "-m",
+           "mpi4py", __file__, ",".join(PHASES)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
 
 
-@pytest.mark.timeout(120)
+def _phase_passed(job, name, passed, printers=3):
+    """Every rank ended phase ``name`` of the three_ranks job, and ``printers`` of them printed
+    ``passed`` in it. Each line is tagged with its rank (mpirun --tag-output): the ranks'
+    streams reach mpirun separately, so only a rank's own lines keep their order."""
+    out = f"exit {job.returncode}\n--- stdout\n{job.stdout}\n--- stderr\n{job.stderr[-4000:]}"
+    before = list(PHASES)[list(PHASES).index(name) - 1] if list(PHASES).index(name) else None
+    printed = 0
+    for rank in range(3):
+        lines = [line for line in job.stdout.splitlines() if line.startswith(f"[1,{rank}]<stdout>:")]
+        ends = [i for i, line in enumerate(lines) if line.endswith(f"phase {name} ended")]
+        assert len(ends) == 1, f"rank {rank} did not end phase {name}\n{out}"
+        start = next((i for i, line in enumerate(lines) if before and line.endswith(f"phase {before} ended")), -1)
+        printed += sum(passed in line for line in lines[start + 1:ends[0]])
+    assert printed == printers, out
+
+
+@pytest.mark.timeout(180)
+def test_every_collective_on_three_ranks_with_debug_checks(three_ranks):
+    """This file's checks (worker() below) on 3 ranks with PARATRAIN_DEBUG=1, which adds
+    the check that ranks calling with different shapes all fail loudly."""
+    _phase_passed(three_ranks, "collectives-debug", "checks passed")
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("debug", ["0", "1"])
-def test_point_to_point_matches_by_peer_and_tag_over_mpi(debug):
+def test_point_to_point_matches_by_peer_and_tag_over_mpi(three_ranks, debug):
     """tests/workers/p2p_matching.py under mpirun: receives from two peers in either
     order, a later tag received first (its message over the eager limit), a user's
     message pending through collectives, a wrong-size message refused; with
     PARATRAIN_DEBUG=1 (envelopes.py) a message of another dtype refused too."""
-    _run_worker("p2p_matching.py", "p2p matching checks passed on mpi", debug=debug)
+    _phase_passed(three_ranks, "p2p-debug" if debug == "1" else "p2p", "p2p matching checks passed on mpi")
 
 
-@pytest.mark.timeout(120)
-def test_init_again_after_destroy_over_mpi():
+@pytest.mark.timeout(180)
+def test_init_again_after_destroy_over_mpi(three_ranks):
     """tests/workers/reinit.py under mpirun: three rounds of pt.init(backend="mpi"),
     collectives on the world and a sub-group, pt.destroy(), old groups kept."""
-    _run_worker("reinit.py", "re-init checks passed on mpi")
+    _phase_passed(three_ranks, "reinit", "re-init checks passed on mpi")
 
 
-@pytest.mark.timeout(120)
-def test_irecvs_from_a_silent_peer_time_out_together_over_mpi():
+@pytest.mark.timeout(180)
+def test_irecvs_from_a_silent_peer_time_out_together_over_mpi(three_ranks):
     """tests/workers/silent_peer.py under mpirun: four pending irecvs all time out
     about one timeout after they were posted, not one timeout after another."""
-    _run_worker("silent_peer.py", "silent peer checks passed", printers=1, timeout="2")
+    _phase_passed(three_ranks, "silent", "silent peer checks passed", printers=1)
 
 
 @pytest.mark.timeout(90)
@@ -419,5 +450,23 @@ def worker():
     pt.destroy()
 
 
+def phases(names):
+    """PHASES' ``names`` one after another in this mpirun's ranks, each in the environment
+    it asks for; "phase <name> ended" after each."""
+    import runpy
+    for name in names:
+        script, env = PHASES[name]
+        os.environ.update(env)
+        if script is None:
+            worker()
+        else:
+            sys.argv = [script, "mpi"]
+            runpy.run_path(str(Path(__file__).parent / "workers" / script), run_name="__main__")
+        print(f"phase {name} ended", flush=True)
+
+
 if __name__ == "__main__":
-    worker()
+    if len(sys.argv) > 1:
+        phases(sys.argv[1].split(","))
+    else:
+        worker()
