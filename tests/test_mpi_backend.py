@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import launch
+from conftest import flight_env, launch
 
 MPIRUN = shutil.which("mpirun", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
@@ -37,10 +37,10 @@ TOL = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-2, "float16": 1e-3}
 def _mpirun_env(**settings):
     """This process's environment for an mpirun job, with ``settings`` on top: without
     the launcher's rank variables (mpirun sets its own) and without a backend or
-    algorithm chosen from outside."""
+    algorithm chosen from outside; its flight recorders write under the run's pytest folder."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARATRAIN_BACKEND", "PARATRAIN_ALGO")}
-    env.update(settings)
+    env.update(flight_env(), **settings)
     return env
 
 
