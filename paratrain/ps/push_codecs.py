@@ -22,10 +22,10 @@ message a server a step, not one a tensor. It travels as:
 
 Error feedback lives at the worker, one residual per server, exactly as in
 DataParallel's compressors (parallel/compression/: the same ``encode``, each
-server's pieces a bucket), so nothing a worker computed is lost, only delayed. The server averages the
-decoded gradients as it does plain ones. PowerSGD is refused: its second
-factor needs the workers' first factors averaged first (an all-reduce among
-workers, not a push to a server).
+server's pieces a bucket), so nothing a worker computed is lost, only
+delayed. The server averages the decoded gradients as it does plain ones.
+PowerSGD is refused: its second factor needs the workers' first factors
+averaged first (an all-reduce among workers, not a push to a server).
 
 With compression set, every push takes this path, also to a server on the
 same host (whose shared-memory path would move no network bytes at all):
@@ -73,7 +73,7 @@ class PushCodec:
     def encode(self, server, grad):
         """(packed, dtype code, meta, payload) for the float32 numpy ``grad`` of every piece
         this worker has on ``server``: packed says PUSH_PACKED (else a PUSH of that dtype
-        code). ``grad`` may be kept (as the residual's start): pass a fresh array."""
+        code)."""
         if self.kind == "fp16":
             return False, CODES["fp16"], None, grad.astype(np.float16)
         if self.kind == "bf16":

@@ -35,12 +35,12 @@ OSDI 2014, section 4).
 Ranges: PUSH and PULL name elements [lo, hi) of the flattened tensor ``key``
 (a compressed PUSH or PUSH_PACKED of key -1: [0, hi) of every shard the
 server holds, concatenated in its order); REPLY and ERROR echo the range of
-the request they answer. A PUSH with a dtype
-and a REPLY to a PULL (flags == PULL) with a dtype carry exactly hi - lo
-elements, and decode checks it. PUSH_ROWS / PULL_ROWS list their rows in meta,
-so their payload is not tied to [lo, hi); nor is a PUSH_PACKED's (a compressed
-gradient of [lo, hi), its codec named in meta: push_codecs.py, which checks its
-size); the other ops send lo = hi = 0. For every op, 0 <= lo <= hi.
+the request they answer. A PUSH with a dtype and a REPLY to a PULL (flags ==
+PULL) with a dtype carry exactly hi - lo elements, and decode checks it.
+PUSH_ROWS / PULL_ROWS list their rows in meta, so their payload is not tied
+to [lo, hi); nor is a PUSH_PACKED's (a compressed gradient of [lo, hi), its
+codec named in meta: push_codecs.py, which checks its size); the other ops
+send lo = hi = 0. For every op, 0 <= lo <= hi.
 
 The token keeps one job's workers off another job's servers on a shared
 network; it travels in the clear and is no substitute for a private network.
