@@ -82,7 +82,8 @@ def _phase_passed(job, name, passed, printers=3):
     ``passed`` in it. Each line is tagged with its rank (mpirun --tag-output): the ranks'
     streams reach mpirun separately, so only a rank's own lines keep their order."""
     out = f"exit {job.returncode}\n--- stdout\n{job.stdout}\n--- stderr\n{job.stderr[-4000:]}"
-    before = list(PHASES)[list(PHASES).index(name) - 1] if list(PHASES).index(name) else None
+    order = list(PHASES)
+    before = order[order.index(name) - 1] if order.index(name) else None
     printed = 0
     for rank in range(3):
         lines = [line for line in job.stdout.splitlines() if line.startswith(f"[1,{rank}]<stdout>:")]

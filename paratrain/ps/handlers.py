@@ -98,9 +98,12 @@ class Handlers:
               f"optimizer {meta['optimizer']} {meta.get('hyper', {})}"
               f"{', weight prediction' if self.predict else ''}", flush=True)
 
-    def _shard(self, h):
+    def _check_registered(self):
         if self.clocks is None:
             raise ValueError("no model is registered yet: call register() first")
+
+    def _shard(self, h):
+        self._check_registered()
         shard = self.shards.get((h.key, h.lo))
         if shard is None or shard.hi != h.hi:
             raise ValueError(f"no shard [{h.lo}, {h.hi}) of tensor {h.key} lives here")
@@ -108,16 +111,14 @@ class Handlers:
 
     def _every_shard(self, h):
         """The shards, in the order a push of all of them (key -1) concatenates them."""
-        if self.clocks is None:
-            raise ValueError("no model is registered yet: call register() first")
+        self._check_registered()
         total = sum(shard.hi - shard.lo for shard in self.shards.values())
         if h.hi - h.lo != total:
             raise ValueError(f"a push of every shard here carries {total} entries, not {h.hi - h.lo}")
         return list(self.shards.values())
 
     def _table(self, h):
-        if self.clocks is None:
-            raise ValueError("no model is registered yet: call register() first")
+        self._check_registered()
         table = self.tables.get(h.key)
         if table is None:
             raise ValueError(f"no embedding table {h.key} is registered (tables: {sorted(self.tables)})")

@@ -36,6 +36,8 @@ The server trusts nothing in a packed push: the codec must be known, the
 sizes must match its pieces exactly and every offset must fall inside them
 (``decode`` raises FrameError saying which).
 """
+import itertools
+
 import numpy as np
 import torch
 
@@ -127,10 +129,7 @@ def decode(meta, payload, sizes):
         if not isinstance(block, int) or block < 1:
             raise FrameError(f"a 1-bit push needs a positive int block, got {block!r}")
         nbits = -(-n // 8)
-        runs, at = [], 0
-        for size in sizes:
-            runs.append((at, size))
-            at += size
+        runs = list(zip(itertools.accumulate(sizes, initial=0), sizes))   # (offset, entries) of each piece
         blocks = sum(-(-size // block) for size in sizes)
         if raw.size != nbits + 2 * blocks:
             raise FrameError(f"a 1-bit push of pieces of {list(sizes)} entries in blocks of {block} needs "
