@@ -234,9 +234,9 @@ QUICK_MODULES = {"test_algorithms", "test_config", "test_elastic_sampler", "test
 ALONE_MODULES = {"test_mpi_backend", "test_stall"}
 
 
-# Modules whose tests share one costly module fixture (a dozen training jobs): under
-# pytest -n 2 all their tests go to one worker, which sets the fixture up once.
-TOGETHER_MODULES = {"test_train_elastic", "test_examples"}
+# Modules whose tests share one costly module fixture (a dozen training jobs, one mpirun of
+# five phases): under pytest -n 2 all their tests go to one worker, which sets it up once.
+TOGETHER_MODULES = {"test_train_elastic", "test_examples", "test_mpi_backend"}
 
 
 def pytest_collection_modifyitems(config, items):
