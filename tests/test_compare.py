@@ -26,7 +26,8 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
     assert command.main(["--model", "digits", "--workers", "2", "--budget", "0.4s", "--runs", str(tmp_path)]) == 0
     (folder,) = tmp_path.glob("compare-*")
     assert (folder / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| dp |" in (folder / "compare.md").read_text() and "predicted step" in (folder / "compare.md").read_text()
+    table = (folder / "compare.md").read_text()
+    assert "| dp |" in table and "predicted step" in table and table.count(" (before ") == len(NAMES) - 1
     rows = {r["strategy"]: r for r in json.loads((folder / "compare.json").read_text())["rows"]}
     assert list(rows) == list(NAMES)
     assert "not digits" in rows["tensor"]["unavailable"]   # train's own reason: --tp cuts transformers
@@ -37,6 +38,8 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
         summary = json.loads((folder / r["run_dir"].split("/")[-1] / "summary.json").read_text())
         assert r["samples_per_s"] == summary["samples_per_s"] > 0 and math.isfinite(r["loss"]) and r["step_ms"] > 0
         assert r["peak_memory_mb"] > 0 and r["predicted_step_ms"] > 0
+        before, after = r["predicted_before_after_ms"]   # timed just before the run and just after
+        assert before > 0 and after > 0 and r["predicted_step_ms"] == pytest.approx((before + after) / 2)
         taken = [p["batches"] for p in summary["per_worker"]]
         if name not in ("ps-asp", "ps-ssp"):   # lockstep: the budget's stop was agreed, the same step for all
             assert taken == [summary["steps"]] * 2, (name, taken, summary["steps"])

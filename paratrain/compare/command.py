@@ -122,6 +122,8 @@ def main(argv=None):
                     bar.update(task, description=f"predicting {name} again")
                     again = predict(name)
                     r["predicted_step_ms"] = (predicted + again) / 2 if again else predicted
+                    if again:   # how far this host's speed moved across the run
+                        r["predicted_before_after_ms"] = [predicted, again]
                 bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
                                                  f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
             bar.advance(task)

@@ -39,6 +39,13 @@ def _cell(value, fmt):
     return "-" if value is None else format(value, fmt)
 
 
+def _moved(row):
+    """' (before 140.1, after 160.3)': the prediction's two timings, just before the run and
+    just after; their distance is how much this host's speed moved meanwhile."""
+    pair = row.get("predicted_before_after_ms")
+    return f" (before {pair[0]:.1f}, after {pair[1]:.1f})" if pair else ""
+
+
 def markdown(rows, title):
     predicted = any("predicted_step_ms" in r for r in rows)
     lines = [f"# {title}", "",
@@ -50,7 +57,7 @@ def markdown(rows, title):
             lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |" + (" |" if predicted else ""))
             continue
         target = r.get("time_to_target_s")
-        guess = f"{_cell(r.get('predicted_step_ms'), '.1f')} ms | " if predicted else ""
+        guess = f"{_cell(r.get('predicted_step_ms'), '.1f')} ms{_moved(r)} | " if predicted else ""
         lines.append(f"| {r['strategy']} | {_cell(r['samples_per_s'], ',.0f')} | {_cell(r['step_ms'], '.1f')} ms | "
                      f"{guess}"
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
