@@ -62,6 +62,25 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
     assert "wrote" in out and "compare.png" in out
 
 
+def test_the_table_names_the_runs_across_which_the_host_moved():
+    """A run whose prediction's two timings (before it, after it) are more than 10% apart was
+    predicted and measured at different speeds of this host: the table says which, and how
+    to measure them again."""
+    from paratrain.compare import report
+
+    def row(name, before, after):
+        return {"strategy": name, "samples_per_s": 100.0, "step_ms": 150.0, "bytes_per_step": 1, "loss": 1.0,
+                "peak_memory_mb": 1.0, "predicted_step_ms": (before + after) / 2,
+                "predicted_before_after_ms": [before, after]}
+    rows = [row("dp", 140.0, 150.0), row("ps-bsp", 170.0, 126.0), row("zero1", 100.0, 110.5),
+            {"strategy": "tensor", "unavailable": "not digits"}]
+    assert report.host_moved(rows) == [("ps-bsp", pytest.approx(44 / 126)), ("zero1", pytest.approx(0.105))]
+    table = report.markdown(rows, "gpt")
+    assert "| dp | 100 | 150.0 ms | 145.0 ms (before 140.0, after 150.0) |" in table
+    assert "across the runs of ps-bsp (34.9%), zero1 (10.5%)" in table and "`--strategies ps-bsp,zero1`" in table
+    assert "moved" not in report.markdown(rows[:1], "gpt")
+
+
 def test_combinations_are_every_dp_pp_tp_of_the_workers_with_two_above_one():
     from paratrain.compare.strategies import combination, combinations, parse_names, train_flags
     from paratrain.simulate import plan

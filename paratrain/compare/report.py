@@ -46,6 +46,20 @@ def _moved(row):
     return f" (before {pair[0]:.1f}, after {pair[1]:.1f})" if pair else ""
 
 
+MOVED = 0.10   # the host's speed moved this much across a run: its prediction is of another speed
+
+
+def host_moved(rows):
+    """[(strategy, how far the prediction's two timings are apart)] where that is over MOVED:
+    runs whose predicted and measured steps were taken at different speeds of this host."""
+    out = []
+    for r in rows:
+        pair = r.get("predicted_before_after_ms")
+        if pair and abs(pair[1] - pair[0]) > MOVED * min(pair):
+            out.append((r["strategy"], abs(pair[1] - pair[0]) / min(pair)))
+    return out
+
+
 def markdown(rows, title):
     predicted = any("predicted_step_ms" in r for r in rows)
     lines = [f"# {title}", "",
@@ -63,6 +77,13 @@ def markdown(rows, title):
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
                      f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
                      f"{'-' if target is None else f'{target:.1f} s'} |")
+    moved = host_moved(rows)
+    if moved:
+        lines += ["", "This host's speed moved by more than {:.0%} across the runs of {}: their predicted and "
+                  "measured steps were timed at different speeds. Run them again "
+                  "(`--strategies {}`) to compare the model with a run at one speed."
+                  .format(MOVED, ", ".join(f"{name} ({share:.1%})" for name, share in moved),
+                          ",".join(name for name, _ in moved))]
     return "\n".join(lines) + "\n"
 
 
