@@ -7,7 +7,9 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
   the step itself, without the evaluations and checkpoints between steps);
 - bytes_per_step: what rank 0 sent a step (compressed: what went on the wire);
 - peak_memory_mb: the largest worker's peak heap growth (train/memory.py);
-- loss: the last logged; time_to_target_s with --target-loss.
+- loss: the last logged; time_to_target_s with --target-loss;
+- predicted_step_ms (compare/command.py, with a calibration): the mean of the model's
+  prediction timed just before the run and just after, predicted_before_after_ms.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -19,6 +21,7 @@ import statistics
 from ..train.metrics import read_metrics
 
 MB = 1 << 20
+MOVED = 0.10   # the host's speed moved this much across a run: its prediction is of another speed
 
 
 def row_from_run(name, run_dir):
@@ -44,9 +47,6 @@ def _moved(row):
     just after; their distance is how much this host's speed moved meanwhile."""
     pair = row.get("predicted_before_after_ms")
     return f" (before {pair[0]:.1f}, after {pair[1]:.1f})" if pair else ""
-
-
-MOVED = 0.10   # the host's speed moved this much across a run: its prediction is of another speed
 
 
 def host_moved(rows):
