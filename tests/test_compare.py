@@ -40,6 +40,9 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
         assert r["peak_memory_mb"] > 0 and r["predicted_step_ms"] > 0
         before, after = r["predicted_before_after_ms"]   # timed just before the run and just after
         assert before > 0 and after > 0 and r["predicted_step_ms"] == pytest.approx((before + after) / 2)
+        parts = r["predicted_parts_ms"]   # the model's step in parts: they add up to it
+        assert parts["compute"] > 0 and sum(parts.values()) == pytest.approx(r["predicted_step_ms"])
+        assert 0 < r["compute_ms"] < r["step_ms"], (name, r)   # rank 0 computes inside its step
         taken = [p["batches"] for p in summary["per_worker"]]
         if name not in ("ps-asp", "ps-ssp"):   # lockstep: the budget's stop was agreed, the same step for all
             assert taken == [summary["steps"]] * 2, (name, taken, summary["steps"])

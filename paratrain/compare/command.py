@@ -86,8 +86,24 @@ def predictor(args):
     def predict(name):
         here.forget_timings()
         steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
-        return steps[name] * 1e3 if name in steps else None
+        return steps.get(name)
     return predict
+
+
+PARTS = ("compute", "extra", "exposed", "bubble", "wait")   # step.py's parts of a predicted step
+
+
+def prediction_fields(before, after):
+    """A row's prediction from its two timings (Steps; ``after`` None if it failed):
+    ``predicted_step_ms``, their mean; ``predicted_before_after_ms``, the two; and
+    ``predicted_parts_ms``, the mean's parts (compute, compression's or the servers' extra
+    compute, exposed communication, bubble, waiting for the slowest)."""
+    timed = [s for s in (before, after) if s is not None]
+    fields = {"predicted_step_ms": 1e3 * sum(s.step_s for s in timed) / len(timed),
+              "predicted_parts_ms": {p: 1e3 * sum(getattr(s, p + "_s") for s in timed) / len(timed) for p in PARTS}}
+    if len(timed) == 2:   # how far this host's speed moved across the run
+        fields["predicted_before_after_ms"] = [1e3 * before.step_s, 1e3 * after.step_s]
+    return fields
 
 
 def main(argv=None):
@@ -120,10 +136,7 @@ def main(argv=None):
                 r = rows[-1]
                 if predicted and "unavailable" not in r:   # timed again after: the two bracket the run
                     bar.update(task, description=f"predicting {name} again")
-                    again = predict(name)
-                    r["predicted_step_ms"] = (predicted + again) / 2 if again else predicted
-                    if again:   # how far this host's speed moved across the run
-                        r["predicted_before_after_ms"] = [predicted, again]
+                    r.update(prediction_fields(predicted, predict(name)))
                 bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
                                                  f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
             bar.advance(task)

@@ -5,11 +5,14 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
 - samples_per_s: the job's (summary.py: every batch over the longest loop);
 - step_ms: the median of rank 0's step times (metrics.jsonl's step_seconds:
   the step itself, without the evaluations and checkpoints between steps);
+- compute_ms: the median of rank 0's compute (compute_seconds: its forward and
+  backward, less the time it waited on others);
 - bytes_per_step: what rank 0 sent a step (compressed: what went on the wire);
 - peak_memory_mb: the largest worker's peak heap growth (train/memory.py);
 - loss: the last logged; time_to_target_s with --target-loss;
 - predicted_step_ms (compare/command.py, with a calibration): the mean of the model's
-  prediction timed just before the run and just after, predicted_before_after_ms.
+  prediction timed just before the run and just after, predicted_before_after_ms;
+  predicted_parts_ms, the mean's parts.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -27,9 +30,12 @@ MOVED = 0.10   # the host's speed moved this much across a run: its prediction i
 def row_from_run(name, run_dir):
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
-    steps = [m["step_seconds"] for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step_seconds" in m]
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [m["step_seconds"] for m in metrics if "step_seconds" in m]
+    computed = [m["compute_seconds"] for m in metrics if "compute_seconds" in m]
     row = {"strategy": name, "samples_per_s": s["samples_per_s"],
            "step_ms": 1e3 * statistics.median(steps) if steps else None,
+           "compute_ms": 1e3 * statistics.median(computed) if computed else None,
            "steps": s["steps"], "loss": s["final_loss"],
            "bytes_per_step": (s.get("bytes_communicated") or 0) / s["steps"] if s["steps"] else None,
            "peak_memory_mb": s.get("peak_memory_mb"), "run_dir": run_dir}

@@ -98,7 +98,8 @@ def alongside(cluster, workers):
 
 
 def predict_compare(model, workers, names, cluster, batch_size=None):
-    """{name: predicted step seconds} of compare's runs, for the model measured here."""
+    """{name: predicted Step (step.py: its seconds and their parts)} of compare's runs, for the
+    model measured here."""
     beside = alongside(cluster, workers)
     workload = here.workload_of(model, batch_size, alongside=beside)
     K, heads = _optimizer_and_heads(model)
@@ -107,7 +108,7 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
         step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads,
                             here.Measured(model, alongside=beside))
         if not isinstance(step, Unavailable):
-            out[name] = step.step_s
+            out[name] = step
     return out
 
 
