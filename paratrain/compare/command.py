@@ -90,9 +90,6 @@ def predictor(args):
     return predict
 
 
-PARTS = ("compute", "extra", "exposed", "bubble", "wait")   # step.py's parts of a predicted step
-
-
 def prediction_fields(before, after):
     """A row's prediction from its two timings (Steps; ``after`` None if it failed):
     ``predicted_step_ms``, their mean; ``predicted_before_after_ms``, the two; and
@@ -100,7 +97,7 @@ def prediction_fields(before, after):
     compute, exposed communication, bubble, waiting for the slowest)."""
     timed = [s for s in (before, after) if s is not None]
     fields = {"predicted_step_ms": 1e3 * sum(s.step_s for s in timed) / len(timed),
-              "predicted_parts_ms": {p: 1e3 * sum(getattr(s, p + "_s") for s in timed) / len(timed) for p in PARTS}}
+              "predicted_parts_ms": {p: 1e3 * sum(s.parts[p] for s in timed) / len(timed) for p in timed[0].PARTS}}
     if len(timed) == 2:   # how far this host's speed moved across the run
         fields["predicted_before_after_ms"] = [1e3 * before.step_s, 1e3 * after.step_s]
     return fields

@@ -61,8 +61,9 @@ def host_moved(rows):
     out = []
     for r in rows:
         pair = r.get("predicted_before_after_ms")
-        if pair and abs(pair[1] - pair[0]) > MOVED * min(pair):
-            out.append((r["strategy"], abs(pair[1] - pair[0]) / min(pair)))
+        apart = pair and abs(pair[1] - pair[0]) / min(pair)
+        if apart and apart > MOVED:
+            out.append((r["strategy"], apart))
     return out
 
 

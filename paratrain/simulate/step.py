@@ -32,9 +32,16 @@ class Step:
         """One device on its own: all compute, nothing to send."""
         return cls(1, workload.step_compute_s, how=how, batch_per_device=workload.batch_per_device)
 
+    PARTS = ("compute", "extra", "exposed", "bubble", "wait")   # what a step's seconds add up from
+
+    @property
+    def parts(self):
+        """{part: seconds} of the step, PARTS in order; they add up to step_s."""
+        return {part: getattr(self, part + "_s") for part in self.PARTS}
+
     @property
     def step_s(self):
-        return self.compute_s + self.extra_s + self.exposed_s + self.bubble_s + self.wait_s
+        return sum(self.parts.values())
 
     @property
     def samples_per_s(self):
