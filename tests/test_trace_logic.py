@@ -171,3 +171,41 @@ def test_spans_record_only_while_on(tmp_path):
     from paratrain.trace import chrome
     assert chrome.finished(str(tmp_path / "rank-0.jsonl"))
     assert json.loads(lines[1])[5] == {"answer": 42}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_pipeline_actions_span_counts_the_cpu_of_its_own_work(tmp_path, monkeypatch, schedule):
+    """Each F, B and W span's ``cpu_s`` is the CPU its thread spent from the span's start to
+    its end: with this thread's CPU clock replaced by the wall clock, the two agree. Under
+    1F1B a B that runs its W at once is one span, and its CPU covers the whole of it (the
+    trace's ``starved`` is its wall less its CPU)."""
+    import time
+
+    import torch
+
+    import paratrain as pt
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU()) for _ in range(6)],
+                                torch.nn.Linear(256, 10))
+    group = pt.init(backend="shm")
+    try:
+        stage = pt.pipeline.split(model, group=group, stages=1)
+        pipe = pt.Pipeline(stage, group=group, microbatches=2, schedule=schedule,
+                           loss_fn=torch.nn.functional.cross_entropy)
+        monkeypatch.setattr(time, "thread_time", time.perf_counter)
+        recorder.start(tmp_path, "rank", 0, count_cpu=True)
+        try:
+            pipe.step(torch.randn(256, 256), torch.randint(0, 10, (256,)))
+        finally:
+            recorder.stop()
+    finally:
+        pt.destroy()
+    spans = [json.loads(line) for line in (tmp_path / "rank-0.jsonl").read_text().splitlines()[1:-1]]
+    actions = [(name, end - start, args["cpu_s"]) for name, category, _, start, end, args in spans
+               if category == "compute"]
+    assert sorted({name for name, _, _ in actions}) == (["B", "F", "W"] if schedule == "zb-h1" else ["B", "F"])
+    for name, wall, cpu in actions:
+        assert 0.95 * wall <= cpu <= wall, (name, wall, cpu)

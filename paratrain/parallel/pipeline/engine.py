@@ -279,7 +279,7 @@ class Pipeline:
             transport.send_gradients(self.group, input_grads, self._rank_of(s - 1), s, self._works)
         state["inputs"] = ()
         if not self.split_backward:
-            self._weights(mb, c)                 # W at once, the input gradient on its way
+            self._weight_gradients(mb, c)        # W at once, the input gradient on its way: B's span
         return began
 
     def _splits(self, s):
@@ -308,15 +308,19 @@ class Pipeline:
         return input_grads
 
     def _weights(self, mb, c):
-        """W: each weight-owning module's output gradient back to its own weights."""
+        """W as an action of its own (a zero-bubble schedule places it): its span starts here."""
         began = time.perf_counter()
         self._cpu_began = trace.cpu_now() if trace.ON else None
+        self._weight_gradients(mb, c)
+        return began
+
+    def _weight_gradients(self, mb, c):
+        """Each weight-owning module's output gradient back to its own weights."""
         state = self._state.pop((mb, c))
         for mod, inp, out, g in state.get("wgrads", []):
             unchanged = inp is not None and inp[0]._version == inp[1]   # (changed in place since: autograd says so)
             weight_gradients(mod, inp[0] if unchanged else None, out, g)
         self._held -= state["saved_bytes"]
-        return began
 
     def _hook_weight_owners(self):
         """Record, during a forward, the output of every module that owns weights, and
