@@ -108,6 +108,23 @@ def test_the_merge_splits_each_collective_at_the_last_arrival_and_moves_clocks(t
                      "others_wait_s_per_step": pytest.approx(0.003)}]
 
 
+def test_waits_before_the_first_step_are_told_apart_from_the_steps(tmp_path):
+    """A setup collective where rank 1 waits 0.4 s for rank 0 (a pipeline timing its cut
+    does so) is not 0.2 s a step of waiting: the steps' own figure stays rank 1's 3 ms,
+    and the setup's wait is reported in all, apart."""
+    two_ranks(tmp_path)
+    for rank, start in ((0, -0.1), (1, -0.5)):
+        path = tmp_path / f"rank-{rank}.jsonl"
+        header, *lines = path.read_text().splitlines()
+        setup = collective(0, rank, start, -0.09)
+        path.write_text("\n".join([header, json.dumps(setup), *lines]) + "\n")
+    late = analysis.last_arrivals(analysis.load(chrome.merge(str(tmp_path))), steps=2)
+    assert late == [{"op": "all_reduce", "rank": 1, "share": 1.0, "calls": 2,
+                     "others_wait_s_per_step": pytest.approx(0.003)},
+                    {"op": "all_reduce", "rank": 0, "share": 1.0, "calls": 1,
+                     "others_wait_s": pytest.approx(0.4), "outside": True}]
+
+
 def test_starved_compute_is_not_the_ranks_own_work(tmp_path):
     """Rank 1 computed 7 ms of wall time but got only 4 ms of CPU: it waited 3 ms for a core,
     so its own work equals rank 0's and nobody is a straggler."""

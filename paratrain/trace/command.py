@@ -58,8 +58,12 @@ def report(result):
     else:
         lines.append("no straggler: every rank's own work is within 10% of the median")
     for a in result["last_arrivals"]:
-        lines.append(f"rank {a['rank']} arrived last in {a['share']:.0%} of {a['calls']} {a['op']}s; "
-                     f"the others waited {a['others_wait_s_per_step'] * 1e3:.1f} ms a step for it")
+        if a.get("outside"):
+            lines.append(f"before and after the steps: rank {a['rank']} arrived last in {a['share']:.0%} of "
+                         f"{a['calls']} {a['op']}s; the others waited {a['others_wait_s']:.2f} s in all for it")
+        else:
+            lines.append(f"rank {a['rank']} arrived last in {a['share']:.0%} of {a['calls']} {a['op']}s; "
+                         f"the others waited {a['others_wait_s_per_step'] * 1e3:.1f} ms a step for it")
     for w in result.get("staleness", []):
         lines.append(f"worker {w['worker']} read {w['reads']} times, {w['mean_lag']:.2f} clocks ahead of the "
                      f"slowest worker on average, at most {w['max_lag']}")
