@@ -125,6 +125,35 @@ def test_waits_before_the_first_step_are_told_apart_from_the_steps(tmp_path):
                      "others_wait_s": pytest.approx(0.4), "outside": True}]
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_collective_the_forward_waits_in_is_not_compute(tmp_path, blocking):
+    """Each rank's forward spans 10 ms of a 10 ms step. Inside it rank 0 calls an all-reduce
+    at 2 ms, rank 1 at 5 ms; both end at 6 ms. Called blocking (a tensor-parallel layer's),
+    rank 0 waited 3 ms and both moved bytes for 1 ms, with no compute beside them; each got
+    4 ms of CPU, so of rank 0's 6 ms of compute 2 were starved, of rank 1's 9 ms 5. On a
+    lane (async_op, a bucket under backward) the forward went on beside it and all 10 ms
+    are compute."""
+    for rank, start in ((0, 0.002), (1, 0.005)):
+        call = collective(1, rank, start, 0.006)
+        if blocking:
+            call[5]["blocking"] = True
+        write_rank(tmp_path, rank, [["step", "step", "compute", 0.0, 0.010, {"step": 1}],
+                                    ["forward", "compute", "compute", 0.0, 0.010, {"cpu_s": 0.004}], call])
+    rows = {r["rank"]: r for r in analysis.breakdown(analysis.load(chrome.merge(str(tmp_path))))}
+    if blocking:
+        assert rows[0]["compute_s"] == pytest.approx(0.006) and rows[1]["compute_s"] == pytest.approx(0.009)
+        assert rows[0]["wait_s"] == pytest.approx(0.003) and rows[1]["wait_s"] == pytest.approx(0.0)
+        assert rows[0]["exposed_comm_s"] == pytest.approx(0.001) == rows[1]["exposed_comm_s"]
+        assert rows[0]["overlap"] == 0.0 == rows[1]["overlap"]
+        assert rows[0]["starved_s"] == pytest.approx(0.002) and rows[1]["starved_s"] == pytest.approx(0.005)
+    else:
+        for r in rows.values():
+            assert r["compute_s"] == pytest.approx(0.010) and r["wait_s"] == 0.0 and r["overlap"] == 1.0
+    for r in rows.values():
+        assert r["compute_s"] + r["data_s"] + r["exposed_comm_s"] + r["wait_s"] + r["idle_s"] == \
+            pytest.approx(r["step_s"])
+
+
 def test_starved_compute_is_not_the_ranks_own_work(tmp_path):
     """Rank 1 computed 7 ms of wall time but got only 4 ms of CPU: it waited 3 ms for a core,
     so its own work equals rank 0's and nobody is a straggler."""

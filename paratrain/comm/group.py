@@ -138,7 +138,8 @@ class ProcessGroup:
         log = None
         if lane == "coll":
             if trace.ON:
-                fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn)
+                fn = trace_calls.collective(self, what, self._seq, self._trace_bytes, self._trace_algorithm, fn,
+                                            blocking=not async_op)
             log = self._flight
             if log is not None:   # the flight recorder (trace/flight.py): a tuple in, a count on
                 seq = self._seq

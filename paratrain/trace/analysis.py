@@ -11,12 +11,20 @@ step, a moment counts once, in the first of
     exposed   inside communication, moving bytes, with no compute beside it
     idle      none of these (a slower machine's pause, Python between calls)
 
-so the five sum to the step time. ``overlap`` is the share of
+so the five sum to the step time. A collective the compute thread blocks
+in (a tensor-parallel layer's all-reduce, ZeRO-3's gather inside a
+forward; comm/ marks it ``blocking``) is not compute though it lies inside
+a forward's span: the compute thread was waiting, or moving the bytes, and
+nothing else ran. A call on a group's lane (``async_op``: DataParallel's
+bucket all-reduces) runs beside the compute, which goes on.
+``overlap`` is the share of
 communication time that had compute running beside it (DataParallel's
 bucket all-reduces under backward). ``starved`` is the part of compute in
 which the rank was ready but got no CPU (its wall time less its thread's
-CPU time, counted where a worker computes on one thread): more ranks than
-cores, or another job, not the rank itself.
+CPU time, counted where a worker computes on one thread, less the blocking
+calls inside it): more ranks than cores, or another job, not the rank
+itself. (A blocking call's CPU, a spinning wait's, stays in the thread's
+CPU time, so starved is then a lower bound.)
 
 A rank's *own work* is its step time less its wait and its starved time:
 what it would take if nobody were late and it had its core to itself. A
@@ -121,6 +129,12 @@ def spans(events, cats, names=None):
                   if e["cat"] in cats and (names is None or e["name"] in names)])
 
 
+def blocking_calls(events):
+    """The collectives the calling thread waited in (not on a lane, beside it)."""
+    return union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e["cat"] == "comm" and (e.get("args") or {}).get("blocking")])
+
+
 def breakdown(events):
     """Per rank: steps, step_s, compute_s, data_s, wait_s, exposed_comm_s, idle_s,
     overlap, starved_s, own_work_s (per step), and the pipeline's bubble where it ran F/B/W."""
@@ -129,7 +143,8 @@ def breakdown(events):
         steps = spans(evs, ("step",))
         if not steps:   # a script without the trainer's steps: the whole recording is one
             steps = [(min(e["ts"] for e in evs), max(e["ts"] + e["dur"] for e in evs))]
-        compute = intersect(spans(evs, COMPUTE), steps)
+        blocked = intersect(blocking_calls(evs), steps)
+        compute = subtract(intersect(spans(evs, COMPUTE), steps), blocked)
         data = subtract(intersect(spans(evs, ("data",)), steps), compute)
         busy = union(compute + data)
         wait = subtract(intersect(spans(evs, ("wait",)), steps), busy)
@@ -138,7 +153,8 @@ def breakdown(events):
         step_us = length(steps)
         parts = {"compute": length(compute), "data": length(data), "wait": length(wait), "exposed": length(exposed)}
         comm_us = length(comm)
-        starved = sum(max(0.0, e["dur"] - e["args"]["cpu_s"] * 1e6) for e in evs
+        starved = sum(max(0.0, e["dur"] - length(intersect([(e["ts"], e["ts"] + e["dur"])], blocked))
+                          - e["args"]["cpu_s"] * 1e6) for e in evs
                       if e["cat"] == "compute" and "cpu_s" in (e.get("args") or {}) and _inside(e, steps))
         row = {"rank": rank, "steps": len(steps), "step_s": step_us / 1e6,
                "compute_s": parts["compute"] / 1e6, "data_s": parts["data"] / 1e6,
@@ -147,7 +163,7 @@ def breakdown(events):
                "overlap": length(intersect(comm, compute)) / comm_us if comm_us else 0.0,
                "starved_s": starved / 1e6,
                "own_work_s": (step_us - parts["wait"] - starved) / 1e6 / len(steps)}
-        stage_work = intersect(spans(evs, COMPUTE, ("F", "B", "W")), steps)
+        stage_work = subtract(intersect(spans(evs, COMPUTE, ("F", "B", "W")), steps), blocked)
         if stage_work:
             row["bubble"] = 1.0 - length(stage_work) / step_us
         rows.append(row)

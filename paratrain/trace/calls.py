@@ -25,13 +25,17 @@ def group_name(group):
     return getattr(group, "trace_name", None) or "ranks " + ",".join(map(str, group.ranks))
 
 
-def collective(group, name, seq, nbytes, algorithm, fn):
-    """``fn`` (the collective's body), recording its span when it runs."""
+def collective(group, name, seq, nbytes, algorithm, fn, blocking=False):
+    """``fn`` (the collective's body), recording its span when it runs. ``blocking``: the
+    caller waits in it (not ``async_op``), so the analysis does not count its time as the
+    caller's compute when it is called inside a forward or backward."""
     gname = group_name(group)
     args = {"op": name, "group": gname, "seq": seq, "bytes": nbytes, "ranks": list(group.ranks),
             "rank": group.ranks[group.rank]}
     if algorithm:
         args["algorithm"] = algorithm
+    if blocking:
+        args["blocking"] = True
     purpose = recorder.current_label()   # read on the caller's thread, before an async call leaves it
     if purpose:
         args["for"] = purpose
