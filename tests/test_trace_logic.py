@@ -154,6 +154,38 @@ def test_a_collective_the_forward_waits_in_is_not_compute(tmp_path, blocking):
             pytest.approx(r["step_s"])
 
 
+@pytest.mark.parametrize("mode", ["bsp", "asp"])
+def test_a_bsp_round_names_the_worker_it_waited_for(tmp_path, mode):
+    """Two parameter-server workers, one server, two 10 ms steps. Worker 0 computes 4 ms and
+    its push reaches the server at 5 ms; worker 1 computes 8 ms, its push arrives at 9 ms;
+    both have the next weights at 10 ms. Under BSP worker 0 waited 4 ms of its step for
+    worker 1's push, and the rounds name worker 1; under ASP nobody waits for a round."""
+    server = []
+    for rank, (computed, pushed) in enumerate(((0.004, 0.005), (0.008, 0.009))):
+        spans = []
+        for k in range(2):
+            base = k * 0.010
+            spans += [["step", "step", "compute", base, base + 0.010, {"step": k + 1}],
+                      ["forward", "compute", "compute", base, base + computed, {}],
+                      ["ps.step", "comm", "comm ps", base + computed, base + 0.010, {"clock": k}]]
+            server.append(["push", "compute", "compute", base + pushed, base + pushed + 0.0005,
+                           {"worker": rank, "clock": k, "mode": mode}])
+        write_rank(tmp_path, rank, spans)
+    header = {"role": "server", "index": 0, "pid": 2, "host": "h", "offset_s": 0.0, "uncertainty_s": 0.0}
+    (tmp_path / "server-0.jsonl").write_text("\n".join(json.dumps(x) for x in [header, *server]) + "\n")
+    events = analysis.load(chrome.merge(str(tmp_path)))
+    rows = {r["rank"]: r for r in analysis.breakdown(events)}
+    late = analysis.last_arrivals(events, steps=2)
+    if mode == "bsp":
+        assert rows[0]["wait_s"] == pytest.approx(0.008) and rows[1]["wait_s"] == 0.0
+        assert rows[0]["exposed_comm_s"] == pytest.approx(0.004) and rows[1]["exposed_comm_s"] == pytest.approx(0.004)
+        assert late == [{"op": "ps.step", "rank": 1, "share": 1.0, "calls": 2,
+                         "others_wait_s_per_step": pytest.approx(0.004)}]
+    else:
+        assert rows[0]["wait_s"] == 0.0 and rows[0]["exposed_comm_s"] == pytest.approx(0.012)
+        assert late == []
+
+
 def test_starved_compute_is_not_the_ranks_own_work(tmp_path):
     """Rank 1 computed 7 ms of wall time but got only 4 ms of CPU: it waited 3 ms for a core,
     so its own work equals rank 0's and nobody is a straggler."""

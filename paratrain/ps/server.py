@@ -129,7 +129,8 @@ class Server(Handlers):
 
     def _dispatch(self, ident, h, meta, payload):
         if trace_recorder.ON:
-            with trace.span(getattr(h.op, "name", str(h.op)).lower(), "compute", worker=h.worker, clock=h.clock):
+            with trace.span(getattr(h.op, "name", str(h.op)).lower(), "compute", worker=h.worker, clock=h.clock,
+                            mode=self.mode):   # (a BSP round's pushes tell the merge whom it waited for)
                 return self._handle(ident, h, meta, payload)
         return self._handle(ident, h, meta, payload)
 

@@ -98,7 +98,48 @@ def split_waits(processes):
                     s["wait"] = max(0.0, min(s["t1"], send["t0"]) - s["t0"])
                     s["late"] = a["src"]
                     s["send"] = send
+    split_rounds(processes)
     return calls
+
+
+PUSHES = ("push", "push_packed")
+
+
+def split_rounds(processes):
+    """A BSP parameter-server step waits for the round: its servers answer once every
+    worker has pushed for that clock. Each worker's ``ps.step`` of clock c gets ``wait``,
+    from its own last push of c reaching a server to the last worker's (on the server
+    where that was longest), and ``late``, that worker's rank; and ``group``/``seq``
+    ("ps", c), so the analysis tallies who the rounds waited for as it does collectives."""
+    arrivals = {}   # (server, clock) -> {worker: start of its last push of that clock}
+    for header, spans in processes:
+        if header["role"] != "server":
+            continue
+        for s in spans:
+            a = s["args"]
+            if s["name"] in PUSHES and a.get("mode") == "bsp" and "clock" in a:
+                got = arrivals.setdefault((header["index"], a["clock"]), {})
+                got[a["worker"]] = max(got.get(a["worker"], s["t0"]), s["t0"])
+    if not arrivals:
+        return
+    by_clock = {}
+    for (_, clock), got in arrivals.items():
+        by_clock.setdefault(clock, []).append(got)
+    for header, spans in processes:
+        if header["role"] != "rank":
+            continue
+        for s in spans:
+            a = s["args"]
+            if s["name"] != "ps.step" or a.get("clock") not in by_clock:
+                continue
+            me, waits = header["index"], []
+            for got in by_clock[a["clock"]]:
+                if me in got:
+                    late = max(got, key=got.get)
+                    waits.append((max(0.0, min(s["t1"], s["t0"] + got[late] - got[me]) - s["t0"]), late))
+            if waits:
+                s["wait"], s["late"] = max(waits)
+                a["group"], a["seq"] = "ps", a["clock"]
 
 
 def _message_key(a):
