@@ -108,6 +108,23 @@ def test_the_merge_splits_each_collective_at_the_last_arrival_and_moves_clocks(t
                      "others_wait_s_per_step": pytest.approx(0.003)}]
 
 
+def test_the_report_names_the_rank_waited_for_longest_not_the_one_last_most_often(tmp_path):
+    """In two of three steps rank 1 reaches the all-reduce 0.1 ms after rank 0; in the
+    third rank 0 comes 5 ms after rank 1. Rank 0 held the others up: 5 ms in three steps."""
+    lateness = ((1, 0.0001), (1, 0.0001), (0, 0.005))
+    for rank in (0, 1):
+        spans = []
+        for k, (late, by) in enumerate(lateness):
+            base = k * 0.010
+            start = base + 0.002 + (by if rank == late else 0.0)
+            spans += [["step", "step", "compute", base, base + 0.010, {"step": k + 1}],
+                      collective(k + 1, rank, start, base + 0.008)]
+        write_rank(tmp_path, rank, spans)
+    late = analysis.last_arrivals(analysis.load(chrome.merge(str(tmp_path))), steps=3)
+    assert late == [{"op": "all_reduce", "rank": 0, "share": pytest.approx(1 / 3), "calls": 3,
+                     "others_wait_s_per_step": pytest.approx(0.005 / 3)}]
+
+
 def test_waits_before_the_first_step_are_told_apart_from_the_steps(tmp_path):
     """A setup collective where rank 1 waits 0.4 s for rank 0 (a pipeline timing its cut
     does so) is not 0.2 s a step of waiting: the steps' own figure stays rank 1's 3 ms,

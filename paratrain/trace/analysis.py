@@ -186,8 +186,10 @@ def stragglers(rows, factor=STRAGGLER_FACTOR):
 
 
 def last_arrivals(events, steps):
-    """For each kind of collective: which rank arrived last how often, and what the
-    others waited for it per step. Only the calls inside every caller's steps count
+    """For each kind of collective: the rank the others waited for longest, how often it
+    arrived last, and what the others waited for it per step (the rank that is last most
+    often may cost little: two ranks a hair apart take turns, while a third, late less
+    often, holds everyone for milliseconds). Only the calls inside every caller's steps count
     there; those before the first step and after the last (the setup's, a pipeline
     timing its cut, the final checkpoint's) are tallied apart, their waits in seconds
     in all (``outside``), so a long setup is not read as a slow step."""
@@ -201,13 +203,12 @@ def last_arrivals(events, steps):
         if not all(_inside(e, step_spans[e["pid"]]) for e in same if step_spans.get(e["pid"])):
             outside[key] = inside.pop(key)
     return _tally(inside, lambda us: us / 1e6 / max(1, steps), "others_wait_s_per_step") + \
-        [dict(row, outside=True) for row in _tally(outside, lambda us: us / 1e6, "others_wait_s", by_wait=True)]
+        [dict(row, outside=True) for row in _tally(outside, lambda us: us / 1e6, "others_wait_s")]
 
 
-def _tally(calls, scale, key, by_wait=False):
+def _tally(calls, scale, key):
     """Per kind of collective among ``calls`` ({(group, seq): its ranks' events}): the rank
-    that arrived last most often (``by_wait``: that the others waited longest for), its
-    share of the calls, and the others' wait for it, scaled."""
+    the others waited for longest in all, its share of the calls, and that wait, scaled."""
     tally = {}
     for same in calls.values():
         op, late = same[0]["name"], same[0]["args"]["waited_for_rank"]
@@ -217,7 +218,7 @@ def _tally(calls, scale, key, by_wait=False):
         t["wait_us"][late] = t["wait_us"].get(late, 0.0) + sum(e["args"]["wait_us"] for e in same)
     out = []
     for op, t in sorted(tally.items()):
-        rank = max(t["last"], key=(lambda r: t["wait_us"][r]) if by_wait else (lambda r: t["last"][r]))
+        rank = max(t["last"], key=lambda r: (t["wait_us"][r], t["last"][r]))
         count = t["last"][rank]
         out.append({"op": op, "rank": rank, "share": count / t["calls"], "calls": t["calls"],
                     key: scale(t["wait_us"][rank])})
