@@ -76,5 +76,20 @@ def main(argv=None):
     return 2
 
 
+def console():
+    """The ``paratrain`` command: main(), then the process ends as a launched worker's
+    does (launch/bootstrap.py's finish: threads joined, atexit handlers run, streams
+    flushed, then os._exit), without the interpreter tearing torch down, which takes
+    about a second after the last line is printed and shows nothing."""
+    from .launch import bootstrap
+    try:
+        status = bootstrap.exit_code(main())   # main's return, as sys.exit takes it
+    except SystemExit as e:
+        status = bootstrap.exit_code(e.code)
+    except BaseException as e:  # noqa: BLE001 - reported as the interpreter reports it
+        status = bootstrap.report(e)   # (a Ctrl-C: death by SIGINT, as Python's)
+    bootstrap.finish(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
