@@ -79,6 +79,9 @@ SETTINGS = {s.name: s for s in (
             "the next step)"),
     Setting("PARATRAIN_FORKSERVER", None, str, "the socket of a fork server (`python -m "
             "paratrain.launch.forkserver SOCKET`): workers start as forks of it, torch already imported"),
+    Setting("PARATRAIN_WARM_START", True, flag, "0: `paratrain train` starts its workers as fresh interpreters "
+            "(by default, unless PARATRAIN_FORKSERVER names one, it starts a fork server of its own first, "
+            "which imports torch once while the front-end checks the options, and forks them from it)"),
     Setting("PARATRAIN_TRACE", None, str, "a folder: every rank records a trace there, merged into "
             "`trace.json` at the end (set by `paratrain run --trace DIR` and `paratrain train --trace`)"),
     Setting("PARATRAIN_FLIGHT_RECORDER", 2000, count, "collectives and messages each rank's flight recorder keeps "

@@ -14,6 +14,10 @@ WORKERS = ROOT / "tests" / "workers"
 
 _flights = None   # this pytest worker's folder for the flight recorders of the jobs its tests start
 
+# paratrain train's front-end starts no fork server of its own (launch/warm.py): the suite's
+# serves its launches, and a front-end called in this process must not start one per test
+os.environ.setdefault("PARATRAIN_WARM_START", "0")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def flight_folder(tmp_path_factory):

@@ -206,3 +206,24 @@ def test_every_launch_in_one_process_says_once_why_its_workers_start_fresh(tmp_p
         err = capfd.readouterr().err
         assert err.count("paratrain run: note: PARATRAIN_FORKSERVER is set, but workers start fresh: no fork "
                          "server at") == 1, err
+
+
+def test_a_socket_under_a_deep_temporary_directory_goes_under_tmp(tmp_path, monkeypatch):
+    """A Unix socket's path holds at most 107 bytes: under a TMPDIR deeper than that leaves
+    room for, the server's private folder is made under /tmp instead (a pytest folder under
+    xdist is one such TMPDIR)."""
+    import shutil
+    import tempfile
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    fits = len(os.fsencode(str(tmp_path))) + len("/paratrain-fork-12345678/server.sock") <= forkserver.SUN_PATH_MAX
+    for where, expected in ((deep, "/tmp"), (tmp_path, str(tmp_path) if fits else "/tmp")):
+        monkeypatch.setattr(tempfile, "tempdir", str(where))
+        address = forkserver.private_address()
+        try:
+            assert len(os.fsencode(address)) <= forkserver.SUN_PATH_MAX
+            assert os.path.dirname(os.path.dirname(address)) == expected
+            assert os.stat(os.path.dirname(address)).st_mode & 0o777 == 0o700
+        finally:
+            shutil.rmtree(os.path.dirname(address))
+    assert not list(deep.iterdir())   # the folder it could not use is gone

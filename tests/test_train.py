@@ -9,7 +9,6 @@ gets a clear error before any worker starts.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -84,20 +83,36 @@ def _digits_params():
 
 @pytest.mark.timeout(120)
 def test_a_fresh_worker_reports_the_peak_heap_of_a_forked_one(tmp_path):
-    """peak_memory_mb counts the heap a worker allocates above where it began. A worker
-    started as a fresh interpreter, which imports torch._dynamo only at the optimizer's
-    first step (23 MiB of heap), reports the peak of one forked from a server that had
-    it imported (the suite's here; compare's and plan's), for the same run: 7-8 MiB for
-    digits."""
+    """paratrain train starts a fork server of its own first (launch/warm.py: it imports torch,
+    torch._dynamo and matplotlib while the front-end checks the options) and forks its
+    workers from it; PARATRAIN_WARM_START=0 starts them fresh. The summary says which, and
+    the server's folder is gone after the run. peak_memory_mb counts the heap a worker
+    allocates above where it began: a fresh worker, which imports torch._dynamo only at
+    the optimizer's first step (23 MiB of heap), reports the peak of a forked one for the
+    same run: 7-8 MiB for digits."""
+    import concurrent.futures
+    import shutil
+    import tempfile
     args = ["--workers", "1", "--steps", "3", "--eval-every", "3"]   # digits
-    env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_FORKSERVER"}   # the worker starts fresh
-    fresh = subprocess.run([sys.executable, "-m", "paratrain", "train", "--runs", str(tmp_path / "fresh" / "runs"),
-                            *args], env=dict(env, PARATRAIN_TIMEOUT="60"), capture_output=True, text=True,
+    env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_FORKSERVER"}   # the front-end's own choice
+
+    def run(kind, warm):   # (the front-end itself forked from the suite's server, its worker not)
+        temporary = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))   # (pytest's own: too deep for a socket)
+        try:
+            res = python_m(["paratrain", "train", "--runs", str(tmp_path / kind / "runs"), *args],
+                           dict(env, PARATRAIN_TIMEOUT="60", PARATRAIN_WARM_START=warm, TMPDIR=str(temporary)),
                            timeout=100)
-    ok(fresh)
-    ok(train(tmp_path / "forked", *args))
-    peaks = [json.loads((run_dirs(tmp_path / kind)[0] / "summary.json").read_text())["peak_memory_mb"]
-             for kind in ("fresh", "forked")]
+            ok(res)
+            assert "start fresh" not in res.stdout + res.stderr, res.stdout + res.stderr
+            assert not list(temporary.glob("paratrain-fork-*")), kind   # the server and its socket are gone
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+        return json.loads((run_dirs(tmp_path / kind)[0] / "summary.json").read_text())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        summaries = dict(zip(("fresh", "forked"), pool.map(run, ("fresh", "forked"), ("0", "1"))))
+    assert summaries["fresh"]["started"] == "a fresh interpreter"
+    assert summaries["forked"]["started"] == "a fork of a process with torch imported"
+    peaks = [summaries[kind]["peak_memory_mb"] for kind in ("fresh", "forked")]
     assert peaks[0] == pytest.approx(peaks[1], abs=2), peaks   # MiB
 
 

@@ -44,6 +44,7 @@ from importlib.machinery import SourceFileLoader
 from . import heap
 
 USAGE = "usage: python -m paratrain.launch.bootstrap (SCRIPT | -m MODULE) [ARGS...]"
+FORKED_FROM = None   # the pid of the fork server this process is a fork of (forkserver.py sets it), else None
 
 
 def main(argv):

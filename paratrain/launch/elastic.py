@@ -52,19 +52,14 @@ The first host is then the one point that must stay up.
 """
 import json
 import os
-import select
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
 
 from .. import config
-from . import forkserver
 from .elastic_follower import Follower, new_id
-from .parent import tie_to_parent
+from .warm import WarmStart
 from .watch import say
 from .worker import Worker
 
@@ -396,28 +391,3 @@ class Replacements:
         say(f"paratrain run: elastic: started worker {wid} in place of {dead.label} "
             f"({self.left} restart{'s' if self.left != 1 else ''} left)")
         return w
-
-
-class WarmStart:
-    """A fork server of the launcher's own, for replacements: started with the job, in
-    the background, it imports torch once, and a replacement forked from it skips the
-    seconds a new interpreter spends importing (forkserver.py). Until it listens, a
-    replacement starts fresh. It dies with the launcher."""
-
-    def __init__(self, env):
-        self.address = forkserver.private_address()
-        self._ready = False
-        e = {k: v for k, v in env.items() if k not in ("PARATRAIN_FORKSERVER", "PARATRAIN_ELASTIC")}
-        self.proc = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, self.address], env=e,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     preexec_fn=tie_to_parent(os.getpid()))
-
-    def ready(self):
-        if not self._ready and self.proc.poll() is None and select.select([self.proc.stdout], [], [], 0)[0]:
-            self._ready = "listening" in self.proc.stdout.readline()
-        return self._ready
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)

@@ -337,7 +337,9 @@ class Server:
                 sys.path[0] = os.getcwd()   # as `python -m` puts it there; the bootstrap moves a script's
             gc.enable()
             _fresh_random_state()
+            tempfile.tempdir = None   # read from the worker's own TMPDIR at first use, as a fresh interpreter does
             from . import bootstrap
+            bootstrap.FORKED_FROM = self.pid   # (what a worker may say of how it started)
             status = bootstrap.main(request["argv"])
             bootstrap.finish(status)
         except BaseException:  # noqa: BLE001 - a worker that could not start says why and ends
@@ -405,9 +407,17 @@ def start_server(address, preload=",".join(DEFAULT_PRELOAD), env=None, timeout=6
     return proc
 
 
+SUN_PATH_MAX = 107   # bytes of a Unix socket's path, its terminating NUL left out (Linux's sun_path is 108)
+
+
 def private_address():
-    """A socket path in a new directory only this user can enter."""
-    return os.path.join(tempfile.mkdtemp(prefix="paratrain-fork-"), "server.sock")
+    """A socket path in a new directory only this user can enter: under the temporary
+    directory (TMPDIR), or under /tmp where that is too deep for a socket's path."""
+    directory = tempfile.mkdtemp(prefix="paratrain-fork-")
+    if len(os.fsencode(os.path.join(directory, "server.sock"))) > SUN_PATH_MAX:
+        os.rmdir(directory)
+        directory = tempfile.mkdtemp(prefix="paratrain-fork-", dir="/tmp")
+    return os.path.join(directory, "server.sock")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import sys
 import time
 
 from .. import config
-from . import elastic_options, layout, options, strategies
 
 
 def new_run_dir(root, model):
@@ -27,6 +26,7 @@ def new_run_dir(root, model):
 
 def check(args):
     """A message for what is wrong with the options, or None."""
+    from . import options
     problem = options.check(args)
     if problem:
         return problem
@@ -42,6 +42,7 @@ def check(args):
         from .checkpoint import load_checkpoint
         from .tasks import build_task
         try:
+            from . import elastic_options, strategies
             task = build_task(args.model, seed=args.seed, sparse=strategies.STRATEGIES[args.strategy].SPARSE)
             return elastic_options.resume_problem(args, load_checkpoint(args.resume, expect_config=task.config))
         except (FileNotFoundError, ValueError) as e:
@@ -49,8 +50,40 @@ def check(args):
     return None
 
 
+def warm_start(argv):
+    """A fork server for this job's workers and servers, started before the front-end imports
+    torch itself (launch/warm.py), or None: when one is set already (PARATRAIN_FORKSERVER),
+    PARATRAIN_WARM_START=0, or only --help was asked for."""
+    if config.get("PARATRAIN_FORKSERVER") or not config.get("PARATRAIN_WARM_START") or \
+            any(a in ("-h", "--help") for a in argv):
+        return None
+    import argparse
+    threads = argparse.ArgumentParser(add_help=False)
+    threads.add_argument("--threads", type=int, default=1)
+    try:
+        known, _ = threads.parse_known_args(argv)
+    except SystemExit:   # (a bad --threads: the real parser says so below)
+        return None
+    from ..launch.forkserver import TRAINING_PRELOAD
+    from ..launch.warm import WarmStart
+    return WarmStart(os.environ, preload=TRAINING_PRELOAD, threads=known.threads)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    warm = warm_start(argv)
+    try:
+        return _main(argv, warm)
+    finally:
+        if warm is not None:
+            warm.stop()
+
+
+WARM_WAIT_S = 60.0   # the longest the workers' start waits for the fork server to import torch
+
+
+def _main(argv, warm):
+    from . import elastic_options, layout, options, strategies
     parser = options.build_parser()
     try:
         args = parser.parse_args(argv)
@@ -74,8 +107,15 @@ def main(argv=None):
                 "-m", "paratrain.train.worker", *argv, "--run-dir", run_dir]
     print(f"paratrain train: {args.model} on {args.workers} workers ({args.strategy}), run dir {run_dir}",
           flush=True)
-    with ProgressDisplay(f"{args.model} x{args.workers}") as display:
-        rc = launch(launcher, on_line=display.on_line)
+    forked = warm is not None and warm.ready(timeout=WARM_WAIT_S)   # else they start fresh
+    if forked:
+        os.environ["PARATRAIN_FORKSERVER"] = warm.address
+    try:
+        with ProgressDisplay(f"{args.model} x{args.workers}") as display:
+            rc = launch(launcher, on_line=display.on_line)
+    finally:
+        if forked:
+            os.environ.pop("PARATRAIN_FORKSERVER", None)
     if rc != 0:
         return rc
     from rich.console import Console

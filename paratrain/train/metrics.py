@@ -304,6 +304,7 @@ ROWS = {
                      lambda v, s: ", ".join(f"{w['rank']}: {w['batches_at_last_heartbeat']}" for w in v)),
     "staleness_histogram": ("staleness of reads (clocks ahead: reads)", lambda v, s: _histogram(v)),
     "time_total_s": ("time, total", lambda v, s: format_seconds(v)),
+    "started": ("rank 0 started as", None),
     "time_training_s": ("rank 0: time, training steps", lambda v, s: format_seconds(v)),
     "time_compute_s": ("rank 0: compute", lambda v, s: format_seconds(v) + _share(s, v)),
     "time_slowdown_s": ("rank 0: slowdown (--straggler, --jitter)", lambda v, s: format_seconds(v) + _share(s, v)),

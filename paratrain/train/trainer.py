@@ -29,6 +29,7 @@ import torch
 import paratrain as pt
 
 from .. import config
+from ..launch import bootstrap
 from ..trace import recorder as trace
 from . import checkpoint as ckpt
 from . import elastic_options, strategies
@@ -293,6 +294,7 @@ class TrainingRun:
             **job_numbers(reports, lost, s.batch_size, mean_loss=strategy.local_loss,
                           ranks_per_batch=P // strategy.data_replicas),
             "time_total_s": total_s, "time_training_s": self.train_seconds,
+            "started": "a fork of a process with torch imported" if bootstrap.FORKED_FROM else "a fresh interpreter",
             "time_compute_s": slow.compute_s, "time_slowdown_s": slow.slept_s if slow.active else None,
             "time_comm_wait_s": st.wait_seconds,
             "time_comm_s": st.comm_seconds, "bytes_communicated": st.bytes,
