@@ -43,6 +43,10 @@ def test_bsp_equals_synchronous_data_parallelism(workers, servers, optimizer, tr
     rung = transport.startswith("shm") and not transport.endswith("nobells")   # (pushes, pulls, steps)
     lines = [line for line in res.stdout.splitlines() if "doorbell requests" in line]
     assert len(lines) == workers and all(("doorbell requests 0" in line) != rung for line in lines), lines
+    # a push of every piece in one message completes every shard's round at once: one optimizer step
+    # over the server's buffer (fused.py); over TCP each piece is a message, so the shards step alone
+    fused = [line for line in res.stdout.splitlines() if "fused rounds" in line]
+    assert len(fused) == workers and all(("fused rounds 0" in line) == (transport == "tcp") for line in fused), fused
     transport = transport.split("-")[0]
     assert res.stdout.count(f"transport {transport}") == workers, res.stdout[-2000:]
     _passed(res, workers, "bsp")

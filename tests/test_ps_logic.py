@@ -595,3 +595,46 @@ def test_prediction_looks_momentum_further_ahead():
     np.testing.assert_allclose(shard.read_into(0, out, exact=True), p2, rtol=1e-6)
     assert Adam(lr=1e-3, betas=(0.8, 0.99)).lookahead == 0.8 and Adagrad(lr=0.1).lookahead == 0.0
     assert SGD(lr=0.1).lookahead == 0.0
+
+
+@pytest.mark.parametrize("name,hyper", SETTINGS, ids=IDS)
+def test_fused_rounds_step_every_shard_as_its_own_step_would_bitwise(name, hyper):
+    """fused.py: shards whose values are views of one buffer, two workers' gradients
+    gathered for each round, stepped as one optimizer call when every shard's round is
+    complete, reach bitwise the weights of the same shards stepped one by one; a round
+    that only some shards have complete is left to them; and state loaded into a shard
+    (a checkpoint) is linked into the one buffer."""
+    from paratrain.ps.fused import FusedRounds
+    from paratrain.ps.shard import Shard
+    rng = np.random.default_rng(3)
+    sizes = [5, 130, 17, 1000]
+    start = rng.standard_normal(sum(sizes)).astype(np.float32)
+    offsets = np.cumsum([0] + sizes)
+    buffer = start.copy()
+    fused_shards = [Shard(k, 0, n, buffer[a:b], make_optimizer(name, **hyper))
+                    for k, (n, a, b) in enumerate(zip(sizes, offsets, offsets[1:]))]
+    alone = [Shard(k, 0, n, start[a:b].copy(), make_optimizer(name, **hyper))
+             for k, (n, a, b) in enumerate(zip(sizes, offsets, offsets[1:]))]
+    fused = FusedRounds(fused_shards, buffer, name, hyper)
+    every = lambda clock, pushed: len(pushed) == 2   # noqa: E731 - the consistency model's word: both pushed
+    for clock in range(4):
+        grads = [rng.standard_normal(sum(sizes)).astype(np.float32) for _ in range(2)]
+        for worker, g in enumerate(grads):
+            for shards in (fused_shards, alone):
+                for s, a, b in zip(shards, offsets, offsets[1:]):
+                    s.gather(worker, g[a:b])
+        assert fused.apply_if_complete(every)
+        for s in alone:
+            s.apply_round()
+        assert all(f.applied == s.applied == clock + 1 and f.opt.steps == s.opt.steps for f, s in zip(fused_shards, alone))
+        assert np.array_equal(buffer, np.concatenate([s.value for s in alone]))
+    assert fused.rounds == 4
+    fused_shards[0].gather(0, np.ones(sizes[0], np.float32))   # one shard's round only begun
+    assert not fused.apply_if_complete(every) and fused_shards[0].pushed == {0}
+    if fused.opt.ARRAYS:
+        state = fused_shards[2].opt.state_dict()
+        fused_shards[2].opt.load_state_dict({**state, **{k: np.full(sizes[2], 7.0, np.float32) for k in fused.opt.ARRAYS}})
+        fused.link()
+        a, b = offsets[2], offsets[3]
+        assert all((fused.opt.state[k][a:b] == 7.0).all() and np.shares_memory(fused_shards[2].opt.state[k], fused.opt.state[k])
+                   for k in fused.opt.ARRAYS)

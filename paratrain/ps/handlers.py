@@ -27,6 +27,7 @@ from .. import config
 from ..trace import recorder as trace
 from . import doorbell, push_codecs, shared, wire
 from .consistency import Clocks, effective_mode
+from .fused import FusedRounds
 from .optimizers import make_optimizer
 from .rows import make_table
 from .shard import Shard
@@ -68,13 +69,15 @@ class Handlers:
             spec = {k: spec[k] for k in ("num", "dim", "seed", "std")}
             self.tables[key] = make_table(key, spec, self.index, self.servers, self.optimizer, self.hyper)
             self.table_specs[key] = spec
+        total = sum(hi - lo for _, lo, hi in pieces)
+        if total > values.size:
+            raise ValueError(f"registration carries {values.size} values, fewer than its pieces need")
+        buffer = values[:total].copy()   # every shard's value a view of it (fused.py)
         at = 0
         for key, lo, hi in pieces:
             n = hi - lo
-            if at + n > values.size:
-                raise ValueError(f"registration carries {values.size} values, fewer than its pieces need")
             opt = make_optimizer(meta["optimizer"], **meta.get("hyper", {}))
-            self.shards[(key, lo)] = Shard(key, lo, hi, values[at:at + n].copy(), opt)
+            self.shards[(key, lo)] = Shard(key, lo, hi, buffer[at:at + n], opt)
             if self.predict:
                 self.shards[(key, lo)].enable_prediction(workers)
             self.offsets[(key, lo)] = at
@@ -90,6 +93,9 @@ class Handlers:
                     view = self.regions.values(self.offsets[(key, lo)], shard.hi - shard.lo)
                     np.copyto(view, shard.value)
                     shard.value = view
+                buffer = self.regions.values(0, at)
+        if self.mode == "bsp" and len(self.shards) > 1:
+            self.fused = FusedRounds(self.shards.values(), buffer, meta["optimizer"], meta.get("hyper", {}))
         if quiet:
             return
         print(f"{len(pieces)} shards, {values.nbytes / 1e6:.2f} MB, "
@@ -163,7 +169,8 @@ class Handlers:
         if h.flags & shared.FLAG_SHM:
             if not self._shared(ident, h, meta):
                 return
-            for shard in self.shards.values():
+            shards = list(self.shards.values())
+            for shard in shards:
                 self._push_one(h, shard, self.regions.push(h.worker, self.offsets[(shard.key, shard.lo)],
                                                            shard.hi - shard.lo))
         else:   # float32, or fp16 / bf16 widened, or packed (a compressed push: push_codecs.py)
@@ -177,6 +184,8 @@ class Handlers:
             for shard, n in zip(shards, sizes):
                 self._push_one(h, shard, grad[at:at + n])
                 at += n
+        if self.mode == "bsp":
+            self._apply_rounds(shards)
         if h.flags & shared.FLAG_STEP and h.flags & shared.FLAG_SHM:
             # push, clock, pull in one request: the answer is the next clock's weights, sent as
             # soon as the consistency model allows (a BSP round: once every worker pushed),
@@ -192,7 +201,6 @@ class Handlers:
         if self.mode == "bsp":
             self._check_round(h, shard)
             shard.gather(h.worker, grad)
-            self._apply_if_complete(shard)
         else:
             shard.apply_now(h.worker, grad, 1.0 / self.workers)
 
@@ -210,6 +218,14 @@ class Handlers:
                 table.apply(rows, grads, lr_scale=1.0 / self.workers)
         self._reply(ident, h)
         self._retry()
+
+    def _apply_rounds(self, shards):
+        """BSP, after a push: every shard's round applied in one step where all are complete
+        together (fused.py), else each shard's that is."""
+        if self.fused is not None and self.fused.apply_if_complete(self.clocks.aggregate_ready):
+            return
+        for shard in shards:
+            self._apply_if_complete(shard)
 
     def _apply_if_complete(self, unit):
         """BSP: once every active worker has pushed for the clock a shard or table
@@ -270,7 +286,8 @@ class Handlers:
         if self.clocks is not None and 0 <= h.worker < self.workers:
             self.clocks.finish(h.worker)
             if self.mode == "bsp":
-                for unit in [*self.shards.values(), *self.tables.values()]:
+                self._apply_rounds(list(self.shards.values()))
+                for unit in self.tables.values():
                     self._apply_if_complete(unit)
             self._retry()
         self.bye.add(h.worker)
@@ -283,4 +300,5 @@ class Handlers:
             "log": [list(e) for e in c.log], "applied": {f"{s.key}:{s.lo}": s.applied for s in self.shards.values()},
             "tables": {str(k): {"rows": t.used, "rows_pushed": t.rows_pushed, "applied": t.applied}
                        for k, t in self.tables.items()},
-            "restored": self.resync is not None, "doorbell_requests": self.doorbell_requests})
+            "restored": self.resync is not None, "doorbell_requests": self.doorbell_requests,
+            "fused_rounds": 0 if self.fused is None else self.fused.rounds})

@@ -64,6 +64,7 @@ class Server(Handlers):
             raise OSError(f"parameter server {index} cannot listen on {bind}: {e} "
                           "(is the port in use? pick other ports or let paratrain run choose)") from None
         self.shards = {}       # (key, lo) -> Shard
+        self.fused = None      # BSP: the shards' rounds stepped as one where they complete together (fused.py)
         self.tables = {}       # key -> RowTable (sparse embedding rows)
         self.table_specs = {}
         self.clocks = None

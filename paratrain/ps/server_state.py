@@ -125,6 +125,8 @@ def load(server, path):
         shard.opt.load_state_dict(dict(s["opt"], **{k[len(prefix):]: v for k, v in arrays.items()
                                                     if k.startswith(prefix)}))
         shard.applied = int(s["applied"])
+    if server.fused is not None:   # the loaded state into the one buffer the fused step uses
+        server.fused.link()
     for t in meta["tables"]:
         prefix = f"table{t['key']}."
         server.tables[t["key"]].load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}, t)

@@ -171,6 +171,7 @@ def main():
         globals()[args.mode](ps, me, workers)
     print(f"transport {'shm' if all(r is not None for r in ps.regions) else 'tcp'}")
     print(f"doorbell requests {sum(ps.stats(s)['doorbell_requests'] for s in range(len(ps.socks)))}")
+    print(f"fused rounds {sum(ps.stats(s)['fused_rounds'] for s in range(len(ps.socks)))}")
     ps.close()
     print(f"ps {args.mode} passed")
 
