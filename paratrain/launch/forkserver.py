@@ -43,6 +43,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 from . import binding
 from .parent import set_parent_death_signal, tie_to_parent
@@ -393,14 +394,36 @@ def main(argv=None):
             pass
 
 
+def spawn_server(address, preload=",".join(DEFAULT_PRELOAD), env=None, threads=1, stderr=None):
+    """Start a fork server at address as a child of this process (it dies with it), without
+    waiting for it; returns its Popen, whose stdout says when it listens (``listening``).
+    env: its environment (default ours, without PARATRAIN_FORKSERVER and a launcher's
+    PARATRAIN_ELASTIC); threads: its workers' compute threads; stderr: where it says
+    what it refused."""
+    e = {k: v for k, v in (os.environ if env is None else env).items()
+         if k not in ("PARATRAIN_FORKSERVER", "PARATRAIN_ELASTIC")}
+    return subprocess.Popen([sys.executable, "-m", MODULE, address, "--preload", preload, "--threads", str(threads)],
+                            env=e, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            preexec_fn=tie_to_parent(os.getpid()))
+
+
+def listening(proc, timeout):
+    """Whether the fork server ``proc`` (spawn_server's) says it listens within ``timeout``
+    seconds: its stdout read until it does, ends, or the time is up."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        line = proc.stdout.readline()
+        if not line:
+            return False
+        if "listening" in line:
+            return True
+    return False
+
+
 def start_server(address, preload=",".join(DEFAULT_PRELOAD), env=None, timeout=60.0, stderr=None):
-    """Start a fork server at address as a child of this process (it dies with it) and
-    wait until it listens; returns its Popen. env: its environment (default ours,
-    without PARATRAIN_FORKSERVER); stderr: where it says what it refused."""
-    e = {k: v for k, v in (os.environ if env is None else env).items() if k != "PARATRAIN_FORKSERVER"}
-    proc = subprocess.Popen([sys.executable, "-m", MODULE, address, "--preload", preload], env=e,
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=tie_to_parent(os.getpid()))
-    if not select.select([proc.stdout], [], [], timeout)[0] or "listening" not in proc.stdout.readline():
+    """spawn_server, then wait until it listens; returns its Popen."""
+    proc = spawn_server(address, preload, env, stderr=stderr)
+    if not listening(proc, timeout):
         proc.kill()
         proc.wait()
         raise RuntimeError(f"the fork server at {address} did not start within {timeout:g}s")

@@ -16,36 +16,22 @@ options), and every worker is then a fork of it. Until it listens a worker
 starts fresh, so ``ready`` says when it does. It dies with its launcher.
 """
 import os
-import select
 import shutil
 import subprocess
-import sys
-import time
 
 from . import forkserver
-from .parent import tie_to_parent
 
 
 class WarmStart:
     def __init__(self, env, preload=forkserver.DEFAULT_PRELOAD, threads=1):
         self.address = forkserver.private_address()
         self._ready = False
-        e = {k: v for k, v in env.items() if k not in ("PARATRAIN_FORKSERVER", "PARATRAIN_ELASTIC")}
-        self.proc = subprocess.Popen([sys.executable, "-m", forkserver.MODULE, self.address, "--preload",
-                                      ",".join(preload), "--threads", str(threads)], env=e,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     preexec_fn=tie_to_parent(os.getpid()))
+        self.proc = forkserver.spawn_server(self.address, ",".join(preload), env, threads, stderr=subprocess.DEVNULL)
 
     def ready(self, timeout=0.0):
         """Whether it listens, waiting up to ``timeout`` seconds for it to say so."""
-        deadline = time.monotonic() + timeout
-        while not self._ready and self.proc.poll() is None:
-            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                break
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self._ready = "listening" in line
+        if not self._ready:
+            self._ready = forkserver.listening(self.proc, timeout)
         return self._ready
 
     def stop(self):
