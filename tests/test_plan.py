@@ -71,7 +71,8 @@ def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, m
 
 
 class FakeMeasured:
-    """here.Measured's timings, given: a stage's micro-batch, the optimizer, the split."""
+    """here.Measured's timings, given: a stage's micro-batch, the optimizer (a worker's, the
+    servers'), the split."""
 
     def __init__(self, split):
         self.splits = split, []
@@ -87,6 +88,9 @@ class FakeMeasured:
 
     def optimizer(self):
         return 0.004
+
+    def server_update(self):
+        return 0.003
 
     def split(self, batch, tp=1):
         self.splits[1].append((batch, tp))
@@ -135,6 +139,18 @@ def test_compression_is_charged_the_compressor_s_time_measured_on_the_model():
         assert crowded.extra_s == pytest.approx(0.007 / tp * layout.dp * tp)   # dp x tp workers on 1 core
     step, _ = plan.predicted(plan.compare_layout("topk", 2), w, CLUSTER, memory.ADAM)   # nothing measured
     assert step.extra_s == pytest.approx(compressed.encode_seconds(CLUSTER, w.gradient_bytes))
+
+
+def test_a_parameter_server_worker_computes_without_the_optimizer_which_its_server_runs():
+    """A ps worker's compute is the measured step less the optimizer's step (the servers run
+    it); the servers' update, timed as they run it, comes back as the step's extra (one
+    server on one host: all of it)."""
+    w = memory_workload()
+    for name in ("ps-bsp", "ps-asp"):
+        step, _ = plan.predicted(plan.compare_layout(name, 2), w, CLUSTER, memory.ADAM, measured=FakeMeasured(None))
+        assert step.compute_s == pytest.approx(0.1 - 0.004) and step.extra_s == pytest.approx(0.003), name
+    step, _ = plan.predicted(plan.compare_layout("ps-bsp", 2), w, CLUSTER, memory.ADAM)   # nothing measured
+    assert step.compute_s == pytest.approx(0.1) and step.extra_s == 0
 
 
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():

@@ -167,6 +167,24 @@ def test_the_parameter_server_is_paced_by_the_busier_of_a_worker_s_link_and_a_se
     assert asp.step_s <= s.step_s and predict("ps-ssp", w, HOSTS, 32).step_s == asp.step_s
 
 
+def test_the_parameter_servers_run_the_optimizer_once_a_round_under_bsp_and_once_a_push_under_asp():
+    """With the servers' update known (the optimizer over every parameter, as a server runs
+    it), each of S servers steps its 1/S: once a round under BSP, beside the round's sum;
+    once a push under ASP, which a worker's own pull waits for, and which the servers
+    make W times while the workers each step once."""
+    n, link, U = gpt_like().gradient_bytes, HOSTS.inter, 0.004
+    w = gpt_like(server_update_s=U)
+    worker = 4 * link.alpha + n * link.beta
+    server = 32 * (link.alpha + n / 4 * link.beta)
+    bsp = predict("ps-bsp", w, HOSTS, 32)
+    assert bsp.extra_s == pytest.approx(U / 4) and bsp.compute_s == pytest.approx(0.3)
+    assert bsp.step_s == pytest.approx(0.3 + U / 4 + 2 * max(worker, server) + 32 * n / 4 * link.gamma)
+    asp = predict("ps-asp", w, HOSTS, 32)
+    assert asp.step_s == pytest.approx(max(0.3 + U / 4 + 2 * worker, 2 * server + 32 * U / 4))
+    slow = gpt_like(server_update_s=0.2)   # the servers' 32 updates a round bind
+    assert predict("ps-asp", slow, HOSTS, 32).step_s == pytest.approx(2 * server + 32 * 0.2 / 4)
+
+
 def test_compression_sends_fewer_bytes_and_pays_for_encoding():
     w = gpt_like(params=100 * MB // 4)
     k = round(0.01 * 25 * MB / 4)
@@ -245,9 +263,10 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
     # a compressor timed on the model's gradients, and the same declared in a file
     assert 0 < here.encode_seconds("mlp", "powersgd:4", 2) < 1 and 0 < here.encode_seconds("mlp", "topk:0.01", 2) < 1
     (tmp_path / "e.toml").write_text('params = 1000\nbytes_per_param = 4\nbatch_per_device = 8\n'
-                                     'step_compute_ms = 5\nencode_ms = 3\n')
+                                     'step_compute_ms = 5\nencode_ms = 3\nserver_update_ms = 2\n')
     declared = load_workload(tmp_path / "e.toml")
     assert declared.encode_s == 0.003 and predict("topk", declared, HOST, 4).extra_s == 0.003
+    assert declared.server_update_s == 0.002 and predict("ps-bsp", declared, HOST, 4).extra_s == 0.002
     assert data_parallel.step(w, cluster, 2).how == "direct"   # what paratrain runs inside a host
     assert cluster.crowding is None   # a calibration from before crowding.py: nothing charged
     calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10}},

@@ -16,6 +16,7 @@
                                         seq_len = 512
                                         activation_bytes = 16_777_216  # one layer's output, one batch
                                         encode_ms = 9   # optional: compressing a step's gradients
+                                        server_update_ms = 40   # optional: the servers' optimizer
 
 ``reduce_gbps`` is gamma (reductions; default free), ``encode_gbps`` the rate
 compression streams through gradients (default reduce_gbps, else the
@@ -96,7 +97,7 @@ def load_workload(path):
         changes = {k: (str(data[k]) if kind is str else _get(data, path, k, kind)) for k, kind in keys.items()
                    if k in data}
         changes.update(_fractions(data, path))
-        for key in ("step_compute_ms", "step_jitter_ms", "encode_ms"):
+        for key in ("step_compute_ms", "step_jitter_ms", "encode_ms", "server_update_ms"):
             if key in data:
                 changes[key.replace("_ms", "_s")] = _get(data, path, key, float) / 1e3
         return dataclasses.replace(measured, **changes)
@@ -108,11 +109,14 @@ def load_workload(path):
                     seq_len=_get(data, path, "seq_len", int, default=None),
                     activation_bytes=_get(data, path, "activation_bytes", float, default=None),
                     step_jitter_s=_get(data, path, "step_jitter_ms", float, default=0.0) / 1e3,
-                    encode_s=_encode_s(data, path), **_fractions(data, path))
+                    encode_s=_seconds(data, path, "encode_ms"),
+                    server_update_s=_seconds(data, path, "server_update_ms"), **_fractions(data, path))
 
 
-def _encode_s(data, path):
-    """``encode_ms``: a device's compression of a step's gradients (top-k, PowerSGD), as
-    measured on it; absent, compressed.py's formula."""
-    ms = _get(data, path, "encode_ms", float, default=None)
+def _seconds(data, path, key):
+    """An optional ``*_ms`` key in seconds, None when absent: ``encode_ms``, a device's
+    compression of a step's gradients (top-k, PowerSGD; absent, compressed.py's formula);
+    ``server_update_ms``, the parameter servers' optimizer step over every parameter
+    (absent, the gradients' summing stands for it)."""
+    ms = _get(data, path, key, float, default=None)
     return None if ms is None else ms / 1e3

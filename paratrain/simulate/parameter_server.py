@@ -9,14 +9,23 @@ W n / S bytes of gradients. The servers default to one a host, beside its
 workers (as Li et al. place them); their link is the network once the job
 spans hosts.
 
+The servers, not the workers, run the optimizer: a worker's compute is its
+forward and backward alone, and the update is the servers' (the workload's
+``server_update_s``, the optimizer over every parameter as a server runs it:
+each server steps its 1/S, all at once). Without it the gradients' summing
+(gamma) stands for the update.
+
 - BSP: every worker waits for the round, so the step is compute plus the
   pull and the push, each as slow as the slower of a worker's link and a
-  server's (a server's link carries W times a worker's share).
-- ASP and SSP: nobody waits for the round, so a worker's step is the longer
-  of its own loop (compute, pull, push) and its share of the servers' time
-  (the servers are busy for every worker's push and pull). With no
-  stragglers SSP's bound never binds and it predicts as ASP; what the model
-  leaves out is the variance it exists for.
+  server's (a server's link carries W times a worker's share), plus the
+  round's sum, and one optimizer step (the step's ``extra``).
+- ASP and SSP: nobody waits for the round, but a worker's pull answers after
+  its own push is applied: its loop is compute, the update of its push, pull
+  and push. Its step is the longer of that loop and its share of the
+  servers' time (the servers are busy for every worker's push and pull, and
+  step their optimizer once per push). With no stragglers SSP's bound never
+  binds and it predicts as ASP; what the model leaves out is the variance it
+  exists for.
 """
 from . import data_parallel
 from .step import Step
@@ -31,11 +40,15 @@ def step(workload, cluster, workers, consistency="bsp", servers=None, **_):
     n = workload.gradient_bytes
     worker_way = S * link.alpha + n * link.beta            # one direction, one worker
     server_way = workers * (link.alpha + n / S * link.beta)  # one direction, one server
-    update = workers * n / S * link.gamma
+    summed = workers * n / S * link.gamma       # a BSP round's sum on one server
+    optimizer = (workload.server_update_s or 0.0) / S   # one optimizer step on a server's share
     compute = workload.step_compute_s
     if consistency == "bsp":
-        exposed = 2 * max(worker_way, server_way) + update
-    else:
-        exposed = max(2 * worker_way, 2 * server_way + update - compute, 0.0)
-    return Step(workers, compute, exposed, comm_s=2 * max(worker_way, server_way),
+        extra = optimizer
+        exposed = 2 * max(worker_way, server_way) + summed
+    else:   # each push applied as it comes: the optimizer once a push (without it, gamma for the update)
+        extra = optimizer
+        server_busy = 2 * server_way + (workers * optimizer if workload.server_update_s else summed)
+        exposed = max(2 * worker_way, server_busy - compute - extra, 0.0)
+    return Step(workers, compute, exposed, comm_s=2 * max(worker_way, server_way), extra_s=extra,
                 how=f"{consistency}, {S} servers", batch_per_device=workload.batch_per_device)

@@ -28,7 +28,7 @@ import dataclasses
 import json
 import sys
 
-from . import compressed, here, memory
+from . import compressed, here, memory, parameter_server
 from .calibrate import time_shared
 from .step import Unavailable
 from .strategies import predict
@@ -133,7 +133,8 @@ def compute_seconds(layout, workload, measured=None):
     gpt step's 121 in a 1F1B trace); for a tensor group, its worker's share of the cut
     model on the whole batch (the embeddings, norms and loss are not cut); for a
     pipeline of tensor groups, the stage's, scaled as the cut model's step is to the
-    whole model's on a micro-batch.
+    whole model's on a micro-batch; for a parameter server's worker, the step without
+    the optimizer, which the servers run (parameter_server.py).
     ``measured`` (here.Measured) times these on the model here; without it they are the
     workload's step scaled down."""
     if layout.pp > 1:
@@ -145,6 +146,8 @@ def compute_seconds(layout, workload, measured=None):
         return stage * measured.cut(small, layout.tp) / measured.step(small) if layout.tp > 1 else stage
     if layout.tp > 1 and measured:
         return measured.cut(workload.batch_per_device, layout.tp)
+    if layout.strategy in parameter_server.CONSISTENCY and measured:   # the servers run the optimizer
+        return workload.step_compute_s - measured.optimizer()
     return workload.step_compute_s / layout.tp
 
 
@@ -164,6 +167,8 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
         split = measured.split(microbatch_samples(layout, workload), layout.tp)
         per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
+    if layout.strategy in parameter_server.CONSISTENCY and measured:   # their optimizer, as they run it
+        per_worker = dataclasses.replace(per_worker, server_update_s=float(measured.server_update()))
     spec = compressed.SPECS.get(layout.compression or layout.strategy)
     if spec and measured:   # the compressor timed on this model's gradients, not the formula's passes
         per_worker = dataclasses.replace(per_worker, encode_s=float(measured.encode(spec, layout.dp, layout.tp)))

@@ -48,6 +48,7 @@ class Workload:
     weight_fraction: float = 1 / 2   # the weight gradients' share of the backward (a zero-bubble pipeline's W)
     split_cost: float = 1.0      # a backward split into B and W against a whole one (pipeline.py)
     encode_s: float = None       # a worker's compression of a step's gradients (None: compressed.py's formula)
+    server_update_s: float = None   # parameter servers: the optimizer over every parameter, as a server runs it
 
     @property
     def gradient_bytes(self):
