@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, launch
+from conftest import ROOT, WORKERS, flight_env, launch
 from paratrain.launch import netns_pair
 
 BATCH, COMMIT_EVERY, EPOCHS, SAMPLES = 8, 4, 2, 240
@@ -135,7 +135,7 @@ def test_a_host_whose_link_is_cut_is_declared_dead_by_its_heartbeat_and_the_othe
     out = tmp_path / "params.pt"
     with netns_pair.HostPair() as hosts:
         env = dict(os.environ, PARATRAIN_TIMEOUT="30", PARATRAIN_ELASTIC_HEARTBEAT="2", PARATRAIN_BACKEND="torch",
-                   FAIL="1:7:cut", CUT=" ".join(hosts.cut_command(1)), OUT=str(out))
+                   FAIL="1:7:cut", CUT=" ".join(hosts.cut_command(1)), OUT=str(out), **flight_env())
         launchers = [subprocess.Popen(hosts.run(h, [
             sys.executable, "-m", "paratrain.run", "--nnodes", "2", "--node-rank", str(h), "--master-addr",
             hosts.address(0), "--master-port", "29400", "-n", "1", "--min-workers", "1",
