@@ -331,3 +331,28 @@ def test_hf_models_name_their_families_and_untie_on_request():
     assert tied.lm_head.weight is tied.transformer.wte.weight
     assert untied.lm_head.weight is not untied.transformer.wte.weight
     assert hf_models.build("llama", layers=1).model.layers[0].self_attn.k_proj.out_features == 32   # 2 of 4 heads
+
+
+@pytest.mark.parametrize("name", ["digits", "mlp", "gpt"])
+def test_the_trainer_s_batches_are_the_data_loader_s_to_the_bit(name):
+    """A dataset of tensors in memory is batched by one gather a tensor, not sample by sample:
+    the same batches, in the same order, each epoch's (a rank's shard, set_epoch's shuffle),
+    and from a step inside an epoch as a resumed run starts."""
+    import itertools
+
+    import paratrain as pt
+    from paratrain.train.trainer import batches_from, epoch_batches, epoch_batches_naive
+    task = build_task(name)
+    sampler = pt.DistributedSampler(task.train_set, num_replicas=2, rank=1, seed=3)
+    per_epoch = len(task.train_set) // (2 * 16)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        fast = list(itertools.islice(epoch_batches(task.train_set, sampler, 16), 300))
+        naive = list(itertools.islice(epoch_batches_naive(task.train_set, sampler, 16), 300))
+        assert len(fast) == len(naive) == min(per_epoch, 300)
+        for a, b in zip(fast, naive):
+            assert type(a) is type(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+    start = per_epoch + 5   # the sixth step of the second epoch
+    (step, batch), = itertools.islice(batches_from(task, sampler, 16, start, per_epoch), 1)
+    sampler.set_epoch(1)
+    assert step == start and all(torch.equal(x, y) for x, y in zip(batch, naive[5]))

@@ -76,10 +76,29 @@ def batches_from(task, sampler, batch_size, start_step, steps_per_epoch):
     while True:
         epoch, skip = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)
-        loader = torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
-        for batch in itertools.islice(loader, skip, steps_per_epoch):
+        for batch in itertools.islice(epoch_batches(task.train_set, sampler, batch_size), skip, steps_per_epoch):
             yield step, batch
             step += 1
+
+
+def epoch_batches_naive(dataset, sampler, batch_size):
+    """One epoch's full batches in ``sampler``'s order: torch's DataLoader, which fetches
+    each sample alone and stacks them (default_collate)."""
+    return iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True))
+
+
+def epoch_batches(dataset, sampler, batch_size):
+    """``epoch_batches_naive``'s batches, equal to the bit; a dataset of tensors in memory
+    (TensorDataset: digits, the MLP's and recsys' data) has each batch gathered by one
+    index per tensor instead. A sample at a time, a digits batch of 32 took 0.74 ms of a
+    worker's 9 ms step."""
+    if not isinstance(dataset, torch.utils.data.TensorDataset):
+        yield from epoch_batches_naive(dataset, sampler, batch_size)
+        return
+    order = iter(sampler)
+    while len(chosen := list(itertools.islice(order, batch_size))) == batch_size:
+        index = torch.tensor(chosen)
+        yield [t[index] for t in dataset.tensors]   # a list, as default_collate makes of a tuple
 
 
 def run(args):
