@@ -67,6 +67,10 @@ def test_asp_makes_progress_while_a_worker_is_paused(flags):
     res = launch(2, "ps_train.py", "asp", *flags, launcher_args=["--servers", "1"])
     _passed(res, 2, "asp")
     assert "worker 0 finished 10 steps while worker 1 was paused" in res.stdout
+    # each push of every piece through the shared segment: one optimizer step over the buffer
+    # (fused.py); worker 0 asks after its 10 pushes, worker 1 after all 20
+    fused = sorted(int(line.split()[-1]) for line in res.stdout.splitlines() if "fused rounds" in line)
+    assert len(fused) == 2 and 10 <= fused[0] <= fused[1] == 20, fused
 
 
 @pytest.mark.timeout(60)

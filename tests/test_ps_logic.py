@@ -597,16 +597,11 @@ def test_prediction_looks_momentum_further_ahead():
     assert SGD(lr=0.1).lookahead == 0.0
 
 
-@pytest.mark.parametrize("name,hyper", SETTINGS, ids=IDS)
-def test_fused_rounds_step_every_shard_as_its_own_step_would_bitwise(name, hyper):
-    """fused.py: shards whose values are views of one buffer, two workers' gradients
-    gathered for each round, stepped as one optimizer call when every shard's round is
-    complete, reach bitwise the weights of the same shards stepped one by one; a round
-    that only some shards have complete is left to them; and state loaded into a shard
-    (a checkpoint) is linked into the one buffer."""
+def _fused_and_alone(name, hyper, rng):
+    """Four shards of random weights twice: as views of one buffer under a FusedRounds, and
+    each with its own copy; (sizes, offsets, buffer, fused shards, lone shards, fused)."""
     from paratrain.ps.fused import FusedRounds
     from paratrain.ps.shard import Shard
-    rng = np.random.default_rng(3)
     sizes = [5, 130, 17, 1000]
     start = rng.standard_normal(sum(sizes)).astype(np.float32)
     offsets = np.cumsum([0] + sizes)
@@ -615,7 +610,18 @@ def test_fused_rounds_step_every_shard_as_its_own_step_would_bitwise(name, hyper
                     for k, (n, a, b) in enumerate(zip(sizes, offsets, offsets[1:]))]
     alone = [Shard(k, 0, n, start[a:b].copy(), make_optimizer(name, **hyper))
              for k, (n, a, b) in enumerate(zip(sizes, offsets, offsets[1:]))]
-    fused = FusedRounds(fused_shards, buffer, name, hyper)
+    return sizes, offsets, buffer, fused_shards, alone, FusedRounds(fused_shards, buffer, name, hyper)
+
+
+@pytest.mark.parametrize("name,hyper", SETTINGS, ids=IDS)
+def test_fused_rounds_step_every_shard_as_its_own_step_would_bitwise(name, hyper):
+    """fused.py: shards whose values are views of one buffer, two workers' gradients
+    gathered for each round, stepped as one optimizer call when every shard's round is
+    complete, reach bitwise the weights of the same shards stepped one by one; a round
+    that only some shards have complete is left to them; and state loaded into a shard
+    (a checkpoint) is linked into the one buffer."""
+    rng = np.random.default_rng(3)
+    sizes, offsets, buffer, fused_shards, alone, fused = _fused_and_alone(name, hyper, rng)
     every = lambda clock, pushed: len(pushed) == 2   # noqa: E731 - the consistency model's word: both pushed
     for clock in range(4):
         grads = [rng.standard_normal(sum(sizes)).astype(np.float32) for _ in range(2)]
@@ -638,3 +644,23 @@ def test_fused_rounds_step_every_shard_as_its_own_step_would_bitwise(name, hyper
         a, b = offsets[2], offsets[3]
         assert all((fused.opt.state[k][a:b] == 7.0).all() and np.shares_memory(fused_shards[2].opt.state[k], fused.opt.state[k])
                    for k in fused.opt.ARRAYS)
+
+
+@pytest.mark.parametrize("name,hyper", SETTINGS, ids=IDS)
+def test_a_fused_asp_push_steps_every_shard_as_its_own_apply_now_would_bitwise(name, hyper):
+    """fused.py under ASP / SSP: each worker's push of every shard, applied on arrival at 1/W
+    of the learning rate by one step over the buffer, reaches bitwise the weights of the
+    same pushes applied shard by shard; after a push that came piece by piece (one shard
+    stepped alone, the step counts apart) the shards step alone."""
+    rng = np.random.default_rng(5)
+    sizes, offsets, buffer, fused_shards, alone, fused = _fused_and_alone(name, hyper, rng)
+    for _ in range(5):   # pushes of two workers, in the order they arrive
+        g = rng.standard_normal(sum(sizes)).astype(np.float32)
+        assert fused.apply_push(g, 1 / 2)
+        for s, a, b in zip(alone, offsets, offsets[1:]):
+            s.apply_now(0, g[a:b], 1 / 2)
+        assert all(f.opt.steps == s.opt.steps for f, s in zip(fused_shards, alone))
+        assert np.array_equal(buffer, np.concatenate([s.value for s in alone]))
+    assert fused.rounds == 5
+    fused_shards[1].apply_now(1, np.ones(sizes[1], np.float32), 1 / 2)   # one piece on its own
+    assert not fused.apply_push(np.ones(sum(sizes), np.float32), 1 / 2) and fused.rounds == 5

@@ -1,4 +1,4 @@
-"""A BSP server's dense shards stepped as one: one optimizer call over all of them.
+"""A server's dense shards stepped as one: one optimizer call over all of them.
 
 A server holds one shard per tensor piece (gpt: 53 of them), each with its own
 optimizer (optimizers.py). Applying a BSP round shard by shard makes about ten
@@ -16,6 +16,11 @@ average is applied by one optimizer step over the whole buffer. Elementwise
 arithmetic does not care where a buffer is cut, so the weights are bitwise
 those of the shard-by-shard steps, which remain for rounds that complete piece
 by piece (one TCP message a piece) and after a restart's resynchronisation.
+
+Under ASP and SSP each push is applied on arrival, at 1/W of the learning rate
+(shard.py's apply_now): a push of every piece is then one step over the whole
+buffer too (``apply_push``), unless the servers predict weights, whose
+bookkeeping is a shard's own.
 """
 import numpy as np
 
@@ -29,7 +34,7 @@ class FusedRounds:
         self.shards, self.value = list(shards), values
         self.sum = np.zeros_like(values)
         self.opt = make_optimizer(optimizer, **hyper)
-        self.rounds = 0   # rounds stepped as one (the server's stats report it)
+        self.rounds = 0   # rounds (BSP) or pushes (ASP, SSP) stepped as one (the server's stats report it)
         at = 0
         for shard in self.shards:
             n = shard.hi - shard.lo
@@ -68,5 +73,20 @@ class FusedRounds:
             s.opt.steps += 1
             s.clear_round()
             s.applied += 1
+        self.rounds += 1
+        return True
+
+    def apply_push(self, grad, lr_scale):
+        """ASP / SSP: one worker's push of every shard (``grad``, in buffer order) applied on
+        arrival by one step at ``lr_scale`` of the learning rate, as each shard's
+        apply_now would; True if it did (False: the shards' step counts differ, after
+        pushes that came piece by piece, and each shard steps its own)."""
+        steps = self.shards[0].opt.steps
+        if any(s.opt.steps != steps for s in self.shards):
+            return False
+        self.opt.steps = steps
+        self.opt.step_lr_scaled(self.value, grad, lr_scale)
+        for s in self.shards:
+            s.opt.steps += 1
         self.rounds += 1
         return True

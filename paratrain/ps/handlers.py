@@ -94,7 +94,7 @@ class Handlers:
                     np.copyto(view, shard.value)
                     shard.value = view
                 buffer = self.regions.values(0, at)
-        if self.mode == "bsp" and len(self.shards) > 1:
+        if len(self.shards) > 1 and not self.predict:
             self.fused = FusedRounds(self.shards.values(), buffer, meta["optimizer"], meta.get("hyper", {}))
         if quiet:
             return
@@ -170,9 +170,10 @@ class Handlers:
             if not self._shared(ident, h, meta):
                 return
             shards = list(self.shards.values())
-            for shard in shards:
-                self._push_one(h, shard, self.regions.push(h.worker, self.offsets[(shard.key, shard.lo)],
-                                                           shard.hi - shard.lo))
+            if not self._apply_push_as_one(h, self.regions.push(h.worker, 0, self.regions.total)):
+                for shard in shards:
+                    self._push_one(h, shard, self.regions.push(h.worker, self.offsets[(shard.key, shard.lo)],
+                                                               shard.hi - shard.lo))
         else:   # float32, or fp16 / bf16 widened, or packed (a compressed push: push_codecs.py)
             shards = self._every_shard(h) if h.key == -1 else [self._shard(h)]
             sizes = [shard.hi - shard.lo for shard in shards]
@@ -180,10 +181,11 @@ class Handlers:
                 grad = push_codecs.decode(meta, payload, sizes)
             else:
                 grad = push_codecs.widen(h.dtype_code, payload, sum(sizes))
-            at = 0
-            for shard, n in zip(shards, sizes):
-                self._push_one(h, shard, grad[at:at + n])
-                at += n
+            if h.key != -1 or not self._apply_push_as_one(h, grad):
+                at = 0
+                for shard, n in zip(shards, sizes):
+                    self._push_one(h, shard, grad[at:at + n])
+                    at += n
         if self.mode == "bsp":
             self._apply_rounds(shards)
         if h.flags & shared.FLAG_STEP and h.flags & shared.FLAG_SHM:
@@ -194,6 +196,15 @@ class Handlers:
             return self._pull(ident, dataclasses.replace(h, clock=h.clock + 1), meta, payload)
         self._reply(ident, h)
         self._retry()
+
+    def _apply_push_as_one(self, h, grad):
+        """ASP / SSP: a push of every shard here applied by one optimizer step over them all
+        (fused.py), as each shard's apply_now would apply its piece; True if it was."""
+        if self.mode == "bsp" or self.fused is None:
+            return False
+        for shard in self.shards.values():
+            self._catch_up(h, shard, (shard.key, shard.lo))   # (after a restart: marks the resync; drops no push)
+        return self.fused.apply_push(grad, 1.0 / self.workers)
 
     def _push_one(self, h, shard, grad):
         if self._catch_up(h, shard, (shard.key, shard.lo)):
