@@ -44,11 +44,9 @@ def step(workload, cluster, workers, consistency="bsp", servers=None, **_):
     optimizer = (workload.server_update_s or 0.0) / S   # one optimizer step on a server's share
     compute = workload.step_compute_s
     if consistency == "bsp":
-        extra = optimizer
         exposed = 2 * max(worker_way, server_way) + summed
     else:   # each push applied as it comes: the optimizer once a push (without it, gamma for the update)
-        extra = optimizer
         server_busy = 2 * server_way + (workers * optimizer if workload.server_update_s else summed)
-        exposed = max(2 * worker_way, server_busy - compute - extra, 0.0)
-    return Step(workers, compute, exposed, comm_s=2 * max(worker_way, server_way), extra_s=extra,
+        exposed = max(2 * worker_way, server_busy - compute - optimizer, 0.0)
+    return Step(workers, compute, exposed, comm_s=2 * max(worker_way, server_way), extra_s=optimizer,
                 how=f"{consistency}, {S} servers", batch_per_device=workload.batch_per_device)
