@@ -153,6 +153,15 @@ def test_a_parameter_server_worker_computes_without_the_optimizer_which_its_serv
     assert step.compute_s == pytest.approx(0.1) and step.extra_s == 0
 
 
+def test_a_zero_worker_steps_the_optimizer_on_its_share_of_the_parameters_alone():
+    w = memory_workload()
+    for stage in (1, 2, 3):
+        for workers in (2, 4):
+            layout = plan.compare_layout(f"zero{stage}", workers)
+            assert plan.compute_seconds(layout, w, FakeMeasured(None)) == pytest.approx(0.1 - 0.004 + 0.004 / workers)
+    assert plan.compute_seconds(plan.compare_layout("zero2", 2), w) == pytest.approx(0.1)   # nothing measured
+
+
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():
     """--pp 2 --tp 2: a worker runs its stage's micro-batches and its share of the optimizer,
     scaled as the cut model's step is to the whole one's (0.7 here); the train command runs it."""

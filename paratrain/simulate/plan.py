@@ -125,6 +125,9 @@ def microbatch_samples(layout, workload):
     return max(1, workload.batch_per_device // (layout.microbatches or 1))
 
 
+ZERO_STAGES = ("zero1", "zero2", "zero3")
+
+
 def compute_seconds(layout, workload, measured=None):
     """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
     replica of its own; for a pipeline, its micro-batches through the slowest stage, each
@@ -134,7 +137,9 @@ def compute_seconds(layout, workload, measured=None):
     model on the whole batch (the embeddings, norms and loss are not cut); for a
     pipeline of tensor groups, the stage's, scaled as the cut model's step is to the
     whole model's on a micro-batch; for a parameter server's worker, the step without
-    the optimizer, which the servers run (parameter_server.py).
+    the optimizer, which the servers run (parameter_server.py); for ZeRO's, the step
+    with the optimizer over its 1/N of the parameters alone (Rajbhandari et al. 2020:
+    each rank updates its partition).
     ``measured`` (here.Measured) times these on the model here; without it they are the
     workload's step scaled down."""
     if layout.pp > 1:
@@ -148,6 +153,8 @@ def compute_seconds(layout, workload, measured=None):
         return measured.cut(workload.batch_per_device, layout.tp)
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # the servers run the optimizer
         return workload.step_compute_s - measured.optimizer()
+    if layout.strategy in ZERO_STAGES and measured:   # each worker steps the optimizer on its 1/N alone
+        return workload.step_compute_s - measured.optimizer() * (1 - 1 / layout.dp)
     return workload.step_compute_s / layout.tp
 
 
