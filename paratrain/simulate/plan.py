@@ -28,7 +28,7 @@ import dataclasses
 import json
 import sys
 
-from . import compressed, here, memory, parameter_server
+from . import compressed, here, memory, parameter_server, zero
 from .calibrate import time_shared
 from .step import Unavailable
 from .strategies import predict
@@ -125,9 +125,6 @@ def microbatch_samples(layout, workload):
     return max(1, workload.batch_per_device // (layout.microbatches or 1))
 
 
-ZERO_STAGES = ("zero1", "zero2", "zero3")
-
-
 def compute_seconds(layout, workload, measured=None):
     """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
     replica of its own; for a pipeline, its micro-batches through the slowest stage, each
@@ -153,7 +150,7 @@ def compute_seconds(layout, workload, measured=None):
         return measured.cut(workload.batch_per_device, layout.tp)
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # the servers run the optimizer
         return workload.step_compute_s - measured.optimizer()
-    if layout.strategy in ZERO_STAGES and measured:   # each worker steps the optimizer on its 1/N alone
+    if layout.strategy in zero.STAGES and measured:   # each worker steps the optimizer on its 1/N alone
         return workload.step_compute_s - measured.optimizer() * (1 - 1 / layout.dp)
     return workload.step_compute_s / layout.tp
 

@@ -24,6 +24,7 @@ from .collectives import all_gather, reduce_scatter
 from .step import Step, serial_channel
 
 MB = 1 << 20
+STAGES = ("zero1", "zero2", "zero3")   # compare's names of the three stages
 
 
 BUCKET_MB = 25.0   # pt.ZeRO's bucket_mb
