@@ -162,6 +162,23 @@ def test_a_zero_worker_steps_the_optimizer_on_its_share_of_the_parameters_alone(
     assert plan.compute_seconds(plan.compare_layout("zero2", 2), w) == pytest.approx(0.1)   # nothing measured
 
 
+def test_a_run_s_own_compute_stands_in_for_the_timed_one_where_rank_0_computes_the_whole_model():
+    """compare's second prediction: the run's forward and backward (its median and spread) in
+    place of the timing here, the optimizer's step as timed here (the run's figure leaves it
+    out); none for a pipeline's stage or a tensor group's share."""
+    from paratrain.simulate import here
+    run = here.Timed([0.010, 0.011, 0.013])
+    optimizer = here.Measured("digits").optimizer()
+    for name, compute in (("ps-bsp", 0.011), ("ps-asp", 0.011), ("dp", 0.011 + optimizer),
+                          ("topk", 0.011 + optimizer), ("zero1", 0.011 + optimizer / 2)):
+        step = plan.predict_from_run("digits", 2, name, CLUSTER, run)
+        assert step.compute_s == pytest.approx(compute), name
+    steady = plan.predict_from_run("digits", 2, "dp", CLUSTER, here.Timed.of(0.011, 0.0))
+    assert steady.wait_s == 0 < plan.predict_from_run("digits", 2, "dp", CLUSTER, run).wait_s   # its spread
+    for name in ("pipeline", "pipeline-zb", "tensor"):
+        assert plan.predict_from_run("gpt", 2, name, CLUSTER, run) is None
+
+
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():
     """--pp 2 --tp 2: a worker runs its stage's micro-batches and its share of the optimizer,
     scaled as the cut model's step is to the whole one's (0.7 here); the train command runs it."""

@@ -83,11 +83,24 @@ def predictor(args):
         print(f"paratrain compare: no predictions: {e}")
         return None
 
-    def predict(name):
+    def predict(name, compute=None):
+        """name's Step timed afresh; or, given the run's ``compute`` (a here.Timed), the Step
+        with it in place of the timed compute (plan.predict_from_run), on the last timings."""
+        if compute is not None:
+            return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size)
         here.forget_timings()
         steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
         return steps.get(name)
     return predict
+
+
+def from_run_fields(predict, name, row):
+    """``predicted_from_run_compute_ms``: the row's strategy predicted with its run's own
+    compute (rank 0's median and spread), where the run measured its whole model's."""
+    from ..simulate.here import Timed
+    computed = row.get("compute_ms")
+    step = predict(name, Timed.of(computed / 1e3, row["compute_jitter_ms"] / 1e3)) if computed else None
+    return {"predicted_from_run_compute_ms": 1e3 * step.step_s} if step else {}
 
 
 def prediction_fields(before, after):
@@ -134,6 +147,7 @@ def main(argv=None):
                 if predicted and "unavailable" not in r:   # timed again after: the two bracket the run
                     bar.update(task, description=f"predicting {name} again")
                     r.update(prediction_fields(predicted, predict(name)))
+                    r.update(from_run_fields(predict, name, r))
                 bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
                                                  f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
             bar.advance(task)

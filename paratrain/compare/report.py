@@ -12,7 +12,12 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
 - loss: the last logged; time_to_target_s with --target-loss;
 - predicted_step_ms (compare/command.py, with a calibration): the mean of the model's
   prediction timed just before the run and just after, predicted_before_after_ms;
-  predicted_parts_ms, the mean's parts.
+  predicted_parts_ms, the mean's parts;
+- predicted_from_run_compute_ms: the model with the run's own compute_ms (and its
+  spread, compute_jitter_ms) in place of the timed compute, where rank 0 computes the
+  whole model (not a pipeline's stage or a tensor group's share): the model's
+  communication checked at the run's speed of this host, which the timings before and
+  after may miss.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -36,6 +41,7 @@ def row_from_run(name, run_dir):
     row = {"strategy": name, "samples_per_s": s["samples_per_s"],
            "step_ms": 1e3 * statistics.median(steps) if steps else None,
            "compute_ms": 1e3 * statistics.median(computed) if computed else None,
+           "compute_jitter_ms": 1e3 * statistics.stdev(computed) if len(computed) > 1 else 0.0,
            "steps": s["steps"], "loss": s["final_loss"],
            "bytes_per_step": (s.get("bytes_communicated") or 0) / s["steps"] if s["steps"] else None,
            "peak_memory_mb": s.get("peak_memory_mb"), "run_dir": run_dir}
@@ -69,16 +75,22 @@ def host_moved(rows):
 
 def markdown(rows, title):
     predicted = any("predicted_step_ms" in r for r in rows)
+    from_run = any("predicted_from_run_compute_ms" in r for r in rows)
     lines = [f"# {title}", "",
              "| strategy | samples/s | step | " + ("predicted step | " if predicted else "")
+             + ("predicted from its compute | " if from_run else "")
              + "bytes/step | peak memory/worker | loss | time to target |",
-             "| --- | ---: | ---: | " + ("---: | " if predicted else "") + "---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | " + ("---: | " * (predicted + from_run)) + "---: | ---: | ---: | ---: |"]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |" + (" |" if predicted else ""))
+            lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |"
+                         + " |" * (predicted + from_run))
             continue
         target = r.get("time_to_target_s")
         guess = f"{_cell(r.get('predicted_step_ms'), '.1f')} ms{_moved(r)} | " if predicted else ""
+        if from_run:
+            own = r.get("predicted_from_run_compute_ms")
+            guess += "- | " if own is None else f"{own:.1f} ms | "
         lines.append(f"| {r['strategy']} | {_cell(r['samples_per_s'], ',.0f')} | {_cell(r['step_ms'], '.1f')} ms | "
                      f"{guess}"
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "

@@ -111,6 +111,13 @@ class Timed(float):
         timed.jitter = statistics.stdev(samples) if len(samples) > 1 else 0.0
         return timed
 
+    @classmethod
+    def of(cls, median, jitter):
+        """The Timed of a median and standard deviation already taken (a run's, from its metrics)."""
+        timed = super().__new__(cls, median)
+        timed.jitter = jitter
+        return timed
+
 
 def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
     """Seconds of a training step on ``batch_size`` samples on this process (``training_steps``;

@@ -112,6 +112,29 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     return out
 
 
+def predict_from_run(model, workers, name, cluster, compute, batch_size=None):
+    """compare's run ``name`` predicted with rank 0's forward and backward as the run itself
+    timed them (``compute``: a here.Timed of its steps' compute_seconds, the waits taken
+    out) in place of the timing here; the optimizer's step, which the run's figure leaves
+    out, as timed here. A shared host's speed moves between a timing and the run it
+    predicts (by 20-40% within a minute here); this prediction checks the model's
+    communication, overlap and waits against the run at the run's own speed. None where
+    rank 0 computes a cut of the model (a pipeline's stage, a tensor group's share),
+    which ``compute`` is not the whole model's step of."""
+    layout = compare_layout(name, workers)
+    if layout.pp > 1 or layout.tp > 1:
+        return None
+    beside = alongside(cluster, workers)
+    measured = here.Measured(model, alongside=beside)
+    workload = here.workload_of(model, batch_size, alongside=beside)
+    shared = time_shared(workers, cluster.cores)   # the run's compute already shared a core: predicted() shares it
+    whole = compute / shared + measured.optimizer()
+    workload = dataclasses.replace(workload, step_compute_s=whole, step_jitter_s=compute.jitter / shared)
+    K, heads = _optimizer_and_heads(model)
+    step, _ = predicted(layout, workload, cluster, K, heads, measured)
+    return None if isinstance(step, Unavailable) else step
+
+
 def _optimizer_and_heads(model):
     """(bytes of optimizer state a parameter, attention heads or None) of built-in ``model``:
     Adam's two moments or SGD's momentum, as its task trains it; heads for a transformer."""
