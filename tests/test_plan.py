@@ -162,21 +162,33 @@ def test_a_zero_worker_steps_the_optimizer_on_its_share_of_the_parameters_alone(
     assert plan.compute_seconds(plan.compare_layout("zero2", 2), w) == pytest.approx(0.1)   # nothing measured
 
 
-def test_a_run_s_own_compute_stands_in_for_the_timed_one_where_rank_0_computes_the_whole_model():
-    """compare's second prediction: the run's forward and backward (its median and spread) in
-    place of the timing here, the optimizer's step as timed here (the run's figure leaves it
-    out); none for a pipeline's stage or a tensor group's share."""
+def test_rank_0_s_compute_is_what_a_run_reports_of_each_layout():
+    """The model's counterpart of a run's compute_seconds (rank 0, no optimizer): the whole
+    step's; a tensor worker's cut step's; a pipeline's first stage, its backward split
+    into B and W (dearer) only under ZB-H1."""
+    from paratrain.simulate.here import BackwardSplit
+    w, measured = memory_workload(), FakeMeasured(BackwardSplit(0.6, 0.25, 1.2))
+    for name in ("dp", "ps-asp", "zero3", "topk"):
+        assert plan.rank0_compute_seconds(plan.compare_layout(name, 2), w, measured) == pytest.approx(0.1 - 0.004)
+    assert plan.rank0_compute_seconds(plan.compare_layout("tensor", 2), w, measured) == pytest.approx(0.07 - 0.002)
+    assert plan.rank0_compute_seconds(plan.compare_layout("pipeline", 2), w, measured) == pytest.approx(4 * 0.02)
+    assert plan.rank0_compute_seconds(plan.compare_layout("pipeline-zb", 2), w, measured) == pytest.approx(
+        4 * 0.02 * (0.4 + 0.6 * 1.2))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction():
+    """compare's second prediction: a run that computed 1.25x as long as the model's timing
+    is predicted with every timing 1.25x as long (its compute part too), whatever the layout."""
     from paratrain.simulate import here
-    run = here.Timed([0.010, 0.011, 0.013])
-    optimizer = here.Measured("digits").optimizer()
-    for name, compute in (("ps-bsp", 0.011), ("ps-asp", 0.011), ("dp", 0.011 + optimizer),
-                          ("topk", 0.011 + optimizer), ("zero1", 0.011 + optimizer / 2)):
-        step = plan.predict_from_run("digits", 2, name, CLUSTER, run)
-        assert step.compute_s == pytest.approx(compute), name
-    steady = plan.predict_from_run("digits", 2, "dp", CLUSTER, here.Timed.of(0.011, 0.0))
-    assert steady.wait_s == 0 < plan.predict_from_run("digits", 2, "dp", CLUSTER, run).wait_s   # its spread
-    for name in ("pipeline", "pipeline-zb", "tensor"):
-        assert plan.predict_from_run("gpt", 2, name, CLUSTER, run) is None
+    for model, name in (("digits", "dp"), ("digits", "ps-bsp"), ("digits", "zero1"), ("digits", "pipeline"),
+                        ("digits", "pipeline-zb"), ("gpt", "tensor")):
+        workload, measured, layout = here.workload_of(model), here.Measured(model), plan.compare_layout(name, 2)
+        timed, _ = plan.predicted(layout, workload, CLUSTER, memory.ADAM, measured=measured)
+        step, speed = plan.predict_from_run(model, 2, name, CLUSTER,
+                                            1.25 * plan.rank0_compute_seconds(layout, workload, measured))
+        assert speed == pytest.approx(1.25) and step.compute_s == pytest.approx(1.25 * timed.compute_s), name
+        assert step.step_s > timed.step_s, name
 
 
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():

@@ -84,8 +84,8 @@ def predictor(args):
         return None
 
     def predict(name, compute=None):
-        """name's Step timed afresh; or, given the run's ``compute`` (a here.Timed), the Step
-        with it in place of the timed compute (plan.predict_from_run), on the last timings."""
+        """name's Step timed afresh; or, given the run's ``compute`` (rank 0's seconds a step),
+        (Step, speed) at the run's speed (plan.predict_from_run), on the last timings."""
         if compute is not None:
             return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size)
         here.forget_timings()
@@ -95,12 +95,13 @@ def predictor(args):
 
 
 def from_run_fields(predict, name, row):
-    """``predicted_from_run_compute_ms``: the row's strategy predicted with its run's own
-    compute (rank 0's median and spread), where the run measured its whole model's."""
-    from ..simulate.here import Timed
-    computed = row.get("compute_ms")
-    step = predict(name, Timed.of(computed / 1e3, row["compute_jitter_ms"] / 1e3)) if computed else None
-    return {"predicted_from_run_compute_ms": 1e3 * step.step_s} if step else {}
+    """``predicted_from_run_compute_ms``: the row's strategy predicted at the speed its run
+    computed at, and ``run_compute_speed``, that speed against the timing's (rank 0's
+    compute a step over the model's: 1.2, the run computed 20% slower)."""
+    if not row.get("compute_ms"):
+        return {}
+    step, speed = predict(name, row["compute_ms"] / 1e3)
+    return {"predicted_from_run_compute_ms": 1e3 * step.step_s, "run_compute_speed": speed} if step else {}
 
 
 def prediction_fields(before, after):

@@ -13,11 +13,10 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
 - predicted_step_ms (compare/command.py, with a calibration): the mean of the model's
   prediction timed just before the run and just after, predicted_before_after_ms;
   predicted_parts_ms, the mean's parts;
-- predicted_from_run_compute_ms: the model with the run's own compute_ms (and its
-  spread, compute_jitter_ms) in place of the timed compute, where rank 0 computes the
-  whole model (not a pipeline's stage or a tensor group's share): the model's
-  communication checked at the run's speed of this host, which the timings before and
-  after may miss.
+- predicted_from_run_compute_ms: the model again with every timing scaled by
+  run_compute_speed, the run's compute_ms over what the model takes rank 0's compute
+  to be: the model's communication, bubbles and waits checked at the speed the run
+  had, which the timings before and after may miss.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -41,7 +40,6 @@ def row_from_run(name, run_dir):
     row = {"strategy": name, "samples_per_s": s["samples_per_s"],
            "step_ms": 1e3 * statistics.median(steps) if steps else None,
            "compute_ms": 1e3 * statistics.median(computed) if computed else None,
-           "compute_jitter_ms": 1e3 * statistics.stdev(computed) if len(computed) > 1 else 0.0,
            "steps": s["steps"], "loss": s["final_loss"],
            "bytes_per_step": (s.get("bytes_communicated") or 0) / s["steps"] if s["steps"] else None,
            "peak_memory_mb": s.get("peak_memory_mb"), "run_dir": run_dir}
@@ -90,12 +88,15 @@ def markdown(rows, title):
         guess = f"{_cell(r.get('predicted_step_ms'), '.1f')} ms{_moved(r)} | " if predicted else ""
         if from_run:
             own = r.get("predicted_from_run_compute_ms")
-            guess += "- | " if own is None else f"{own:.1f} ms | "
+            guess += "- | " if own is None else f"{own:.1f} ms (x{r['run_compute_speed']:.2f}) | "
         lines.append(f"| {r['strategy']} | {_cell(r['samples_per_s'], ',.0f')} | {_cell(r['step_ms'], '.1f')} ms | "
                      f"{guess}"
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
                      f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
                      f"{'-' if target is None else f'{target:.1f} s'} |")
+    if from_run:
+        lines += ["", "Predicted from its compute: the model again at the speed the run computed at "
+                  "(x: rank 0's compute a step over the model's timing of it; 1.20, 20% slower)."]
     moved = host_moved(rows)
     if moved:
         lines += ["", "This host's speed moved by more than {:.0%} across the runs of {}: their predicted and "

@@ -112,27 +112,76 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     return out
 
 
+def rank0_compute_seconds(layout, workload, measured):
+    """What the model takes rank 0's forward and backward in one step of ``layout`` to be, as
+    a run reports them (its metrics' compute_seconds: no optimizer, no waiting): the whole
+    model's on its batch; a tensor group's share of the cut model; a pipeline's first
+    stage on every micro-batch, its backward whole under 1F1B and split into B and W
+    under ZB-H1 (pipeline.py)."""
+    if layout.pp > 1:
+        small = microbatch_samples(layout, workload)
+        stage = measured.stage(small, layout.pp)
+        if layout.tp > 1:
+            stage *= measured.cut(small, layout.tp) / measured.step(small)
+        split = measured.split(small, layout.tp)
+        backward = split.backward_fraction * (split.split_cost if layout.strategy == "pipeline-zb" else 1.0)
+        return (layout.microbatches or 1) * stage * (1 - split.backward_fraction + backward)
+    if layout.tp > 1:
+        return measured.cut(workload.batch_per_device, layout.tp) - measured.optimizer() / layout.tp
+    return workload.step_compute_s - measured.optimizer()
+
+
+class AtSpeed:
+    """here.Measured's timings, every one ``speed`` times as long: the model at another
+    speed of this host (a run's own, predict_from_run)."""
+
+    def __init__(self, measured, speed):
+        self.measured, self.speed = measured, speed
+
+    def _scaled(self, seconds):
+        return here.Timed.of(seconds * self.speed, getattr(seconds, "jitter", 0.0) * self.speed)
+
+    def step(self, batch):
+        return self._scaled(self.measured.step(batch))
+
+    def stage(self, batch, stages):
+        return self._scaled(self.measured.stage(batch, stages))
+
+    def cut(self, batch, tp):
+        return self._scaled(self.measured.cut(batch, tp))
+
+    def optimizer(self):
+        return self._scaled(self.measured.optimizer())
+
+    def server_update(self):
+        return self._scaled(self.measured.server_update())
+
+    def split(self, batch, tp=1):
+        return self.measured.split(batch, tp)   # shares of a micro-batch's compute: no seconds
+
+    def encode(self, spec, replicas, tp=1):
+        return self._scaled(self.measured.encode(spec, replicas, tp))
+
+
 def predict_from_run(model, workers, name, cluster, compute, batch_size=None):
-    """compare's run ``name`` predicted with rank 0's forward and backward as the run itself
-    timed them (``compute``: a here.Timed of its steps' compute_seconds, the waits taken
-    out) in place of the timing here; the optimizer's step, which the run's figure leaves
-    out, as timed here. A shared host's speed moves between a timing and the run it
-    predicts (by 20-40% within a minute here); this prediction checks the model's
-    communication, overlap and waits against the run at the run's own speed. None where
-    rank 0 computes a cut of the model (a pipeline's stage, a tensor group's share),
-    which ``compute`` is not the whole model's step of."""
-    layout = compare_layout(name, workers)
-    if layout.pp > 1 or layout.tp > 1:
-        return None
+    """(Step, speed) of compare's run ``name`` predicted at the speed the run computed at:
+    ``speed`` is the run's rank 0 compute a step (``compute``: the median of its
+    metrics' compute_seconds) over the model's (rank0_compute_seconds, sharing the cores
+    as predicted() shares them), and every timing the model uses is scaled by it. A
+    shared host's speed moves between a timing and the run it predicts (by 20-40% within
+    a minute here); this prediction checks the rest of the model (communication,
+    overlap, bubbles, waits) at the run's own speed. None where the layout is unavailable."""
     beside = alongside(cluster, workers)
     measured = here.Measured(model, alongside=beside)
     workload = here.workload_of(model, batch_size, alongside=beside)
-    shared = time_shared(workers, cluster.cores)   # the run's compute already shared a core: predicted() shares it
-    whole = compute / shared + measured.optimizer()
-    workload = dataclasses.replace(workload, step_compute_s=whole, step_jitter_s=compute.jitter / shared)
+    layout = compare_layout(name, workers)
+    shared = time_shared(layout.dp * layout.pp * layout.tp, cluster.cores)
+    speed = compute / (rank0_compute_seconds(layout, workload, measured) * shared)
+    workload = dataclasses.replace(workload, step_compute_s=workload.step_compute_s * speed,
+                                   step_jitter_s=workload.step_jitter_s * speed)
     K, heads = _optimizer_and_heads(model)
-    step, _ = predicted(layout, workload, cluster, K, heads, measured)
-    return None if isinstance(step, Unavailable) else step
+    step, _ = predicted(layout, workload, cluster, K, heads, AtSpeed(measured, speed))
+    return (None, speed) if isinstance(step, Unavailable) else (step, speed)
 
 
 def _optimizer_and_heads(model):
