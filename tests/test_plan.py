@@ -179,16 +179,21 @@ def test_rank_0_s_compute_is_what_a_run_reports_of_each_layout():
 @pytest.mark.timeout(120)
 def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction():
     """compare's second prediction: a run that computed 1.25x as long as the model's timing
-    is predicted with every timing 1.25x as long (its compute part too), whatever the layout."""
+    is predicted with every timing 1.25x as long (its compute part too), whatever the layout;
+    its steps' spread is what the model charges at each synchronization (none for ASP's)."""
     from paratrain.simulate import here
     for model, name in (("digits", "dp"), ("digits", "ps-bsp"), ("digits", "zero1"), ("digits", "pipeline"),
                         ("digits", "pipeline-zb"), ("gpt", "tensor")):
         workload, measured, layout = here.workload_of(model), here.Measured(model), plan.compare_layout(name, 2)
         timed, _ = plan.predicted(layout, workload, CLUSTER, memory.ADAM, measured=measured)
-        step, speed = plan.predict_from_run(model, 2, name, CLUSTER,
-                                            1.25 * plan.rank0_compute_seconds(layout, workload, measured))
+        run = 1.25 * plan.rank0_compute_seconds(layout, workload, measured)
+        step, speed = plan.predict_from_run(model, 2, name, CLUSTER, here.Timed.of(run, 0.0))
         assert speed == pytest.approx(1.25) and step.compute_s == pytest.approx(1.25 * timed.compute_s), name
-        assert step.step_s > timed.step_s, name
+        assert step.wait_s == 0, name   # steady steps: nobody waits for the slowest
+        unsteady, _ = plan.predict_from_run(model, 2, name, CLUSTER, here.Timed.of(run, 0.1 * run))
+        assert unsteady.compute_s == step.compute_s and (unsteady.wait_s > 0) == (not name.startswith("pipeline")), name
+    steps = [plan.predict_from_run("digits", 2, "ps-asp", CLUSTER, here.Timed.of(0.01, spread))[0] for spread in (0, 1e-3)]
+    assert steps[0].wait_s == steps[1].wait_s == 0   # ASP: nobody waits for a round
 
 
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():

@@ -84,7 +84,7 @@ def predictor(args):
         return None
 
     def predict(name, compute=None):
-        """name's Step timed afresh; or, given the run's ``compute`` (rank 0's seconds a step),
+        """name's Step timed afresh; or, given the run's ``compute`` (a here.Timed of rank 0's),
         (Step, speed) at the run's speed (plan.predict_from_run), on the last timings."""
         if compute is not None:
             return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size)
@@ -96,11 +96,12 @@ def predictor(args):
 
 def from_run_fields(predict, name, row):
     """``predicted_from_run_compute_ms``: the row's strategy predicted at the speed its run
-    computed at, and ``run_compute_speed``, that speed against the timing's (rank 0's
-    compute a step over the model's: 1.2, the run computed 20% slower)."""
+    computed at (and as unsteadily), and ``run_compute_speed``, that speed against the
+    timing's (rank 0's compute a step over the model's: 1.2, the run computed 20% slower)."""
+    from ..simulate.here import Timed
     if not row.get("compute_ms"):
         return {}
-    step, speed = predict(name, row["compute_ms"] / 1e3)
+    step, speed = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3))
     return {"predicted_from_run_compute_ms": 1e3 * step.step_s, "run_compute_speed": speed} if step else {}
 
 

@@ -15,8 +15,9 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
   predicted_parts_ms, the mean's parts;
 - predicted_from_run_compute_ms: the model again with every timing scaled by
   run_compute_speed, the run's compute_ms over what the model takes rank 0's compute
-  to be: the model's communication, bubbles and waits checked at the speed the run
-  had, which the timings before and after may miss.
+  to be, and spread as the run's steps were (compute_jitter_ms, their standard
+  deviation, over compute_ms): the model's communication, bubbles and waits checked
+  at the speed the run had, which the timings before and after may miss.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -40,6 +41,7 @@ def row_from_run(name, run_dir):
     row = {"strategy": name, "samples_per_s": s["samples_per_s"],
            "step_ms": 1e3 * statistics.median(steps) if steps else None,
            "compute_ms": 1e3 * statistics.median(computed) if computed else None,
+           "compute_jitter_ms": 1e3 * statistics.stdev(computed) if len(computed) > 1 else 0.0,
            "steps": s["steps"], "loss": s["final_loss"],
            "bytes_per_step": (s.get("bytes_communicated") or 0) / s["steps"] if s["steps"] else None,
            "peak_memory_mb": s.get("peak_memory_mb"), "run_dir": run_dir}
@@ -95,8 +97,8 @@ def markdown(rows, title):
                      f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
                      f"{'-' if target is None else f'{target:.1f} s'} |")
     if from_run:
-        lines += ["", "Predicted from its compute: the model again at the speed the run computed at "
-                  "(x: rank 0's compute a step over the model's timing of it; 1.20, 20% slower)."]
+        lines += ["", "Predicted from its compute: the model again at the speed the run computed at, and as "
+                  "unsteadily (x: rank 0's compute a step over the model's timing of it; 1.20, 20% slower)."]
     moved = host_moved(rows)
     if moved:
         lines += ["", "This host's speed moved by more than {:.0%} across the runs of {}: their predicted and "

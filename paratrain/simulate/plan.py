@@ -132,14 +132,15 @@ def rank0_compute_seconds(layout, workload, measured):
 
 
 class AtSpeed:
-    """here.Measured's timings, every one ``speed`` times as long: the model at another
-    speed of this host (a run's own, predict_from_run)."""
+    """here.Measured's timings, every one ``speed`` times as long and spread by ``spread`` of
+    itself (a standard deviation over the median): the model at another speed and
+    steadiness of this host (a run's own, predict_from_run)."""
 
-    def __init__(self, measured, speed):
-        self.measured, self.speed = measured, speed
+    def __init__(self, measured, speed, spread):
+        self.measured, self.speed, self.spread = measured, speed, spread
 
     def _scaled(self, seconds):
-        return here.Timed.of(seconds * self.speed, getattr(seconds, "jitter", 0.0) * self.speed)
+        return here.Timed.of(seconds * self.speed, seconds * self.speed * self.spread)
 
     def step(self, batch):
         return self._scaled(self.measured.step(batch))
@@ -165,22 +166,24 @@ class AtSpeed:
 
 def predict_from_run(model, workers, name, cluster, compute, batch_size=None):
     """(Step, speed) of compare's run ``name`` predicted at the speed the run computed at:
-    ``speed`` is the run's rank 0 compute a step (``compute``: the median of its
-    metrics' compute_seconds) over the model's (rank0_compute_seconds, sharing the cores
-    as predicted() shares them), and every timing the model uses is scaled by it. A
-    shared host's speed moves between a timing and the run it predicts (by 20-40% within
-    a minute here); this prediction checks the rest of the model (communication,
-    overlap, bubbles, waits) at the run's own speed. None where the layout is unavailable."""
+    ``speed`` is the run's rank 0 compute a step (``compute``: a here.Timed of its
+    metrics' compute_seconds, their median and standard deviation) over the model's
+    (rank0_compute_seconds, sharing the cores as predicted() shares them), and every
+    timing the model uses is scaled by it and spread as the run's steps were (waits.py
+    charges the spread at each synchronization). A shared host's speed moves between a
+    timing and the run it predicts (by 20-40% within a minute here); this prediction
+    checks the rest of the model (communication, overlap, bubbles, waits) at the run's
+    own speed. None where the layout is unavailable."""
     beside = alongside(cluster, workers)
     measured = here.Measured(model, alongside=beside)
     workload = here.workload_of(model, batch_size, alongside=beside)
     layout = compare_layout(name, workers)
     shared = time_shared(layout.dp * layout.pp * layout.tp, cluster.cores)
-    speed = compute / (rank0_compute_seconds(layout, workload, measured) * shared)
+    speed, spread = compute / (rank0_compute_seconds(layout, workload, measured) * shared), compute.jitter / compute
     workload = dataclasses.replace(workload, step_compute_s=workload.step_compute_s * speed,
-                                   step_jitter_s=workload.step_jitter_s * speed)
+                                   step_jitter_s=workload.step_compute_s * speed * spread)
     K, heads = _optimizer_and_heads(model)
-    step, _ = predicted(layout, workload, cluster, K, heads, AtSpeed(measured, speed))
+    step, _ = predicted(layout, workload, cluster, K, heads, AtSpeed(measured, speed, spread))
     return (None, speed) if isinstance(step, Unavailable) else (step, speed)
 
 
