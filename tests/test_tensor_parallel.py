@@ -33,3 +33,39 @@ def test_a_checkpoint_written_at_tp2_resumes_at_tp3_and_in_one_process(tmp_path)
     for n in (3, 1):
         res = launch(n, "tensor_checkpoint.py", "load", path)
         passed_on_every_rank(res, "tensor checkpoint load", n)
+
+
+def test_a_cut_layer_s_collectives_count_as_waiting_not_compute():
+    """pt.tensor's collectives time the blocks they run in (traffic.seconds), and a --tp
+    training step counts that time as waiting, once, as a data-parallel wait is: the
+    trainer's compute_seconds leaves it out."""
+    import time
+
+    import torch
+
+    from paratrain.parallel.data import CommStats
+    from paratrain.parallel.tensor import functional
+    from paratrain.train.strategies.base import LastStepTraffic
+
+    class SlowPair:   # rank 0 of two whose partner holds the same tensor and arrives 20 ms late
+        rank, world_size = 0, 2
+
+        def all_reduce(self, tensor, op="sum"):
+            time.sleep(0.02)
+            tensor.mul_(2)
+
+    step, stats = LastStepTraffic(2), CommStats()
+    step.start()
+    x = torch.ones(3, requires_grad=True)
+    y = functional.all_reduce(x, SlowPair())
+    y.sum().backward()   # g's backward is the identity: no collective
+    assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(x.grad, torch.ones(3))
+    assert functional.traffic.calls["all_reduce"] == 1
+    step.count_blocked(stats)
+    assert 0.02 <= stats.wait_seconds == stats.comm_seconds < 1.0
+    first = stats.wait_seconds
+    step.count_blocked(stats)   # nothing more happened: nothing more counted
+    assert stats.wait_seconds == first
+    untouched = CommStats()
+    LastStepTraffic(1).count_blocked(untouched)   # no tensor parallelism: records nothing
+    assert untouched.wait_seconds == 0

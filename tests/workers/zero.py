@@ -10,6 +10,7 @@ against the paper's formulas.
 """
 import copy
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 import paratrain as pt
 
 TOL = 1e-5
+LATE_S = 0.05   # rank 1 starts its second step this late
 
 
 class Net(nn.Module):
@@ -60,6 +62,9 @@ def equal_to_data_parallel(g, stage, kind):
     ref_opt = cls(ref.parameters(), **kw)
     for k in range(4):
         x, y = batch(g.rank, k)
+        if k == 1 and g.rank == 1:   # late: rank 0 waits for it in a collective, and counts that as blocked
+            time.sleep(LATE_S)
+        blocked = engine.blocked_seconds()
         F.cross_entropy(engine(x), y).backward()
         F.cross_entropy(ref(x), y).backward()
         if k == 2:   # clipped by the norm of every rank's gradient chunks together
@@ -67,6 +72,9 @@ def equal_to_data_parallel(g, stage, kind):
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
             assert abs(float(norm) - float(ref_norm)) <= 1e-5 * float(ref_norm), (float(norm), float(ref_norm))
         engine.step()
+        if k == 1 and g.rank == 0 and stage >= 2:   # (stage 1 reduces in step(): DataParallel's backward waited)
+            waited = engine.blocked_seconds() - blocked
+            assert LATE_S * 0.6 <= waited < LATE_S * 20, f"stage {stage}: blocked {waited:.3f} s for a late rank"
         engine.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -34,28 +34,41 @@ bytes of the whole tensor each works on: the summed tensor of an all-reduce,
 the gathered result of an all-gather, the input of a reduce-scatter), so the
 training summary and ``paratrain bench tensor`` can set it beside the
 formula: per transformer layer, 2 all-reduces of B x T x d forward and 2
-backward.
+backward; and the seconds the layers were blocked in them, which ``paratrain
+train`` counts as waiting, not compute.
 """
+import contextlib
+import time
+
 import torch
 
 from ...trace import recorder as trace
 
 
 class Traffic:
-    """Calls and bytes per kind of collective, since the last ``reset()``."""
+    """Calls and bytes per kind of collective, and the seconds spent in them (blocked: the
+    layers wait for each), since the last ``reset()``."""
 
     KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
     def __init__(self):
         self.reset()
+        self.seconds = 0.0   # never reset: a caller takes differences (train's compute less its waits)
 
     def reset(self):
         self.calls = dict.fromkeys(self.KINDS, 0)
         self.bytes = dict.fromkeys(self.KINDS, 0)
 
-    def add(self, kind, tensor):
+    @contextlib.contextmanager
+    def moving(self, kind, tensor):
+        """Count a collective of ``kind`` on ``tensor``, and time the block that runs it."""
         self.calls[kind] += 1
         self.bytes[kind] += tensor.numel() * tensor.element_size()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 traffic = Traffic()
@@ -63,16 +76,16 @@ traffic = Traffic()
 
 def _sum(group, x):
     y = x.detach().clone(memory_format=torch.contiguous_format)
-    traffic.add("all_reduce", y)
-    group.all_reduce(y, op="sum")
+    with traffic.moving("all_reduce", y):
+        group.all_reduce(y, op="sum")
     return y
 
 
 def _gather(group, x, dim):
     x = x.detach().contiguous()
     flat = torch.empty(group.world_size * x.numel(), dtype=x.dtype)
-    traffic.add("all_gather", flat)
-    group.all_gather(flat, x.reshape(-1))
+    with traffic.moving("all_gather", flat):
+        group.all_gather(flat, x.reshape(-1))
     return torch.cat(list(flat.view(group.world_size, *x.shape)), dim=dim)
 
 
@@ -88,8 +101,8 @@ def _scatter_sum(group, x, dim):
     _piece(group, x, dim)   # a size the group does not divide raises its clear error here
     pieces = [p.contiguous() for p in x.detach().chunk(group.world_size, dim=dim)]
     out = torch.empty_like(pieces[0])
-    traffic.add("reduce_scatter", x)
-    group.reduce_scatter(out, torch.cat([p.reshape(-1) for p in pieces]), op="sum")
+    with traffic.moving("reduce_scatter", x):
+        group.reduce_scatter(out, torch.cat([p.reshape(-1) for p in pieces]), op="sum")
     return out
 
 
@@ -147,8 +160,8 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, x, group, src):
         ctx.group, ctx.src = group, src
         y = x.detach().clone(memory_format=torch.contiguous_format)
-        traffic.add("broadcast", y)
-        group.broadcast(y, src)
+        with traffic.moving("broadcast", y):
+            group.broadcast(y, src)
         return y
 
     @staticmethod

@@ -74,8 +74,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _reduce(group, t, op):
-    tpf.traffic.add("all_reduce", t)
-    group.all_reduce(t, op=op)
+    with tpf.traffic.moving("all_reduce", t):
+        group.all_reduce(t, op=op)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

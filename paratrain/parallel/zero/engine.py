@@ -46,6 +46,7 @@ allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
 (4+4)P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
 """
 import math
+import time
 
 import torch
 from torch import nn
@@ -105,6 +106,7 @@ class ZeRO:
         self.gathering = (Gathering(self.units, self.group, prefetch, self._backward_started) if stage == 3
                           else None)
         self._moved = 0   # bytes of the buffers this rank reduce-scattered and gathered after a step
+        self._blocked = 0.0   # seconds this rank's reduce-scatters blocked it (blocked_seconds)
 
     def regroup(self, group):
         """Go on over ``group``, a world of another size that pt.elastic formed: this engine
@@ -141,6 +143,12 @@ class ZeRO:
         inputs and the all-gathers' outputs): 2 n a step in stages 1 and 2, 3 n in stage 3
         (Rajbhandari et al., sec. 7), n being the parameters' bytes."""
         return self._moved + (self.gathering.gathered_bytes if self.gathering else 0)
+
+    def blocked_seconds(self):
+        """Seconds this rank has waited in its reduce-scatters and stage 3's gathers (a
+        prefetched one: only what was left when its unit needed it), so far: a training
+        step counts them as waiting for the others, not as compute."""
+        return self._blocked + (self.gathering.blocked_seconds if self.gathering else 0.0)
 
     @property
     def prefetched(self):
@@ -207,8 +215,10 @@ class ZeRO:
         full gradients dropped (stage 3: and the gathered parameters)."""
         flat = u.flat_of([p.grad for _, p in u.params])
         mine = torch.empty(u.chunk, dtype=flat.dtype)
+        t0 = time.perf_counter()
         with trace.label(u.name):
             self.group.reduce_scatter(mine, flat, op="avg")
+        self._blocked += time.perf_counter() - t0
         self._moved += flat.nbytes
         if u.shard.grad is None:
             u.shard.grad = mine

@@ -139,6 +139,7 @@ class Gathering:
         self._backward_seen = set()
         self.prefetched = 0        # gathers started ahead of their unit (for tests and the curious)
         self.gathered_bytes = 0    # bytes of the buffers gathered into (the engine's bytes_moved)
+        self.blocked_seconds = 0.0  # seconds spent blocked in gathers (the engine's blocked_seconds)
         self.hooks = []            # the module hooks' handles (close() removes them)
         for u in units:
             self._live[_storage(u.flat)] = u
@@ -174,6 +175,7 @@ class Gathering:
         self._wait_for(u)
         if not u.gathered:
             self._allocate(u)
+            t0 = time.perf_counter()
             try:
                 with trace.label(u.name):
                     self.group.all_gather(untracked(u.flat), u.shard.detach())
@@ -181,6 +183,7 @@ class Gathering:
             except Exception as e:   # the same error (a CommError stays one: pt.elastic answers it), told where
                 e.add_note(f"ZeRO stage 3: while gathering unit {u.name}'s parameters")
                 raise
+            self.blocked_seconds += time.perf_counter() - t0
             u.gathered = True
         if step > 0 and not self.order_known and torch.is_grad_enabled() and id(u) not in self._position:
             self._position[id(u)] = len(self._order)
@@ -210,11 +213,13 @@ class Gathering:
     def _wait_for(self, u):
         work = self._pending.pop(id(u), None)
         if work is not None:
+            t0 = time.perf_counter()
             try:
                 work.wait()
             except Exception as e:
                 e.add_note(f"ZeRO stage 3: while gathering unit {u.name}'s parameters (prefetched)")
                 raise
+            self.blocked_seconds += time.perf_counter() - t0
             u.gathered = True
 
     def free(self, u):

@@ -97,6 +97,11 @@ class AllReduceStep(GroupStep):
     def before_step(self):
         self.traffic.start()
 
+    def forward_backward(self, task, batch):
+        loss = super().forward_backward(task, batch)
+        self.traffic.count_blocked(self.stats)   # with --tp, the cut layers' collectives
+        return loss
+
     # ---- elastic (--min-workers): what a commit holds, and going on in a new world ----
 
     def elastic_parts(self):

@@ -92,16 +92,28 @@ class GroupStep(ReplicaStep):
 
 class LastStepTraffic:
     """With --tp: what the tensor-parallel layers' collectives moved in the last training
-    step (pt.tensor.traffic, by kind), for the summary. ``start()`` before a step,
-    ``stop()`` after its backward; without tensor parallelism it records nothing."""
+    step (pt.tensor.traffic, by kind), for the summary, and the seconds the layers were
+    blocked in them. ``start()`` before a step, ``stop()`` after its backward; without
+    tensor parallelism it records nothing."""
 
     def __init__(self, tp):
-        self.on, self.bytes = tp > 1, None
+        self.on, self.bytes, self._seconds = tp > 1, None, 0.0
 
     def start(self):
         if self.on:
             from ...parallel.tensor import traffic
             traffic.reset()
+            self._seconds = traffic.seconds
+
+    def count_blocked(self, stats):
+        """Add the seconds the step's collectives blocked it so far to ``stats`` as waiting, as
+        a data-parallel wait is: the trainer's compute leaves them out (the trace's
+        breakdown does too)."""
+        if self.on:
+            from ...parallel.tensor import traffic
+            blocked, self._seconds = traffic.seconds - self._seconds, traffic.seconds
+            stats.wait_seconds += blocked
+            stats.comm_seconds += blocked
 
     def stop(self):
         if self.on:

@@ -197,6 +197,7 @@ class PipelineStep(GroupStep):
         self.stats.bytes += self.pipe.sent_bytes   # activations and gradients sent to the neighbours
         self.stats.wait_seconds += self.pipe.waited_seconds
         self.stats.comm_seconds += self.pipe.waited_seconds
+        self.traffic.count_blocked(self.stats)   # with --tp, its stages' collectives
         return loss
 
     def before_step(self):

@@ -90,6 +90,17 @@ class ZeroStep(GroupStep):
         self.stats, self.held, self._moved = CommStats(), None, 0
         self.sharded = args.checkpoint_format == "sharded"
 
+    def forward_backward(self, task, batch):
+        """The step's forward and backward; the time they were blocked in the engine's
+        collectives (stage 2's and 3's reduce-scatters, stage 3's gathers) counted as
+        waiting, so the trainer's compute is the compute's alone, as with data parallelism."""
+        blocked = self.engine.blocked_seconds()
+        loss = super().forward_backward(task, batch)
+        waited = max(0.0, self.engine.blocked_seconds() - blocked)   # (an elastic re-layout starts from 0)
+        self.stats.wait_seconds += waited
+        self.stats.comm_seconds += waited
+        return loss
+
     def after_backward(self):
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
         self.engine.step()
