@@ -194,6 +194,14 @@ def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction():
         assert unsteady.compute_s == step.compute_s and (unsteady.wait_s > 0) == (not name.startswith("pipeline")), name
     steps = [plan.predict_from_run("digits", 2, "ps-asp", CLUSTER, here.Timed.of(0.01, spread))[0] for spread in (0, 1e-3)]
     assert steps[0].wait_s == steps[1].wait_s == 0   # ASP: nobody waits for a round
+    # a slower worker than rank 0 sets the pace where they go in lockstep, and only there
+    for name in ("dp", "ps-bsp", "zero3", "tensor", "ps-asp", "ps-ssp", "pipeline", "pipeline-zb"):
+        model = "gpt" if name == "tensor" else "digits"
+        run = here.Timed.of(0.02, 0.0)
+        alone, slower = (plan.predict_from_run(model, 2, name, CLUSTER, run, slowest=k)[0] for k in (1.0, 1.1))
+        lockstep = name in ("dp", "ps-bsp", "zero3", "tensor")
+        assert plan.in_lockstep(plan.compare_layout(name, 2)) == lockstep, name
+        assert slower.compute_s == pytest.approx(alone.compute_s * (1.1 if lockstep else 1.0)), name
 
 
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():

@@ -83,11 +83,11 @@ def predictor(args):
         print(f"paratrain compare: no predictions: {e}")
         return None
 
-    def predict(name, compute=None):
+    def predict(name, compute=None, slowest=1.0):
         """name's Step timed afresh; or, given the run's ``compute`` (a here.Timed of rank 0's),
         (Step, speed) at the run's speed (plan.predict_from_run), on the last timings."""
         if compute is not None:
-            return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size)
+            return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size, slowest)
         here.forget_timings()
         steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
         return steps.get(name)
@@ -101,7 +101,8 @@ def from_run_fields(predict, name, row):
     from ..simulate.here import Timed
     if not row.get("compute_ms"):
         return {}
-    step, speed = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3))
+    step, speed = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3),
+                          row.get("slowest_compute_ratio", 1.0))
     return {"predicted_from_run_compute_ms": 1e3 * step.step_s, "run_compute_speed": speed} if step else {}
 
 

@@ -164,7 +164,14 @@ class AtSpeed:
         return self._scaled(self.measured.encode(spec, replicas, tp))
 
 
-def predict_from_run(model, workers, name, cluster, compute, batch_size=None):
+def in_lockstep(layout):
+    """Whether every worker of ``layout`` does the same work and waits for the others each
+    step (data parallelism, ZeRO, a tensor group, BSP): the slowest sets its pace. Not a
+    pipeline (its stages differ) nor ASP and SSP (nobody waits for a round)."""
+    return layout.pp == 1 and parameter_server.CONSISTENCY.get(layout.strategy, "bsp") == "bsp"
+
+
+def predict_from_run(model, workers, name, cluster, compute, batch_size=None, slowest=1.0):
     """(Step, speed) of compare's run ``name`` predicted at the speed the run computed at:
     ``speed`` is the run's rank 0 compute a step (``compute``: a here.Timed of its
     metrics' compute_seconds, their median and standard deviation) over the model's
@@ -173,11 +180,16 @@ def predict_from_run(model, workers, name, cluster, compute, batch_size=None):
     charges the spread at each synchronization). A shared host's speed moves between a
     timing and the run it predicts (by 20-40% within a minute here); this prediction
     checks the rest of the model (communication, overlap, bubbles, waits) at the run's
-    own speed. None where the layout is unavailable."""
+    own speed. ``slowest``: the slowest worker's compute over rank 0's (their means over
+    the run), which sets the speed where the workers go in lockstep (in_lockstep): a
+    shared host may give one of them the slower core for a whole run. None where the
+    layout is unavailable."""
     beside = alongside(cluster, workers)
     measured = here.Measured(model, alongside=beside)
     workload = here.workload_of(model, batch_size, alongside=beside)
     layout = compare_layout(name, workers)
+    if in_lockstep(layout):
+        compute = here.Timed.of(compute * slowest, compute.jitter * slowest)
     shared = time_shared(layout.dp * layout.pp * layout.tp, cluster.cores)
     speed, spread = compute / (rank0_compute_seconds(layout, workload, measured) * shared), compute.jitter / compute
     workload = dataclasses.replace(workload, step_compute_s=workload.step_compute_s * speed,
