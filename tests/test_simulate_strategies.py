@@ -280,7 +280,8 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
 def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_spread(tmp_path):
     """E[max of P standard normals] (Tippett's table: 0.5642 for 2, 1.0294 for 4); a step
     synchronizing S times waits that x sigma_step x sqrt(S): once for data parallelism,
-    at every activation all-reduce for tensor parallelism, never for ASP."""
+    at every activation all-reduce for tensor parallelism, at each layer's reduce-scatter
+    and the step's end for ZeRO-3 (its gathers are prefetched), never for ASP."""
     from paratrain.simulate import waits
     assert waits.expected_largest(1) == 0.0
     assert waits.expected_largest(2) == pytest.approx(0.5642, abs=1e-4)
@@ -290,6 +291,7 @@ def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_s
     tp = predict("tensor", w, HOST, 2)
     assert tp.wait_s == pytest.approx(0.5642 * 0.01 * (4 * 8 + 1) ** 0.5, rel=1e-3)
     assert tp.step_s == pytest.approx(tp.compute_s + tp.exposed_s + tp.wait_s)
+    assert predict("zero3", w, HOST, 2).wait_s == pytest.approx(0.5642 * 0.01 * (8 + 1) ** 0.5, rel=1e-3)
     assert predict("ps-asp", w, HOST, 4).wait_s == 0.0 and predict("dp", gpt_like(), HOST, 4).wait_s == 0.0
     (tmp_path / "w.toml").write_text('params = 1000\nbytes_per_param = 4\nbatch_per_device = 8\n'
                                      'step_compute_ms = 100\nstep_jitter_ms = 5\n')

@@ -15,7 +15,7 @@ on two cores meeting at a barrier after each w of work:
 Two processes handing a token back and forth, four on the same two cores,
 pay under 0.2 ms a hand-off. So the cost is charged to a synchronization of
 more ranks than cores (a data-parallel all-reduce, a tensor group's
-all-reduces, ZeRO-3's gathers: waits.synchronizations), as base + per_work x
+all-reduces, ZeRO-3's reduce-scatters: waits.synchronizations), as base + per_work x
 w, with w the compute a rank does between two of them on a core of its own.
 ``paratrain simulate --calibrate`` fits base and per_work here (``measure``).
 """

@@ -10,7 +10,9 @@ waits E_P sigma_step sqrt(S) in all: the more often a strategy synchronizes
 inside a step, the more of the jitter it pays. Data parallelism synchronizes
 once a step (its last bucket), tensor parallelism at each of its activation
 all-reduces (Megatron's four a block, and the embedding's), ZeRO-3 at each
-layer's gathers; an asynchronous parameter server never, and a pipeline's
+layer's reduce-scatter in backward (its gathers are prefetched a layer ahead,
+so a rank late by less than a layer's compute holds nobody up there) and at
+the step's end; an asynchronous parameter server never, and a pipeline's
 sends form a chain its schedule already orders.
 
 sigma_step is measured here (the spread of the timed steps, simulate/here.py)
@@ -37,7 +39,7 @@ def synchronizations(strategy, workload):
     """How many times ``strategy`` makes its ranks wait for each other in one step."""
     layers = workload.layers or 1
     return {"ps-asp": 0, "ps-ssp": 0, "pipeline": 0, "pipeline-zb": 0,
-            "tensor": 4 * layers + 1, "zero3": 2 * layers + 1, "powersgd": 2}.get(strategy, 1)
+            "tensor": 4 * layers + 1, "zero3": layers + 1, "powersgd": 2}.get(strategy, 1)
 
 
 def seconds(P, sigma_step, syncs):
