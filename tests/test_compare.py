@@ -47,6 +47,7 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
         assert r["predicted_from_run_compute_ms"] > 0 and r["run_compute_speed"] > 0, name
         means = [w["compute_s"] / w["batches"] for w in summary["per_worker"]]
         assert r["slowest_compute_ratio"] == pytest.approx(max(means) / means[0]) and r["slowest_compute_ratio"] >= 1
+        assert r["mean_compute_ratio"] == pytest.approx(sum(means) / 2 / means[0])
         taken = [p["batches"] for p in summary["per_worker"]]
         if name not in ("ps-asp", "ps-ssp"):   # lockstep: the budget's stop was agreed, the same step for all
             assert taken == [summary["steps"]] * 2, (name, taken, summary["steps"])

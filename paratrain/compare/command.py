@@ -83,11 +83,12 @@ def predictor(args):
         print(f"paratrain compare: no predictions: {e}")
         return None
 
-    def predict(name, compute=None, slowest=1.0):
+    def predict(name, compute=None, slowest=1.0, mean=1.0):
         """name's Step timed afresh; or, given the run's ``compute`` (a here.Timed of rank 0's),
         (Step, speed) at the run's speed (plan.predict_from_run), on the last timings."""
         if compute is not None:
-            return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size, slowest)
+            return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size,
+                                         slowest, mean)
         here.forget_timings()
         steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
         return steps.get(name)
@@ -102,7 +103,7 @@ def from_run_fields(predict, name, row):
     if not row.get("compute_ms"):
         return {}
     step, speed = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3),
-                          row.get("slowest_compute_ratio", 1.0))
+                          row.get("slowest_compute_ratio", 1.0), row.get("mean_compute_ratio", 1.0))
     return {"predicted_from_run_compute_ms": 1e3 * step.step_s, "run_compute_speed": speed} if step else {}
 
 

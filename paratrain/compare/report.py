@@ -9,7 +9,8 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
   backward, less the time it waited on others);
 - bytes_per_step: what rank 0 sent a step (compressed: what went on the wire);
 - peak_memory_mb: the largest worker's peak heap growth (train/memory.py);
-- slowest_compute_ratio: the slowest worker's mean compute a step over rank 0's;
+- slowest_compute_ratio, mean_compute_ratio: the slowest worker's mean compute a
+  step, and the workers' mean, over rank 0's;
 - loss: the last logged; time_to_target_s with --target-loss;
 - predicted_step_ms (compare/command.py, with a calibration): the mean of the model's
   prediction timed just before the run and just after, predicted_before_after_ms;
@@ -17,7 +18,7 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
 - predicted_from_run_compute_ms: the model again with every timing scaled by
   run_compute_speed, the run's compute_ms over what the model takes rank 0's compute
   to be (times slowest_compute_ratio where the workers go in lockstep: the slowest
-  sets the pace), and spread as the run's steps were (compute_jitter_ms, their
+  sets the pace; mean_compute_ratio for a pipeline), and spread as the run's steps were (compute_jitter_ms, their
   spread from one step to the next, over compute_ms): the model's communication,
   bubbles and waits checked at the speed the run had, which the timings before and
   after may miss.
@@ -63,6 +64,7 @@ def row_from_run(name, run_dir):
     means = [w["compute_s"] / w["batches"] for w in s.get("per_worker") or [] if w.get("batches")]
     if len(means) > 1 and means[0] > 0:
         row["slowest_compute_ratio"] = max(means) / means[0]
+        row["mean_compute_ratio"] = sum(means) / len(means) / means[0]
     if "time_to_target_s" in s:
         row["time_to_target_s"] = s["time_to_target_s"]
     return row

@@ -112,20 +112,22 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     return out
 
 
-def rank0_compute_seconds(layout, workload, measured):
-    """What the model takes rank 0's forward and backward in one step of ``layout`` to be, as
-    a run reports them (its metrics' compute_seconds: no optimizer, no waiting): the whole
-    model's on its batch; a tensor group's share of the cut model; a pipeline's first
-    stage on every micro-batch, its backward whole under 1F1B and split into B and W
-    under ZB-H1 (pipeline.py)."""
+def worker_compute_seconds(layout, workload, measured):
+    """What the model takes a worker's forward and backward in one step of ``layout`` to be,
+    on average over the workers, as a run reports them (its metrics' compute_seconds:
+    no optimizer, no waiting): the whole model's on its batch; a tensor group's share of
+    the cut model; a pipeline's slowest stage on every micro-batch, its backward split
+    into B and W on every stage under ZB-H1 and on all but the first under 1F1B
+    (pipeline.py)."""
     if layout.pp > 1:
         small = microbatch_samples(layout, workload)
         stage = measured.stage(small, layout.pp)
         if layout.tp > 1:
             stage *= measured.cut(small, layout.tp) / measured.step(small)
         split = measured.split(small, layout.tp)
-        backward = split.backward_fraction * (split.split_cost if layout.strategy == "pipeline-zb" else 1.0)
-        return (layout.microbatches or 1) * stage * (1 - split.backward_fraction + backward)
+        split_stages = layout.pp if layout.strategy == "pipeline-zb" else layout.pp - 1
+        cost = 1 + (split.split_cost - 1) * split_stages / layout.pp
+        return (layout.microbatches or 1) * stage * (1 - split.backward_fraction + split.backward_fraction * cost)
     if layout.tp > 1:
         return measured.cut(workload.batch_per_device, layout.tp) - measured.optimizer() / layout.tp
     return workload.step_compute_s - measured.optimizer()
@@ -166,32 +168,34 @@ class AtSpeed:
 
 def in_lockstep(layout):
     """Whether every worker of ``layout`` does the same work and waits for the others each
-    step (data parallelism, ZeRO, a tensor group, BSP): the slowest sets its pace. Not a
-    pipeline (its stages differ) nor ASP and SSP (nobody waits for a round)."""
+    step (data parallelism, ZeRO, a tensor group, BSP), so that the slowest sets the
+    pace. Not a pipeline (its stages differ) nor ASP and SSP (nobody waits for a round)."""
     return layout.pp == 1 and parameter_server.CONSISTENCY.get(layout.strategy, "bsp") == "bsp"
 
 
-def predict_from_run(model, workers, name, cluster, compute, batch_size=None, slowest=1.0):
-    """(Step, speed) of compare's run ``name`` predicted at the speed the run computed at:
-    ``speed`` is the run's rank 0 compute a step (``compute``: a here.Timed of its
-    metrics' compute_seconds, their median and standard deviation) over the model's
-    (rank0_compute_seconds, sharing the cores as predicted() shares them), and every
-    timing the model uses is scaled by it and spread as the run's steps were (waits.py
-    charges the spread at each synchronization). A shared host's speed moves between a
-    timing and the run it predicts (by 20-40% within a minute here); this prediction
-    checks the rest of the model (communication, overlap, bubbles, waits) at the run's
-    own speed. ``slowest``: the slowest worker's compute over rank 0's (their means over
-    the run), which sets the speed where the workers go in lockstep (in_lockstep): a
-    shared host may give one of them the slower core for a whole run. None where the
-    layout is unavailable."""
+def predict_from_run(model, workers, name, cluster, compute, batch_size=None, slowest=1.0, mean=1.0):
+    """(Step, speed) of compare's run ``name`` predicted at the speed the run computed at.
+    ``compute`` is rank 0's compute a step (a here.Timed of its metrics' compute_seconds:
+    their median and spread); ``slowest`` and ``mean``, the slowest worker's and the
+    workers' mean over rank 0's (their means over the run). ``speed`` is the run's
+    compute over the model's (worker_compute_seconds, sharing the cores as predicted()
+    shares them): the slowest worker's where the workers go in lockstep (in_lockstep: a
+    shared host may give one of them the slower core for a whole run, and it sets the
+    pace), the workers' mean for a pipeline (whose stages the model cuts and weighs
+    itself), rank 0's under ASP and SSP. Every timing the model uses is scaled by it and
+    spread as the run's steps were (waits.py charges the spread at each
+    synchronization). A shared host's speed moves between a timing and the run it
+    predicts (by 20-40% within a minute here); this prediction checks the rest of the
+    model (communication, overlap, bubbles, waits) at the run's own speed. None where
+    the layout is unavailable."""
     beside = alongside(cluster, workers)
     measured = here.Measured(model, alongside=beside)
     workload = here.workload_of(model, batch_size, alongside=beside)
     layout = compare_layout(name, workers)
-    if in_lockstep(layout):
-        compute = here.Timed.of(compute * slowest, compute.jitter * slowest)
+    share = slowest if in_lockstep(layout) else mean if layout.pp > 1 else 1.0
     shared = time_shared(layout.dp * layout.pp * layout.tp, cluster.cores)
-    speed, spread = compute / (rank0_compute_seconds(layout, workload, measured) * shared), compute.jitter / compute
+    speed = compute * share / (worker_compute_seconds(layout, workload, measured) * shared)
+    spread = compute.jitter / compute
     workload = dataclasses.replace(workload, step_compute_s=workload.step_compute_s * speed,
                                    step_jitter_s=workload.step_compute_s * speed * spread)
     K, heads = _optimizer_and_heads(model)
