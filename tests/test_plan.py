@@ -194,7 +194,8 @@ def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction():
         assert step.wait_s == 0, name   # steady steps: nobody waits for the slowest
         unsteady, _ = plan.predict_from_run(model, 2, name, CLUSTER, here.Timed.of(run, 0.1 * run))
         assert unsteady.compute_s == step.compute_s and (unsteady.wait_s > 0) == (not name.startswith("pipeline")), name
-    steps = [plan.predict_from_run("digits", 2, "ps-asp", CLUSTER, here.Timed.of(0.01, spread))[0] for spread in (0, 1e-3)]
+    steps = [plan.predict_from_run("digits", 2, "ps-asp", CLUSTER, here.Timed.of(0.01, spread))[0]
+             for spread in (0, 1e-3)]
     assert steps[0].wait_s == steps[1].wait_s == 0   # ASP: nobody waits for a round
     # a slower worker than rank 0 sets the pace where they go in lockstep; a pipeline's speed
     # is its workers' mean (the model weighs its stages itself); ASP's and SSP's, rank 0's

@@ -98,7 +98,7 @@ def predictor(args):
 def from_run_fields(predict, name, row):
     """``predicted_from_run_compute_ms``: the row's strategy predicted at the speed its run
     computed at (and as unsteadily), and ``run_compute_speed``, that speed against the
-    timing's (rank 0's compute a step over the model's: 1.2, the run computed 20% slower)."""
+    timing's (the run's compute a step over the model's: 1.2, the run computed 20% slower)."""
     from ..simulate.here import Timed
     if not row.get("compute_ms"):
         return {}

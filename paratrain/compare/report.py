@@ -16,12 +16,12 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
   prediction timed just before the run and just after, predicted_before_after_ms;
   predicted_parts_ms, the mean's parts;
 - predicted_from_run_compute_ms: the model again with every timing scaled by
-  run_compute_speed, the run's compute_ms over what the model takes rank 0's compute
-  to be (times slowest_compute_ratio where the workers go in lockstep: the slowest
-  sets the pace; mean_compute_ratio for a pipeline), and spread as the run's steps were (compute_jitter_ms, their
-  spread from one step to the next, over compute_ms): the model's communication,
-  bubbles and waits checked at the speed the run had, which the timings before and
-  after may miss.
+  run_compute_speed, the run's compute over what the model takes a worker's to be
+  (plan.predict_from_run: compute_ms, times slowest_compute_ratio where the workers
+  go in lockstep and mean_compute_ratio for a pipeline), and spread as the run's
+  steps were (compute_jitter_ms, their spread from one step to the next, over
+  compute_ms): the model's communication, bubbles and waits checked at the speed
+  the run had, which the timings before and after may miss.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -118,7 +118,7 @@ def markdown(rows, title):
                      f"{'-' if target is None else f'{target:.1f} s'} |")
     if from_run:
         lines += ["", "Predicted from its compute: the model again at the speed the run computed at, and as "
-                  "unsteadily (x: rank 0's compute a step over the model's timing of it; 1.20, 20% slower)."]
+                  "unsteadily (x: the run's compute a step over the model's timing of it; 1.20, 20% slower)."]
     moved = host_moved(rows)
     if moved:
         lines += ["", "This host's speed moved by more than {:.0%} across the runs of {}: their predicted and "
