@@ -19,7 +19,7 @@ from torch import nn
 import paratrain as pt
 
 TOL = 1e-5
-LATE_S = 0.05   # rank 1 starts its second step this late
+LATE_S = 0.2   # rank 1 starts its second step this late (rank 0 would have to stall half of it to miss it)
 
 
 class Net(nn.Module):
@@ -62,7 +62,7 @@ def equal_to_data_parallel(g, stage, kind):
     ref_opt = cls(ref.parameters(), **kw)
     for k in range(4):
         x, y = batch(g.rank, k)
-        if k == 1 and g.rank == 1:   # late: rank 0 waits for it in a collective, and counts that as blocked
+        if k == 1 and g.rank == 1 and stage >= 2:   # late: rank 0 waits for it in a collective: blocked
             time.sleep(LATE_S)
         blocked = engine.blocked_seconds()
         F.cross_entropy(engine(x), y).backward()
@@ -74,7 +74,7 @@ def equal_to_data_parallel(g, stage, kind):
         engine.step()
         if k == 1 and g.rank == 0 and stage >= 2:   # (stage 1 reduces in step(): DataParallel's backward waited)
             waited = engine.blocked_seconds() - blocked
-            assert LATE_S * 0.6 <= waited < LATE_S * 20, f"stage {stage}: blocked {waited:.3f} s for a late rank"
+            assert LATE_S * 0.5 <= waited < LATE_S * 10, f"stage {stage}: blocked {waited:.3f} s for a late rank"
         engine.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
