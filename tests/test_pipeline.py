@@ -224,3 +224,39 @@ def test_a_dead_stage_is_named_by_its_neighbours():
     for rank in (0, 2):
         assert f"rank {rank} caught PeerError" in out[rank], out[rank][-2000:]
         assert re.search(r"rank 1 \(pid \d+\) died", out[rank]), out[rank][-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_step_s_wait_at_its_end_counts_as_waiting_not_compute(monkeypatch):
+    """After its actions a stage waits on the others (its last sends, the loss from the last
+    stage: the last stage waits there for the first to finish its backward); that wait
+    is the step's waited_seconds, which paratrain train takes out of its compute. One
+    stage here, its loss's broadcast made 30 ms slow."""
+    import time
+
+    import torch
+
+    import paratrain as pt
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    group = pt.init(backend="shm")
+    try:
+        stage = pt.pipeline.split(model, group=group, stages=1)
+        pipe = pt.Pipeline(stage, group=group, microbatches=2, loss_fn=torch.nn.functional.cross_entropy)
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        pipe.step(x, y)
+        quick = pipe.waited_seconds
+        broadcast = group.broadcast
+
+        def late(*args, **kwargs):
+            time.sleep(0.03)
+            return broadcast(*args, **kwargs)
+        monkeypatch.setattr(group, "broadcast", late)
+        t0 = time.perf_counter()
+        pipe.step(x, y)
+        took = time.perf_counter() - t0
+    finally:
+        pt.destroy()
+    assert quick < 0.03 <= pipe.waited_seconds < took
