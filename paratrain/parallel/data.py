@@ -59,6 +59,12 @@ class CommStats:
     def reset(self):
         self.bytes, self.allreduces, self.comm_seconds, self.wait_seconds = 0, 0, 0.0, 0.0
 
+    def blocked(self, seconds):
+        """Communication the caller waited through with nothing beside it: all of its time
+        is waiting (which the trainer takes out of a step's compute)."""
+        self.comm_seconds += seconds
+        self.wait_seconds += seconds
+
 
 def overlap_pays(group):
     """Does reducing buckets on a second thread during backward make a step shorter?
@@ -234,9 +240,7 @@ class DataParallelNaive(_DataParallelBase):
             self.group.all_reduce(p.grad, op="avg", algorithm=self.algorithm)
             self.stats.bytes += p.grad.numel() * p.grad.element_size()
             self.stats.allreduces += 1
-        dt = time.perf_counter() - t0
-        self.stats.comm_seconds += dt
-        self.stats.wait_seconds += dt
+        self.stats.blocked(time.perf_counter() - t0)
 
     def _shadow_backward(self):
         for p in self._params:

@@ -81,9 +81,7 @@ class GroupStep(ReplicaStep):
         self.group.all_reduce(mean, op="avg")   # the loss over every worker's batch, not rank 0's alone
         # Counted as waiting: when a worker is slower after backward (a --straggler sleeps
         # there, slowdown.py), this is where the others wait for it.
-        dt = time.perf_counter() - t0
-        self.stats.wait_seconds += dt
-        self.stats.comm_seconds += dt
+        self.stats.blocked(time.perf_counter() - t0)
         return float(mean[0])
 
     def finish(self):
@@ -111,9 +109,8 @@ class LastStepTraffic:
         breakdown does too)."""
         if self.on:
             from ...parallel.tensor import traffic
-            blocked, self._seconds = traffic.seconds - self._seconds, traffic.seconds
-            stats.wait_seconds += blocked
-            stats.comm_seconds += blocked
+            stats.blocked(traffic.seconds - self._seconds)
+            self._seconds = traffic.seconds
 
     def stop(self):
         if self.on:

@@ -195,8 +195,7 @@ class PipelineStep(GroupStep):
         x, y = batch
         loss = self.pipe.step(x if self.stage.is_first else None, y if self.stage.is_last else None)
         self.stats.bytes += self.pipe.sent_bytes   # activations and gradients sent to the neighbours
-        self.stats.wait_seconds += self.pipe.waited_seconds
-        self.stats.comm_seconds += self.pipe.waited_seconds
+        self.stats.blocked(self.pipe.waited_seconds)
         self.traffic.count_blocked(self.stats)   # with --tp, its stages' collectives
         return loss
 

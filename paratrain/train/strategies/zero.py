@@ -96,9 +96,7 @@ class ZeroStep(GroupStep):
         waiting, so the trainer's compute is the compute's alone, as with data parallelism."""
         blocked = self.engine.blocked_seconds()
         loss = super().forward_backward(task, batch)
-        waited = max(0.0, self.engine.blocked_seconds() - blocked)   # (an elastic re-layout starts from 0)
-        self.stats.wait_seconds += waited
-        self.stats.comm_seconds += waited
+        self.stats.blocked(max(0.0, self.engine.blocked_seconds() - blocked))   # (an elastic re-layout starts at 0)
         return loss
 
     def after_backward(self):
