@@ -92,6 +92,9 @@ class FakeMeasured:
     def server_update(self):
         return 0.003
 
+    def shared_copy(self):
+        return 0.0005
+
     def split(self, batch, tp=1):
         self.splits[1].append((batch, tp))
         return self.splits[0]

@@ -431,10 +431,52 @@ def server_update_seconds(model, seed=0, alongside=0):
                  lambda: _timed(steps()))
 
 
+CACHE_FLUSH_BYTES = 64 << 20   # touched between two timed copies: past this host's last-level cache (32 MiB)
+
+
+def shared_copy_seconds(model, seed=0, alongside=0):
+    """One copy of every parameter of built-in ``model`` between its tensors and a flat
+    float32 buffer, piece by piece, as a parameter-server worker copies its gradients into
+    its servers' shared segment and the weights back out each step, and an ASP or SSP
+    server copies each worker's weights into that worker's pull region (ps/client.py,
+    ps/shared.py): the mean of the two directions. A step's compute passes in between
+    and leaves the caches cold, so a buffer past the last-level cache is touched before
+    each copy. gpt's 53 pieces (3.5 MB) take about 0.5 ms a way here, where a memcpy's
+    calibrated rate gives 0.1: each piece costs its views and a call."""
+    import numpy as np
+    import torch
+    task = task_of(model, seed)
+    params = [p.detach() for p in task.model.parameters()]
+    pieces = [torch.randn_like(p).view(-1).numpy() for p in params]
+    flat = np.empty(sum(p.numel() for p in params), np.float32)
+    flush = np.zeros(CACHE_FLUSH_BYTES // 4, np.float32)
+    weights = [p.clone().view(-1) for p in params]
+
+    def copies():
+        while True:
+            np.add(flush, 1.0, out=flush)
+            t0 = time.perf_counter()
+            at = 0
+            for piece in pieces:   # the gradients in
+                np.copyto(flat[at:at + piece.size], piece)
+                at += piece.size
+            into = time.perf_counter() - t0
+            np.add(flush, 1.0, out=flush)
+            t0 = time.perf_counter()
+            at = 0
+            for w in weights:   # the weights out
+                w[:] = torch.from_numpy(flat[at:at + w.numel()])
+                at += w.numel()
+            yield (into + time.perf_counter() - t0) / 2
+    return _once((model, "shared copy", alongside), model, task.defaults["batch_size"], seed, alongside,
+                 lambda: _timed(copies()))
+
+
 class Measured:
     """What plan.py times of built-in ``model`` here: a whole step, a pipeline stage's
     micro-batch, a tensor-parallel worker's share, a compressor's call, the optimizer on a
-    worker and on the parameter servers; ``alongside`` others computing."""
+    worker and on the parameter servers, a parameter server's copy through shared memory;
+    ``alongside`` others computing."""
 
     def __init__(self, model, seed=0, alongside=0):
         self.model, self.seed, self.alongside = model, seed, alongside
@@ -453,6 +495,9 @@ class Measured:
 
     def server_update(self):
         return server_update_seconds(self.model, self.seed, self.alongside)
+
+    def shared_copy(self):
+        return shared_copy_seconds(self.model, self.seed, self.alongside)
 
     def split(self, batch, tp=1):
         return backward_split(self.model, batch, self.seed, self.alongside, tp)

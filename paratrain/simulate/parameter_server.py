@@ -15,6 +15,16 @@ forward and backward alone, and the update is the servers' (the workload's
 each server steps its 1/S, all at once). Without it the gradients' summing
 (gamma) stands for the update.
 
+Servers on their workers' host (one host) meet them through shared memory
+(paratrain/ps/shared.py): a worker copies its gradients into the segment and
+the weights back out, piece by piece, and rings a doorbell (the link's
+alpha); an ASP or SSP server copies each worker's weights into that worker's
+pull region before it answers, where BSP's workers read the round's weights
+in place. The workload's ``shared_copy_s`` is one such copy of every
+parameter, as timed here (here.py: gpt's 53 pieces, 0.5 ms a way, where
+the calibrated memcpy rate gives 0.1-0.2); without it the link's beta stands
+for it.
+
 - BSP: every worker waits for the round, so the step is compute plus the
   pull and the push, each as slow as the slower of a worker's link and a
   server's (a server's link carries W times a worker's share), plus the
@@ -38,15 +48,22 @@ def step(workload, cluster, workers, consistency="bsp", servers=None, **_):
     S = servers or hosts
     link = data_parallel.slowest_link(cluster, workers) if hosts > 1 else cluster.intra
     n = workload.gradient_bytes
-    worker_way = S * link.alpha + n * link.beta            # one direction, one worker
-    server_way = workers * (link.alpha + n / S * link.beta)  # one direction, one server
     summed = workers * n / S * link.gamma       # a BSP round's sum on one server
     optimizer = (workload.server_update_s or 0.0) / S   # one optimizer step on a server's share
     compute = workload.step_compute_s
+    if hosts == 1 and workload.shared_copy_s is not None:   # through the servers' shared segments
+        worker_way = S * link.alpha + workload.shared_copy_s   # one direction, one worker
+        server_copy = workload.shared_copy_s / S if consistency != "bsp" else 0.0   # a worker's weights out
+        server_in, server_out = workers * link.alpha, workers * (link.alpha + server_copy)   # one server
+    else:
+        worker_way = S * link.alpha + n * link.beta
+        server_copy, server_in = 0.0, workers * (link.alpha + n / S * link.beta)
+        server_out = server_in
+    comm = max(worker_way, server_in) + max(worker_way, server_out)
     if consistency == "bsp":
-        exposed = 2 * max(worker_way, server_way) + summed
+        exposed = comm + summed
     else:   # each push applied as it comes: the optimizer once a push (without it, gamma for the update)
-        server_busy = 2 * server_way + (workers * optimizer if workload.server_update_s else summed)
-        exposed = max(2 * worker_way, server_busy - compute - optimizer, 0.0)
-    return Step(workers, compute, exposed, comm_s=2 * max(worker_way, server_way), extra_s=optimizer,
+        server_busy = server_in + server_out + (workers * optimizer if workload.server_update_s else summed)
+        exposed = max(2 * worker_way + server_copy, server_busy - compute - optimizer, 0.0)
+    return Step(workers, compute, exposed, comm_s=comm, extra_s=optimizer,
                 how=f"{consistency}, {S} servers", batch_per_device=workload.batch_per_device)

@@ -159,6 +159,9 @@ class AtSpeed:
     def server_update(self):
         return self._scaled(self.measured.server_update())
 
+    def shared_copy(self):
+        return self._scaled(self.measured.shared_copy())
+
     def split(self, batch, tp=1):
         return self.measured.split(batch, tp)   # shares of a micro-batch's compute: no seconds
 
@@ -262,8 +265,9 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
         split = measured.split(microbatch_samples(layout, workload), layout.tp)
         per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
-    if layout.strategy in parameter_server.CONSISTENCY and measured:   # their optimizer, as they run it
-        per_worker = dataclasses.replace(per_worker, server_update_s=float(measured.server_update()))
+    if layout.strategy in parameter_server.CONSISTENCY and measured:   # their optimizer, as they run it,
+        per_worker = dataclasses.replace(per_worker, server_update_s=float(measured.server_update()),
+                                         shared_copy_s=float(measured.shared_copy()))   # and the copies
     spec = compressed.SPECS.get(layout.compression or layout.strategy)
     if spec and measured:   # the compressor timed on this model's gradients, not the formula's passes
         per_worker = dataclasses.replace(per_worker, encode_s=float(measured.encode(spec, layout.dp, layout.tp)))
