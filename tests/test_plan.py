@@ -92,8 +92,8 @@ class FakeMeasured:
     def server_update(self):
         return 0.003
 
-    def shared_copy(self):
-        return 0.0005
+    def ps_step(self, consistency):
+        return 0.005
 
     def split(self, batch, tp=1):
         self.splits[1].append((batch, tp))
@@ -179,6 +179,24 @@ def test_a_worker_s_compute_is_what_a_run_reports_of_each_layout():
         4 * 0.02 * (0.4 + 0.6 * (1 + 0.2 / 2)))
     assert plan.worker_compute_seconds(plan.compare_layout("pipeline-zb", 2), w, measured) == pytest.approx(
         4 * 0.02 * (0.4 + 0.6 * 1.2))
+
+
+@pytest.mark.timeout(90)
+def test_a_parameter_server_worker_s_step_is_timed_beside_a_real_server_and_predicted_with_it():
+    """here.ps_step_seconds runs the worker's side of a ps step (push, the server's update,
+    pull, the zeroing) against a server it forks, and leaves no process behind; a ps layout
+    on one host takes it whole (its update as the step's extra), BSP with the round's sums."""
+    import multiprocessing
+
+    from paratrain.simulate import here
+    measured, workload = here.Measured("digits"), here.workload_of("digits")
+    for name, consistency in (("ps-asp", "asp"), ("ps-ssp", "asp"), ("ps-bsp", "bsp")):
+        timed = measured.ps_step(consistency)
+        assert timed > 0 and not multiprocessing.active_children(), name   # its server is gone
+        step, _ = plan.predicted(plan.compare_layout(name, 2), workload, CLUSTER, memory.ADAM, measured=measured)
+        sums = workload.gradient_bytes * CLUSTER.intra.gamma if consistency == "bsp" else 0.0   # the other's push
+        assert step.extra_s == pytest.approx(measured.server_update()), name
+        assert step.extra_s + step.exposed_s == pytest.approx(max(timed, measured.server_update()) + sums), name
 
 
 @pytest.mark.timeout(120)

@@ -185,22 +185,22 @@ def test_the_parameter_servers_run_the_optimizer_once_a_round_under_bsp_and_once
     assert predict("ps-asp", slow, HOSTS, 32).step_s == pytest.approx(2 * server + 32 * 0.2 / 4)
 
 
-def test_servers_on_the_workers_host_cost_their_copies_through_the_shared_segment():
-    """On one host a worker copies its gradients in and the weights out (shared_copy_s each,
-    the doorbell the link's alpha); an ASP server copies the worker's weights into its pull
-    region first, a BSP worker reads the round's in place; across hosts the copies are
-    the network's."""
-    a, U, c = HOST.intra.alpha, 0.004, 0.0005
-    w = gpt_like(server_update_s=U, shared_copy_s=c)
-    for servers in (1, 2):
-        worker = servers * a + c
-        bsp = predict("ps-bsp", w, HOST, 4, servers=servers)
-        summed = 4 * w.gradient_bytes / servers * HOST.intra.gamma
-        assert bsp.step_s == pytest.approx(0.3 + U / servers + 2 * max(worker, 4 * a) + summed)
-        asp = predict("ps-asp", w, HOST, 4, servers=servers)
-        assert asp.step_s == pytest.approx(0.3 + U / servers + 2 * worker + c / servers)
-    busy = gpt_like(server_update_s=0.2, shared_copy_s=c)   # the servers' 4 updates a step bind
-    assert predict("ps-asp", busy, HOST, 4).step_s == pytest.approx(4 * a + 4 * (a + c) + 4 * 0.2)
+def test_servers_on_the_workers_host_cost_one_worker_s_step_as_timed_with_its_server():
+    """On one host a worker's step outside its compute is ps_step_s, one worker's timed
+    beside its server (the update in it; here.ps_step_seconds): ASP's loop is compute plus
+    that, BSP's adds the round's other sums; across hosts the network's alpha and beta."""
+    U, T = 0.004, 0.006
+    w = gpt_like(server_update_s=U, ps_step_s=T)
+    summed = 4 * w.gradient_bytes * HOST.intra.gamma
+    asp = predict("ps-asp", w, HOST, 4)
+    assert asp.step_s == pytest.approx(0.3 + T) and asp.extra_s == pytest.approx(U)
+    assert predict("ps-ssp", w, HOST, 4).step_s == asp.step_s
+    assert predict("ps-bsp", w, HOST, 4).step_s == pytest.approx(0.3 + T + summed * 3 / 4)
+    two = predict("ps-asp", w, HOST, 4, servers=2)   # each server updates its half
+    assert two.step_s == pytest.approx(0.3 + U / 2 + T - U)
+    busy = gpt_like(server_update_s=0.2, ps_step_s=0.201)   # the servers' 4 updates a step bind
+    server = 4 * (HOST.intra.alpha + w.gradient_bytes * HOST.intra.beta)
+    assert predict("ps-asp", busy, HOST, 4).step_s == pytest.approx(2 * server + 4 * 0.2)
     assert predict("ps-asp", w, HOSTS, 32).step_s == predict("ps-asp", gpt_like(server_update_s=U), HOSTS, 32).step_s
 
 

@@ -431,51 +431,72 @@ def server_update_seconds(model, seed=0, alongside=0):
                  lambda: _timed(steps()))
 
 
-CACHE_FLUSH_BYTES = 64 << 20   # touched between two timed copies: past this host's last-level cache (32 MiB)
+def _serve(address, timeout):
+    """ps_step_seconds's server (its registration's lines go nowhere)."""
+    from ..ps import wire
+    from ..ps.server import Server
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        Server(0, address, token=wire.token_digest(None), timeout=timeout).serve()
 
 
-def shared_copy_seconds(model, seed=0, alongside=0):
-    """One copy of every parameter of built-in ``model`` between its tensors and a flat
-    float32 buffer, piece by piece, as a parameter-server worker copies its gradients into
-    its servers' shared segment and the weights back out each step, and an ASP or SSP
-    server copies each worker's weights into that worker's pull region (ps/client.py,
-    ps/shared.py): the mean of the two directions. A step's compute passes in between
-    and leaves the caches cold, so a buffer past the last-level cache is touched before
-    each copy. gpt's 53 pieces (3.5 MB) take about 0.5 ms a way here, where a memcpy's
-    calibrated rate gives 0.1: each piece costs its views and a call."""
-    import numpy as np
-    import torch
+def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
+    """A parameter-server worker's step outside its forward and backward, as ``paratrain
+    train --strategy ps`` takes it (train/strategies/ps.py) beside one server on this host:
+    Client.step (its gradients into the server's shared segment piece by piece, the
+    doorbell, the server's optimizer step over them, under ASP and SSP its copy of the
+    weights into the worker's pull region, the answer, the weights into the model) and the
+    zeroing of the gradients for the next step. One worker, the server forked from this
+    process, a forward and backward between two steps (a step's compute leaves the
+    caches cold). Under BSP one worker's push completes the round. gpt here: 4.1-4.8 ms,
+    where the server's update alone takes 1.3 and a memcpy's calibrated rate gives the
+    three copies 0.3: each of the 53 pieces costs its views and a call on each side, and
+    the two processes hand over twice."""
     task = task_of(model, seed)
-    params = [p.detach() for p in task.model.parameters()]
-    pieces = [torch.randn_like(p).view(-1).numpy() for p in params]
-    flat = np.empty(sum(p.numel() for p in params), np.float32)
-    flush = np.zeros(CACHE_FLUSH_BYTES // 4, np.float32)
-    weights = [p.clone().view(-1) for p in params]
+    return _once((model, "ps step", consistency, alongside), model, task.defaults["batch_size"], seed, alongside,
+                 lambda: _time_ps_step(task, consistency))
 
-    def copies():
-        while True:
-            np.add(flush, 1.0, out=flush)
-            t0 = time.perf_counter()
-            at = 0
-            for piece in pieces:   # the gradients in
-                np.copyto(flat[at:at + piece.size], piece)
-                at += piece.size
-            into = time.perf_counter() - t0
-            np.add(flush, 1.0, out=flush)
-            t0 = time.perf_counter()
-            at = 0
-            for w in weights:   # the weights out
-                w[:] = torch.from_numpy(flat[at:at + w.numel()])
-                at += w.numel()
-            yield (into + time.perf_counter() - t0) / 2
-    return _once((model, "shared copy", alongside), model, task.defaults["batch_size"], seed, alongside,
-                 lambda: _timed(copies()))
+
+def _time_ps_step(task, consistency, timeout=60.0):
+    import copy
+    import multiprocessing
+
+    from ..launch.local import free_port
+    from ..ps.client import Client
+    from ..train.optimizer import optimizer_class
+    batch = task.defaults["batch_size"]
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = multiprocessing.get_context("fork").Process(target=_serve, args=(address, timeout), daemon=True)
+    server.start()
+    client = None
+    try:
+        worker = copy.deepcopy(task.model)
+        client = Client([address], 0, 1, None, timeout)
+        _, hyper = optimizer_class(task.defaults["optimizer"], task.defaults["lr"])
+        with contextlib.redirect_stdout(None):   # (the placement it prints)
+            client.register(worker, optimizer=task.defaults["optimizer"], consistency=consistency, **hyper)
+        client.pull()
+
+        def steps():
+            for samples in _batches(task, batch):
+                task.loss(worker, samples).backward()
+                t0 = time.perf_counter()
+                client.step(worker)
+                worker.zero_grad(set_to_none=False)
+                yield time.perf_counter() - t0
+        return _timed(steps())
+    finally:
+        if client is not None:
+            client.close()
+        server.terminate()   # (its segment and doorbells were unlinked once the worker had them)
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
 
 
 class Measured:
     """What plan.py times of built-in ``model`` here: a whole step, a pipeline stage's
     micro-batch, a tensor-parallel worker's share, a compressor's call, the optimizer on a
-    worker and on the parameter servers, a parameter server's copy through shared memory;
+    worker and on the parameter servers, a parameter-server worker's step outside its compute;
     ``alongside`` others computing."""
 
     def __init__(self, model, seed=0, alongside=0):
@@ -496,8 +517,8 @@ class Measured:
     def server_update(self):
         return server_update_seconds(self.model, self.seed, self.alongside)
 
-    def shared_copy(self):
-        return shared_copy_seconds(self.model, self.seed, self.alongside)
+    def ps_step(self, consistency):
+        return ps_step_seconds(self.model, consistency, self.seed, self.alongside)
 
     def split(self, batch, tp=1):
         return backward_split(self.model, batch, self.seed, self.alongside, tp)

@@ -17,13 +17,14 @@ each server steps its 1/S, all at once). Without it the gradients' summing
 
 Servers on their workers' host (one host) meet them through shared memory
 (paratrain/ps/shared.py): a worker copies its gradients into the segment and
-the weights back out, piece by piece, and rings a doorbell (the link's
-alpha); an ASP or SSP server copies each worker's weights into that worker's
-pull region before it answers, where BSP's workers read the round's weights
-in place. The workload's ``shared_copy_s`` is one such copy of every
-parameter, as timed here (here.py: gpt's 53 pieces, 0.5 ms a way, where
-the calibrated memcpy rate gives 0.1-0.2); without it the link's beta stands
-for it.
+the weights back out, piece by piece, and rings a doorbell; an ASP or SSP
+server copies each worker's weights into that worker's pull region before
+it answers, where BSP's workers read the round's weights in place. The
+workload's ``ps_step_s`` is all of that as timed here for one worker and
+its server (here.ps_step_seconds: gpt's 4.1-4.8 ms, of which the update is
+1.3 and a memcpy's rate would give the copies 0.3), the optimizer included;
+a step of W workers adds the round's other W-1 sums under BSP. Without it,
+a worker's way is the link's alpha and beta.
 
 - BSP: every worker waits for the round, so the step is compute plus the
   pull and the push, each as slow as the slower of a worker's link and a
@@ -51,19 +52,17 @@ def step(workload, cluster, workers, consistency="bsp", servers=None, **_):
     summed = workers * n / S * link.gamma       # a BSP round's sum on one server
     optimizer = (workload.server_update_s or 0.0) / S   # one optimizer step on a server's share
     compute = workload.step_compute_s
-    if hosts == 1 and workload.shared_copy_s is not None:   # through the servers' shared segments
-        worker_way = S * link.alpha + workload.shared_copy_s   # one direction, one worker
-        server_copy = workload.shared_copy_s / S if consistency != "bsp" else 0.0   # a worker's weights out
-        server_in, server_out = workers * link.alpha, workers * (link.alpha + server_copy)   # one server
+    worker_way = S * link.alpha + n * link.beta            # one direction, one worker
+    server_way = workers * (link.alpha + n / S * link.beta)  # one direction, one server
+    timed = hosts == 1 and workload.ps_step_s is not None
+    if timed:   # one worker's step beside its server, timed here, less the update (the step's extra)
+        own = comm = max(0.0, workload.ps_step_s - (workload.server_update_s or 0.0))
     else:
-        worker_way = S * link.alpha + n * link.beta
-        server_copy, server_in = 0.0, workers * (link.alpha + n / S * link.beta)
-        server_out = server_in
-    comm = max(worker_way, server_in) + max(worker_way, server_out)
+        own, comm = 2 * worker_way, 2 * max(worker_way, server_way)
     if consistency == "bsp":
-        exposed = comm + summed
+        exposed = own + summed * (workers - 1) / workers if timed else comm + summed
     else:   # each push applied as it comes: the optimizer once a push (without it, gamma for the update)
-        server_busy = server_in + server_out + (workers * optimizer if workload.server_update_s else summed)
-        exposed = max(2 * worker_way + server_copy, server_busy - compute - optimizer, 0.0)
+        server_busy = 2 * server_way + (workers * optimizer if workload.server_update_s else summed)
+        exposed = max(own, server_busy - compute - optimizer, 0.0)
     return Step(workers, compute, exposed, comm_s=comm, extra_s=optimizer,
                 how=f"{consistency}, {S} servers", batch_per_device=workload.batch_per_device)

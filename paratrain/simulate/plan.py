@@ -159,8 +159,8 @@ class AtSpeed:
     def server_update(self):
         return self._scaled(self.measured.server_update())
 
-    def shared_copy(self):
-        return self._scaled(self.measured.shared_copy())
+    def ps_step(self, consistency):
+        return self._scaled(self.measured.ps_step(consistency))
 
     def split(self, batch, tp=1):
         return self.measured.split(batch, tp)   # shares of a micro-batch's compute: no seconds
@@ -266,8 +266,9 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
         split = measured.split(microbatch_samples(layout, workload), layout.tp)
         per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # their optimizer, as they run it,
+        bsp = parameter_server.CONSISTENCY[layout.strategy] == "bsp"   # (one worker's SSP is ASP)
         per_worker = dataclasses.replace(per_worker, server_update_s=float(measured.server_update()),
-                                         shared_copy_s=float(measured.shared_copy()))   # and the copies
+                                         ps_step_s=float(measured.ps_step("bsp" if bsp else "asp")))
     spec = compressed.SPECS.get(layout.compression or layout.strategy)
     if spec and measured:   # the compressor timed on this model's gradients, not the formula's passes
         per_worker = dataclasses.replace(per_worker, encode_s=float(measured.encode(spec, layout.dp, layout.tp)))

@@ -49,7 +49,7 @@ class Workload:
     split_cost: float = 1.0      # a backward split into B and W against a whole one (pipeline.py)
     encode_s: float = None       # a worker's compression of a step's gradients (None: compressed.py's formula)
     server_update_s: float = None   # parameter servers: the optimizer over every parameter, as a server runs it
-    shared_copy_s: float = None     # one copy of every parameter into or out of a same-host server's segment
+    ps_step_s: float = None         # a parameter-server worker's step outside its compute, its server beside it
 
     @property
     def gradient_bytes(self):
