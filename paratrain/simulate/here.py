@@ -447,7 +447,7 @@ def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
     weights into the worker's pull region, the answer, the weights into the model) and the
     zeroing of the gradients for the next step. One worker, the server forked from this
     process, a forward and backward between two steps (a step's compute leaves the
-    caches cold). Under BSP one worker's push completes the round. gpt here: 4.1-4.8 ms,
+    caches cold). Under BSP one worker's push completes the round. gpt here: 3.9-4.8 ms,
     where the server's update alone takes 1.3 and a memcpy's calibrated rate gives the
     three copies 0.3: each of the 53 pieces costs its views and a call on each side, and
     the two processes hand over twice."""
@@ -456,7 +456,7 @@ def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
                  lambda: _time_ps_step(task, consistency))
 
 
-def _time_ps_step(task, consistency, timeout=60.0):
+def _time_ps_step(task, consistency, timeout=30.0):
     import copy
     import multiprocessing
 
