@@ -432,9 +432,12 @@ def server_update_seconds(model, seed=0, alongside=0):
 
 
 def _serve(address, timeout):
-    """ps_step_seconds's server (its registration's lines go nowhere)."""
+    """ps_step_seconds's server, its heap kept as ps/server.py's main keeps a job's (its
+    registration's lines go nowhere)."""
+    from ..launch.heap import keep_freed_memory
     from ..ps import wire
     from ..ps.server import Server
+    keep_freed_memory()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         Server(0, address, token=wire.token_digest(None), timeout=timeout).serve()
 
@@ -447,7 +450,7 @@ def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
     weights into the worker's pull region, the answer, the weights into the model) and the
     zeroing of the gradients for the next step. One worker, the server forked from this
     process, a forward and backward between two steps (a step's compute leaves the
-    caches cold). Under BSP one worker's push completes the round. gpt here: 3.9-4.8 ms,
+    caches cold). Under BSP one worker's push completes the round. gpt here: 3.9-6.3 ms,
     where the server's update alone takes 1.3 and a memcpy's calibrated rate gives the
     three copies 0.3: each of the 53 pieces costs its views and a call on each side, and
     the two processes hand over twice."""

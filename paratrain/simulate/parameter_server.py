@@ -21,7 +21,7 @@ the weights back out, piece by piece, and rings a doorbell; an ASP or SSP
 server copies each worker's weights into that worker's pull region before
 it answers, where BSP's workers read the round's weights in place. The
 workload's ``ps_step_s`` is all of that as timed here for one worker and
-its server (here.ps_step_seconds: gpt's 3.9-4.8 ms, of which the update is
+its server (here.ps_step_seconds: gpt's 3.9-6.3 ms, of which the update is
 1.3 and a memcpy's rate would give the copies 0.3), the optimizer included;
 a step of W workers adds the round's other W-1 sums under BSP. Without it,
 a worker's way is the link's alpha and beta.
