@@ -95,6 +95,10 @@ class FakeMeasured:
     def ps_step(self, consistency):
         return 0.005
 
+    def stage_send(self, nbytes):
+        self.sent = getattr(self, "sent", []) + [nbytes]
+        return 0.0003
+
     def split(self, batch, tp=1):
         self.splits[1].append((batch, tp))
         return self.splits[0]
@@ -106,7 +110,9 @@ class FakeMeasured:
 
 def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
     """Under ZB-H1 every stage runs B then W, W the measured share of a split backward that
-    takes split_cost x a whole one; under 1F1B the first stage's backward is whole."""
+    takes split_cost x a whole one; under 1F1B the first stage's backward is whole. F and B
+    each send a micro-batch's activations or their gradients, as timed between two stages
+    here (here.stage_send_seconds), on one host."""
     from paratrain.parallel.pipeline import schedules
     from paratrain.simulate.here import BackwardSplit
     w = memory_workload()
@@ -118,10 +124,16 @@ def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
         m = layout.microbatches
         compute = m * 0.02 + 0.004 / 2
         assert measured.splits[1] == [(16 // m, 1)]              # timed at a micro-batch's samples
-        f, b = compute * 0.4 / m, compute * 0.6 / m
-        split = {"F": f, "B": 0.75 * 1.2 * b, "W": 0.25 * 1.2 * b}
-        cost = [split, split] if schedule == "zb-h1" else [{"F": f, "B": b}, {"F": f, "B": 1.2 * b}]
+        assert measured.sent == [w.layer_activation_bytes("") / m]   # one layer's output of a micro-batch
+        f, b, s = compute * 0.4 / m, compute * 0.6 / m, 0.0003
+        split = {"F": f + s, "B": 0.75 * 1.2 * b + s, "W": 0.25 * 1.2 * b}
+        cost = [split, split] if schedule == "zb-h1" else [{"F": f + s, "B": b + s}, {"F": f + s, "B": 1.2 * b + s}]
         assert step.step_s == pytest.approx(schedules.simulate(schedule, 2, m, cost=cost)[0]), name
+        assert step.exposed_s == pytest.approx(2 * m * s)
+        across, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, nodes=2, devices_per_node=1,
+                                                                  intra=Link(0, 0), inter=Link(0, 0)),
+                                   memory.ADAM, measured=FakeMeasured(BackwardSplit(0.6, 0.25, 1.2)))
+        assert across.exposed_s == 0   # across hosts: the link's alpha and beta, here none
 
 
 def test_compression_is_charged_the_compressor_s_time_measured_on_the_model():
@@ -197,6 +209,25 @@ def test_a_parameter_server_worker_s_step_is_timed_beside_a_real_server_and_pred
         sums = workload.gradient_bytes * CLUSTER.intra.gamma if consistency == "bsp" else 0.0   # the other's push
         assert step.extra_s == pytest.approx(measured.server_update()), name
         assert step.extra_s + step.exposed_s == pytest.approx(max(timed, measured.server_update()) + sums), name
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_s_send_is_timed_between_two_real_stages_and_predicted_with_it():
+    """here.stage_send_seconds sends a micro-batch's activations and their gradients back
+    between two processes it forks (a shared-memory group of two, the engine's transport),
+    once per size, and leaves no process behind; a pipeline on one host pays it on each F
+    and B, 2m a step."""
+    import multiprocessing
+
+    from paratrain.simulate import here
+    measured, workload = here.Measured("digits"), here.workload_of("digits")
+    layout = plan.compare_layout("pipeline", 2)
+    sent = workload.layer_activation_bytes("") / layout.microbatches
+    timed = measured.stage_send(sent)
+    assert timed > 0 and not multiprocessing.active_children()
+    assert measured.stage_send(sent) is timed   # once per size
+    step, _ = plan.predicted(layout, workload, CLUSTER, memory.ADAM, measured=measured)
+    assert step.exposed_s == pytest.approx(2 * layout.microbatches * timed)
 
 
 @pytest.mark.timeout(120)

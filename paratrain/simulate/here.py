@@ -496,11 +496,21 @@ def _time_ps_step(task, consistency, timeout=30.0):
             server.kill()
 
 
+def stage_send_seconds(nbytes):
+    """A pipeline's bundle of ``nbytes`` of activations one way between two stages on this
+    host, as the engine sends it (stage_send.py), once per size until forget_timings."""
+    from . import stage_send
+    key = ("stage send", int(nbytes))
+    if key not in _TIMED:
+        _TIMED[key] = stage_send.seconds(nbytes)
+    return _TIMED[key]
+
+
 class Measured:
     """What plan.py times of built-in ``model`` here: a whole step, a pipeline stage's
-    micro-batch, a tensor-parallel worker's share, a compressor's call, the optimizer on a
-    worker and on the parameter servers, a parameter-server worker's step outside its compute;
-    ``alongside`` others computing."""
+    micro-batch and its send to the next stage, a tensor-parallel worker's share, a
+    compressor's call, the optimizer on a worker and on the parameter servers, a
+    parameter-server worker's step outside its compute; ``alongside`` others computing."""
 
     def __init__(self, model, seed=0, alongside=0):
         self.model, self.seed, self.alongside = model, seed, alongside
@@ -522,6 +532,9 @@ class Measured:
 
     def ps_step(self, consistency):
         return ps_step_seconds(self.model, consistency, self.seed, self.alongside)
+
+    def stage_send(self, nbytes):
+        return stage_send_seconds(nbytes)
 
     def split(self, batch, tp=1):
         return backward_split(self.model, batch, self.seed, self.alongside, tp)

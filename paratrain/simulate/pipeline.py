@@ -17,7 +17,11 @@ B, on the critical path, and the stages' gradients are 1/(p t) of the model's.
 
 The step is the makespan of ``schedules.simulate`` (the order
 parallel/pipeline/schedules.py gives every rank, run against each other)
-with F = f + send, B = b + send. The engine splits a backward into B (input
+with F = f + send, B = b + send. On one host a workload measured here
+carries ``stage_send_s``, the engine's own bundle timed between two stages
+(stage_send.py: two messages, each a call on each side and a woken
+receiver; gpt's 0.12-0.18 ms where the all-reduce's alpha and beta give
+0.03); elsewhere the link's alpha and beta. The engine splits a backward into B (input
 gradients) and W (weights'): under ZB-H1 on every stage, W placed by the
 schedule; under 1F1B on every stage but the first, W at once. A split one
 takes the workload's ``split_cost`` times b, W its ``weight_fraction`` of that
@@ -53,6 +57,8 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     link = data_parallel.slowest_link(cluster, p * t)   # a stage's next is t devices on
     activations = workload.layer_activation_bytes("a pipeline") * p * t / m
     send = link.alpha + activations * link.beta
+    if workload.stage_send_s is not None and hosts == 1:   # the engine's own, timed here (plan.py)
+        send = workload.stage_send_s
     cut = 0.0   # a micro-batch's tensor all-reduces in F, and as many in B
     if t > 1:
         cut = tensor.ALL_REDUCES_PER_LAYER // 2 * workload.layers / p * data_parallel.group_all_reduce_seconds(

@@ -162,6 +162,9 @@ class AtSpeed:
     def ps_step(self, consistency):
         return self._scaled(self.measured.ps_step(consistency))
 
+    def stage_send(self, nbytes):
+        return self._scaled(self.measured.stage_send(nbytes))
+
     def split(self, batch, tp=1):
         return self.measured.split(batch, tp)   # shares of a micro-batch's compute: no seconds
 
@@ -262,9 +265,11 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
                                      step_jitter_s=getattr(compute, "jitter", workload.step_jitter_s
                                                            * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
-    if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule
+    if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule, and its send
         split = measured.split(microbatch_samples(layout, workload), layout.tp)
-        per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split))
+        sent = workload.layer_activation_bytes("a pipeline") / (layout.microbatches or 1)
+        per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split),
+                                         stage_send_s=float(measured.stage_send(sent)))
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # their optimizer, as they run it,
         bsp = parameter_server.CONSISTENCY[layout.strategy] == "bsp"   # (one worker's SSP is ASP)
         per_worker = dataclasses.replace(per_worker, server_update_s=float(measured.server_update()),

@@ -50,6 +50,7 @@ class Workload:
     encode_s: float = None       # a worker's compression of a step's gradients (None: compressed.py's formula)
     server_update_s: float = None   # parameter servers: the optimizer over every parameter, as a server runs it
     ps_step_s: float = None         # a parameter-server worker's step outside its compute, its server beside it
+    stage_send_s: float = None      # a pipeline's micro-batch between two stages on one host, as the engine sends it
 
     @property
     def gradient_bytes(self):
