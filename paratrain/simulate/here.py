@@ -431,17 +431,6 @@ def server_update_seconds(model, seed=0, alongside=0):
                  lambda: _timed(steps()))
 
 
-def _serve(address, timeout):
-    """ps_step_seconds's server, its heap kept as ps/server.py's main keeps a job's (its
-    registration's lines go nowhere)."""
-    from ..launch.heap import keep_freed_memory
-    from ..ps import wire
-    from ..ps.server import Server
-    keep_freed_memory()
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        Server(0, address, token=wire.token_digest(None), timeout=timeout).serve()
-
-
 def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
     """A parameter-server worker's step outside its forward and backward, as ``paratrain
     train --strategy ps`` takes it (train/strategies/ps.py) beside one server on this host:
@@ -454,46 +443,10 @@ def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
     where the server's update alone takes 1.3 and a memcpy's calibrated rate gives the
     three copies 0.3: each of the 53 pieces costs its views and a call on each side, and
     the two processes hand over twice."""
+    from . import ps_step
     task = task_of(model, seed)
     return _once((model, "ps step", consistency, alongside), model, task.defaults["batch_size"], seed, alongside,
-                 lambda: _time_ps_step(task, consistency))
-
-
-def _time_ps_step(task, consistency, timeout=30.0):
-    import copy
-    import multiprocessing
-
-    from ..launch.local import free_port
-    from ..ps.client import Client
-    from ..train.optimizer import optimizer_class
-    batch = task.defaults["batch_size"]
-    address = f"tcp://127.0.0.1:{free_port()}"
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(address, timeout), daemon=True)
-    server.start()
-    client = None
-    try:
-        worker = copy.deepcopy(task.model)
-        client = Client([address], 0, 1, None, timeout)
-        _, hyper = optimizer_class(task.defaults["optimizer"], task.defaults["lr"])
-        with contextlib.redirect_stdout(None):   # (the placement it prints)
-            client.register(worker, optimizer=task.defaults["optimizer"], consistency=consistency, **hyper)
-        client.pull()
-
-        def steps():
-            for samples in _batches(task, batch):
-                task.loss(worker, samples).backward()
-                t0 = time.perf_counter()
-                client.step(worker)
-                worker.zero_grad(set_to_none=False)
-                yield time.perf_counter() - t0
-        return _timed(steps())
-    finally:
-        if client is not None:
-            client.close()
-        server.terminate()   # (its segment and doorbells were unlinked once the worker had them)
-        server.join(timeout=10)
-        if server.is_alive():
-            server.kill()
+                 lambda: ps_step.seconds(task, consistency))
 
 
 def stage_send_seconds(nbytes):
