@@ -182,6 +182,13 @@ class EngineWork(Work):
         self.wait(timeout)
 
 
+def done_work(what):
+    """The Work of an operation already finished on the caller's thread."""
+    future = concurrent.futures.Future()
+    future.set_result(None)
+    return Work(future, what)
+
+
 def settle(future, error=None):
     """Set a future's outcome unless another thread already did: a posted receive is
     finished by whichever thread delivers its message, or by its own lane on failure."""
@@ -249,6 +256,12 @@ class Lanes:
             if reap_lane is not None and not fut.cancelled() and self._last.get(reap_lane) is fut:
                 del self._last[reap_lane]
                 self._lanes.pop(reap_lane).shutdown(wait=False)   # the thread ends after this callback
+
+    def idle(self, lane):
+        """Whether nothing submitted to ``lane`` is still queued or running."""
+        with self._lock:
+            fut = self._last.get(lane)
+        return fut is None or fut.done()
 
     def drain(self, lane):
         """Wait for everything queued on ``lane``; errors stay with their own Work."""

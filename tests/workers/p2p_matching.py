@@ -35,7 +35,10 @@ built, and the script raises (exits non-zero) on the first wrong one.
 8. Buffers a call only reads (what send/isend send, the inputs of reduce_scatter,
    all_to_all, all_gather, gather, scatter) may be read-only numpy arrays; the
    results are right and the inputs unchanged.
-9. A receive pending at ``pt.destroy()`` fails with CommError, at once (on torch
+9. On shm, an isend that fits the channel's free frames is done when it returns
+   (the caller copied it in); a larger one goes on the send lane, and a small one
+   posted after it waits behind it: both arrive, the order kept.
+10. A receive pending at ``pt.destroy()`` fails with CommError, at once (on torch
    within half a second), a second one of the same peer and tag too (with
    PARATRAIN_DEBUG queued behind the first: destroy() once hung there), whether
    it is waited for after the destroy or a thread
@@ -279,7 +282,30 @@ def main():
         assert "read-only" in str(e), e
     g.barrier()
 
-    # 9. a receive still pending at pt.destroy() fails with CommError, at once: on mpi
+    # 9. on shm an isend that fits the channel's free frames is copied in by the caller:
+    # done when isend returns, before the peer receives; one that needs more frames goes
+    # on the send lane, and a small one after it waits its turn there (order kept)
+    if backend == "shm" and os.environ.get("PARATRAIN_DEBUG", "0") == "0":
+        if me == 1:
+            small = g.isend(np.full(5, 51, np.float32), 0, tag=25)
+            assert small.is_completed(), "a small isend on shm not done when it returned"
+            large = g.isend(np.full(big, 52, np.float32), 0, tag=26)
+            behind = g.isend(np.full(3, 53, np.float32), 0, tag=27)
+            assert not large.is_completed() and not behind.is_completed(), "sent before rank 0 received"
+            g.barrier()
+            for w in (small, large, behind):
+                w.wait()
+        else:
+            g.barrier()
+            if me == 0:
+                got = [np.zeros(3, np.float32), np.zeros(5, np.float32), np.zeros(big, np.float32)]
+                for buf, tag in zip(got, (27, 25, 26)):   # the last one sent, received first
+                    g.recv(buf, 1, tag=tag)
+                for buf, value in zip(got, (53, 51, 52)):
+                    check(buf, np.full(buf.size, value, np.float32), "isends on shm, copied in or on the lane")
+        g.barrier()
+
+    # 10. a receive still pending at pt.destroy() fails with CommError, at once: on mpi
     # without probing the freed communicator (which MPI answers by aborting the job), on
     # shm and torch without waiting out the timeout (a posted Gloo receive cannot be
     # withdrawn: a wait begun after the destroy gives it a last look)
