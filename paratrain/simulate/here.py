@@ -445,8 +445,12 @@ def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
     the two processes hand over twice."""
     from . import ps_step
     task = task_of(model, seed)
+
+    def measure():
+        with ps_step.beside_a_server(task, consistency) as (worker, client):
+            return _timed(ps_step.step_times(task, worker, client, _batches(task, task.defaults["batch_size"])))
     return _once((model, "ps step", consistency, alongside), model, task.defaults["batch_size"], seed, alongside,
-                 lambda: ps_step.seconds(task, consistency))
+                 measure)
 
 
 def stage_send_seconds(nbytes):

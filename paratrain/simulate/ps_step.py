@@ -1,10 +1,10 @@
 """A parameter-server worker's step outside its compute, timed beside a real server on this host.
 
-``seconds(task, consistency)`` forks one server (ps/server.py's Server, its
+``beside_a_server(task, consistency)`` forks one server (ps/server.py's Server, its
 heap kept as a job's server keeps it), registers the task's model with it as
-one worker of ``paratrain train --strategy ps`` does, and times Client.step
-and the zeroing of the gradients after a forward and backward of each batch
-(a step's compute leaves the caches cold, as in a run). The server is
+one worker of ``paratrain train --strategy ps`` does; ``step_times`` times
+Client.step and the zeroing of the gradients after a forward and backward of
+each batch (a step's compute leaves the caches cold, as in a run). The server is
 stopped with SIGTERM afterwards; its segment and doorbells were unlinked as
 soon as the worker had them, so nothing is left behind. here.ps_step_seconds
 caches it per model and consistency.
@@ -25,17 +25,16 @@ def _serve(address, timeout):
         Server(0, address, token=wire.token_digest(None), timeout=timeout).serve()
 
 
-def seconds(task, consistency, timeout=30.0):
-    """A Timed of a worker's step of ``task``'s model outside its compute, against a server
-    forked from this process (here.ps_step_seconds says what is in it)."""
+@contextlib.contextmanager
+def beside_a_server(task, consistency, timeout=30.0):
+    """(a copy of ``task``'s model, its Client) registered as one worker with a server forked
+    from this process, pulled once; the server is stopped on leaving."""
     import copy
     import multiprocessing
 
     from ..launch.local import free_port
     from ..ps.client import Client
     from ..train.optimizer import optimizer_class
-    from .here import _batches, _timed
-    batch = task.defaults["batch_size"]
     address = f"tcp://127.0.0.1:{free_port()}"
     server = multiprocessing.get_context("fork").Process(target=_serve, args=(address, timeout), daemon=True)
     server.start()
@@ -47,15 +46,7 @@ def seconds(task, consistency, timeout=30.0):
         with contextlib.redirect_stdout(None):   # (the placement it prints)
             client.register(worker, optimizer=task.defaults["optimizer"], consistency=consistency, **hyper)
         client.pull()
-
-        def steps():
-            for samples in _batches(task, batch):
-                task.loss(worker, samples).backward()
-                t0 = time.perf_counter()
-                client.step(worker)
-                worker.zero_grad(set_to_none=False)
-                yield time.perf_counter() - t0
-        return _timed(steps())
+        yield worker, client
     finally:
         if client is not None:
             client.close()
@@ -63,3 +54,14 @@ def seconds(task, consistency, timeout=30.0):
         server.join(timeout=10)
         if server.is_alive():
             server.kill()
+
+
+def step_times(task, worker, client, batches):
+    """Each step's seconds outside its compute: after a forward and backward of each batch,
+    Client.step and the zeroing of the gradients, as train/strategies/ps.py runs them."""
+    for samples in batches:
+        task.loss(worker, samples).backward()
+        t0 = time.perf_counter()
+        client.step(worker)
+        worker.zero_grad(set_to_none=False)
+        yield time.perf_counter() - t0
