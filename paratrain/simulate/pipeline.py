@@ -20,7 +20,7 @@ parallel/pipeline/schedules.py gives every rank, run against each other)
 with F = f + send, B = b + send. On one host a workload measured here
 carries ``stage_send_s``, the engine's own bundle timed between two stages
 (stage_send.py: two messages, each a call on each side and a woken
-receiver; gpt's 0.12-0.18 ms where the all-reduce's alpha and beta give
+receiver; gpt's 0.09-0.10 ms where the all-reduce's alpha and beta give
 0.03); elsewhere the link's alpha and beta. The engine splits a backward into B (input
 gradients) and W (weights'): under ZB-H1 on every stage, W placed by the
 schedule; under 1F1B on every stage but the first, W at once. A split one

@@ -7,13 +7,16 @@ receives their gradients back the same way. What that costs is not the
 all-reduce's alpha and beta that ``--calibrate`` fits: each message is a call
 on each side, a frame's header, a receive buffer allocated and a blocked
 receiver woken, and a bundle is two of them. On this host gpt's micro-batch
-of 4 samples (128 KiB) goes one way in 0.12-0.18 ms where the collective
+of 4 samples (128 KiB) goes one way in 0.09-0.10 ms where the collective
 fit gives 0.03, and a pipeline pays it twice a micro-batch on each stage.
+Stages that compute 2-5 ms between messages see 0.19-0.37 ms a hop
+(benchmarks/pipeline_hop.py: the receiver has slept and is woken); timed
+here with both waiting, it is the lower bound of that.
 
 The two processes are pinned to a core each: two stages that compute run on
 two cores, and left to the scheduler, two processes that only pass messages
 often share one and each hand-over waits for a switch (0.37-0.42 ms one way
-in half the timings here, against 0.11-0.16).
+in half the timings here, against 0.1).
 
 ``seconds(nbytes)`` is half the round trip of an activation bundle of
 ``nbytes`` one way and its gradient back, between two processes forked from
