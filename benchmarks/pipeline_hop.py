@@ -43,32 +43,12 @@ def _compute(a, seconds):
         a @ a
 
 
-def _cycles(g, transport, values, a, seconds, n):
-    """n cycles of the exchange; this rank's cycle times."""
-    times = []
-    for _ in range(n):
-        works = []
-        t0 = time.perf_counter()
-        if g.rank == 0:
-            transport.send_activations(g, values, 1, 1, works)
-            _compute(a, seconds)
-            transport.recv_gradients(g, 1, 1, values)
-        else:
-            got = transport.recv_activations(g, 0, 1)
-            _compute(a, seconds)
-            transport.send_gradients(g, got, 0, 1, works)
-        for work, _ in works:
-            work.wait()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def worker(compute_ms, rounds, out):
     import torch
 
     import paratrain as pt
     from paratrain.comm.group import ProcessGroup
-    from paratrain.parallel.pipeline import transport
+    from paratrain.simulate.stage_send import exchange_times
     torch.set_num_threads(1)
     g = pt.init(backend="shm")
     values, a = (torch.randn(BUNDLE_BYTES // 4),), torch.randn(96, 96)
@@ -80,8 +60,9 @@ def worker(compute_ms, rounds, out):
             order = list(variants) if r % 2 == 0 else list(variants)[::-1]
             for v in order:
                 g._post_send = variants[v]
-                _cycles(g, transport, values, a, c / 1e3, 10)   # warm-up
-                cycle = statistics.median(_cycles(g, transport, values, a, c / 1e3, CYCLES))
+                compute = functools.partial(_compute, a, c / 1e3)
+                exchange_times(g, values, 10, compute)   # warm-up
+                cycle = statistics.median(exchange_times(g, values, CYCLES, compute))
                 hops[(v, c)].append((cycle - c / 1e3) / 2)
     g._post_send = engine
     if g.rank == 0:

@@ -57,6 +57,30 @@ def seconds(nbytes, timeout=30.0):
                 p.kill()
 
 
+def exchange_times(group, values, n, between=lambda: None):
+    """n exchanges between the two ranks of ``group`` as two pipeline stages make them:
+    rank 0 sends the activations ``values`` and receives their gradients, rank 1 receives
+    and sends them back, each calling ``between()`` (its compute) in the middle; this
+    rank's seconds for each."""
+    from ..parallel.pipeline import transport
+    times = []
+    for _ in range(n):
+        works = []
+        t0 = time.perf_counter()
+        if group.rank == 0:
+            transport.send_activations(group, values, 1, 1, works)
+            between()
+            transport.recv_gradients(group, 1, 1, values)
+        else:
+            got = transport.recv_activations(group, 0, 1)
+            between()
+            transport.send_gradients(group, got, 0, 1, works)
+        for work, _ in works:
+            work.wait()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _stage(rank, port, nbytes, timeout, told):
     """One of the two stages: rank 0 sends activations and receives their gradients, rank 1
     the other way round; rank 0 tells the parent the median round trip's half."""
@@ -66,27 +90,13 @@ def _stage(rank, port, nbytes, timeout, told):
         from ..comm.rendezvous import connect_client
         from ..comm.shm.group import ShmGroup
         from ..launch.heap import keep_freed_memory
-        from ..parallel.pipeline import transport
         keep_freed_memory()   # as paratrain run's bootstrap does for a worker
         torch.set_num_threads(1)
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) > 1:   # each on a core of its own, as two stages that compute end up
             os.sched_setaffinity(0, {cpus[rank]})
         group = ShmGroup(connect_client("127.0.0.1", port, timeout), "stage-send", rank, [0, 1], timeout)
-        values = (torch.randn(max(1, nbytes // 4)),)
-        trips = []
-        for _ in range(WARMUP + TIMED):
-            works = []
-            t0 = time.perf_counter()
-            if rank == 0:
-                transport.send_activations(group, values, 1, 1, works)
-                transport.recv_gradients(group, 1, 1, values)
-            else:
-                got = transport.recv_activations(group, 0, 1)
-                transport.send_gradients(group, got, 0, 1, works)
-            for work, _ in works:
-                work.wait()
-            trips.append(time.perf_counter() - t0)
+        trips = exchange_times(group, (torch.randn(max(1, nbytes // 4)),), WARMUP + TIMED)
         group.barrier()
         if rank == 0:
             told.send(statistics.median(trips[WARMUP:]) / 2)

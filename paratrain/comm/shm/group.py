@@ -266,17 +266,19 @@ class ShmGroup(ProcessGroup):
         return max(1, -(-nbytes // self.chunk_bytes))
 
     def _send(self, buf, code, dst, tag):
-        me = self.rank
-        raw = buf.view(np.uint8)
-        what = f"send of {raw.size} bytes to rank {self.ranks[dst]} (tag {tag})"
-        full, empty = self._full(me, dst), self._empty(me, dst)
         with self._send_locks[dst]:
-            self._write_frames(raw, code, dst, tag, full, empty, what)
+            self._write_frames(buf.view(np.uint8), code, dst, tag)
 
-    def _write_frames(self, raw, code, dst, tag, full, empty, what):
+    def _fits_free_frames(self, nbytes, dst):
+        """Whether a message of nbytes to dst would find every frame it needs free now."""
+        return self._chunks(nbytes) <= self._empty(self.rank, dst).value()
+
+    def _write_frames(self, raw, code, dst, tag):
         """A message's chunks into the channel to dst, each frame as it frees; the caller
         holds the channel's send lock."""
         total, cap = raw.size, self.chunk_bytes
+        what = f"send of {total} bytes to rank {self.ranks[dst]} (tag {tag})"
+        full, empty = self._full(self.rank, dst), self._empty(self.rank, dst)
         frames = self._frames[self.rank][dst]
         seq = self._send_seq[dst]
         self._send_seq[dst] += 1
@@ -299,16 +301,14 @@ class ShmGroup(ProcessGroup):
         next forward) holds it for up to the interpreter's switch interval at a time,
         so its peer waits for the message. Two stages passing gpt's 128 KiB bundle while
         each computes 2-5 ms: 0.19-0.37 ms a hop copied in here, 0.35-0.66 on the lane
-        (benchmarks/pipeline_hop.py). A larger message, or one behind others still going, takes the lane as before:
-        waiting here for the receiver to free a frame could deadlock with it."""
-        raw = buf.view(np.uint8)
+        (benchmarks/pipeline_hop.py). A larger message, or one behind others still going,
+        takes the lane as before: waiting here for the receiver to free a frame could
+        deadlock with it."""
         lock = self._send_locks[dst]
         if self._lanes.idle(f"send-{dst}") and lock.acquire(blocking=False):
             try:
-                empty = self._empty(self.rank, dst)
-                if self._chunks(raw.size) <= empty.value():
-                    what = f"send of {raw.size} bytes to rank {self.ranks[dst]} (tag {tag})"
-                    self._write_frames(raw, code, dst, tag, self._full(self.rank, dst), empty, what)
+                if self._fits_free_frames(buf.nbytes, dst):
+                    self._write_frames(buf.view(np.uint8), code, dst, tag)
                     return done_work(self._p2p_what("isend", buf, "to", dst, tag))
             finally:
                 lock.release()
@@ -442,7 +442,7 @@ class ShmGroup(ProcessGroup):
         # user's message to dst is still there (or being sent): then the send may wait,
         # and must not keep this thread from receiving (the peer may need our receive
         # to free its own channel), so it goes on the send lane.
-        if self._chunks(send_buf.nbytes) <= self._empty(self.rank, dst).value() and not self._send_locks[dst].locked():
+        if self._fits_free_frames(send_buf.nbytes, dst) and not self._send_locks[dst].locked():
             self._send(send_buf, code, dst, tag)
             self._recv(recv_buf, code, src, tag)
         else:
