@@ -246,6 +246,24 @@ def test_goyal_s_resnet50_scaling_from_8_to_256_gpus():
     assert 0.90 <= ratio <= 0.96
 
 
+def test_the_published_runs_tables_show_what_the_model_predicts():
+    """The README's and docs/simulate.md's predicted column, to a tenth of a point: a change to
+    the model that moves a reproduction must move its table too."""
+    horovod = [_efficiency("horovod-cluster.toml", f"horovod-{m}.toml", 512)
+               for m in ("inception3", "resnet101", "vgg16")]
+    goyal = _efficiency("goyal-cluster.toml", "goyal-resnet50.toml", 256) / \
+        _efficiency("goyal-cluster.toml", "goyal-resnet50.toml", 8)
+    shown = [f"{100 * e:.1f}%" for e in (*horovod, goyal)]
+    root = EXAMPLES.parent.parent
+    readme = (root / "README.md").read_text()
+    assert f"| 90%, 90%, 68% | {', '.join(shown[:3])} |" in readme
+    assert f"| Goyal et al., ResNet-50, 8 to 256 GPUs | about 90% | {shown[3]} |" in readme
+    doc = (root / "docs" / "simulate.md").read_text()
+    for model, value in zip(("Inception V3", "ResNet-101", "VGG-16"), shown):
+        assert f"| Horovod, {model}, 512 GPUs | {'68%' if model == 'VGG-16' else '90%'} | {value} |" in doc
+    assert f"| Goyal et al., ResNet-50, 8 to 256 GPUs | about 90% | {shown[3]} |" in doc
+
+
 def test_simulate_all_gives_a_row_per_strategy_and_count(capsys):
     assert command.main(["--cluster", str(EXAMPLES / "horovod-cluster.toml"), "--workload",
                          str(EXAMPLES / "horovod-vgg16.toml"), "--strategy", "all", "--workers", "8,512",
