@@ -106,6 +106,8 @@ def test_the_table_names_the_runs_across_which_the_host_moved():
     assert "| dp | 100 | 150.0 ms | 145.0 ms (before 140.0, after 150.0) | 148.2 ms (x1.10) |" in table
     assert "| ps-bsp | 100 | 150.0 ms | 148.0 ms (before 170.0, after 126.0) | - |" in table
     assert "across the runs of ps-bsp (34.9%), zero1 (10.5%)" in table and "`--strategies ps-bsp,zero1`" in table
+    # dp 145/150 and ps-bsp 148/150 within 10% as timed, zero1 105.25/150 not; dp's 148.25 from its compute
+    assert "within 10% of the measured: 2 of 3 as timed, 1 of 3 from their compute." in table
     assert "moved" not in report.markdown(rows[:1], "gpt")
 
 

@@ -93,6 +93,21 @@ def host_moved(rows):
     return out
 
 
+CLOSE = 0.10   # a prediction this close to the measured step counts as close
+
+
+def accuracy(rows):
+    """One line: how many of the runs' steps the model predicted within CLOSE, each way."""
+    ran = [r for r in rows if r.get("step_ms")]
+
+    def close(key):
+        return sum(1 for r in ran if r.get(key) and abs(r[key] / r["step_ms"] - 1) <= CLOSE)
+    line = f"The model's step within {CLOSE:.0%} of the measured: {close('predicted_step_ms')} of {len(ran)} as timed"
+    if any("predicted_from_run_compute_ms" in r for r in ran):
+        line += f", {close('predicted_from_run_compute_ms')} of {len(ran)} from their compute"
+    return line + "."
+
+
 def markdown(rows, title):
     predicted = any("predicted_step_ms" in r for r in rows)
     from_run = any("predicted_from_run_compute_ms" in r for r in rows)
@@ -119,6 +134,8 @@ def markdown(rows, title):
     if from_run:
         lines += ["", "Predicted from its compute: the model again at the speed the run computed at, and as "
                   "unsteadily (x: the run's compute a step over the model's timing of it; 1.20, 20% slower)."]
+    if predicted:
+        lines += ["", accuracy(rows)]
     moved = host_moved(rows)
     if moved:
         lines += ["", "This host's speed moved by more than {:.0%} across the runs of {}: their predicted and "
