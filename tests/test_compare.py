@@ -72,17 +72,20 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
 
 def test_a_run_s_spread_is_taken_from_step_to_step_leaving_out_the_host_s_drift():
     """A run whose steps drift (the host slowing over it) and jitter about the drift: the
-    spread compare gives the model is the jitter's, not the drift's."""
+    spread compare gives the model is the jitter's, not the drift's; and so is the spread
+    of the steps timed for a prediction."""
     import numpy as np
 
-    from paratrain.compare import report
+    from paratrain.simulate import here, waits
     rng = np.random.default_rng(0)
     jitter = rng.normal(0, 1.0, 400)
     steps = list(100 + 0.05 * np.arange(400) + jitter)   # 20 units of drift across the run
     assert np.std(steps) > 5   # the plain standard deviation is mostly the drift
-    assert report.step_to_step_spread(steps) == pytest.approx(np.std(jitter), rel=0.1)
-    assert report.step_to_step_spread([1.0, 3.0, 1.0, 3.0]) == pytest.approx(np.sqrt(2))   # (3 x 2^2) / (2 x 3)
-    assert report.step_to_step_spread([5.0]) == 0.0
+    assert waits.step_to_step_spread(steps) == pytest.approx(np.std(jitter), rel=0.1)
+    assert waits.step_to_step_spread([1.0, 3.0, 1.0, 3.0]) == pytest.approx(np.sqrt(2))   # (3 x 2^2) / (2 x 3)
+    assert waits.step_to_step_spread([5.0]) == 0.0
+    timed = here.Timed(steps)
+    assert timed == pytest.approx(np.median(steps)) and timed.jitter == waits.step_to_step_spread(steps)
 
 
 def test_the_table_names_the_runs_across_which_the_host_moved():

@@ -27,25 +27,14 @@ compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
 """
 import json
-import math
 import os
 import statistics
 
+from ..simulate.waits import step_to_step_spread
 from ..train.metrics import read_metrics
 
 MB = 1 << 20
 MOVED = 0.10   # the host's speed moved this much across a run: its prediction is of another speed
-
-
-def step_to_step_spread(values):
-    """The standard deviation of ``values`` from one to the next (von Neumann et al. 1941:
-    the mean squared successive difference is twice the variance): a shared host's
-    slow drift over a run, which every rank feels alike and so makes none wait for
-    another, is left out, where the plain standard deviation counts it (gpt's ZeRO-3
-    steps: 9.8% of the median against 17.5%)."""
-    if len(values) < 2:
-        return 0.0
-    return math.sqrt(sum((b - a) ** 2 for a, b in zip(values, values[1:])) / (2 * (len(values) - 1)))
 
 
 def row_from_run(name, run_dir):

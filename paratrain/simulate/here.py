@@ -23,6 +23,7 @@ import statistics
 import time
 
 from .collectives import Link
+from . import waits
 from .crowding import Crowding
 from .system import Cluster, Workload
 
@@ -104,11 +105,12 @@ def _batches(task, batch_size):
 
 class Timed(float):
     """A step's seconds (the median of the timed steps, as a run's step time is reported),
-    with ``jitter``, their standard deviation (what waits.py charges per synchronization)."""
+    with ``jitter``, their spread from one step to the next (what waits.py charges per
+    synchronization; as compare takes a run's: the host's drift across the timing left out)."""
 
     def __new__(cls, samples):
         timed = super().__new__(cls, statistics.median(samples))
-        timed.jitter = statistics.stdev(samples) if len(samples) > 1 else 0.0
+        timed.jitter = waits.step_to_step_spread(samples)
         return timed
 
     @classmethod
