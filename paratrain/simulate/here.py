@@ -22,8 +22,8 @@ import os
 import statistics
 import time
 
-from .collectives import Link
 from . import waits
+from .collectives import Link
 from .crowding import Crowding
 from .system import Cluster, Workload
 
