@@ -56,8 +56,10 @@ def runs(tmp_path_factory):
         "lost_and_joined": ("--workers", WORKERS, "--min-workers", 2, "--max-restarts", 1, "--batch-size", BATCH,
                             "--fail", "0:12", "--fail", "3:30:commit", "--straggler", "1:3", "--trace"),
         # two at once, below --min-workers until two replacements come (horovod #3494); one
-        # dies in the middle of the next recovery (horovod #2995); one hangs (pytorch #123678)
-        "below_min": ("--workers", WORKERS, "--min-workers", 3, "--max-restarts", 4, "--batch-size", BATCH,
+        # dies in the middle of the next recovery (horovod #2995); one hangs (pytorch #123678).
+        # --min-workers is the whole world: every loss waits below it for a replacement, so the
+        # two are one loss to the job even when one dies well after the other (a loaded host)
+        "below_min": ("--workers", WORKERS, "--min-workers", WORKERS, "--max-restarts", 4, "--batch-size", BATCH,
                       "--elastic-timeout", 60, "--fail", "1:8", "--fail", "2:8", "--fail", "0:10:reform",
                       "--fail", "3:40:hang"),
     }
@@ -125,7 +127,7 @@ def test_lost_ranks_and_a_joiner_end_with_the_parameters_of_a_run_that_lost_noth
 def test_below_min_workers_two_at_once_a_failed_recovery_and_a_hang(runs):
     res, summary = check_run(runs, "below_min", hung=[3])
     text = res.stdout + res.stderr
-    assert "below --min-workers 3" in text, text[-3000:]
+    assert f"below --min-workers {WORKERS}" in text, text[-3000:]
     assert "worker 3 sent no heartbeat" in text, text[-3000:]
     # (worker 0, set to die in the first re-form back to a commit at 10 or later, dies in that one)
     hang = next(e for e in summary["elastic_events"] if 3 in e["workers"])
@@ -133,7 +135,7 @@ def test_below_min_workers_two_at_once_a_failed_recovery_and_a_hang(runs):
     events = summary["elastic_events"]
     assert any(e["kind"] == "lost" and e["ranks"] == [1, 2] for e in events), events
     assert sum(len(e["workers"]) for e in events if e["kind"] == "lost") == 4, events
-    assert summary["workers"] >= 3
+    assert summary["workers"] == WORKERS
 
 
 def test_shrink_keeps_each_workers_batch_and_scales_the_learning_rate(runs):
