@@ -154,14 +154,46 @@ def test_a_pretend_link_is_measured_in_a_limited_namespace_and_carries_to_the_hi
     assert calibrate.link_errors(got, fitted, free, 2, 2.0)["hierarchical"][-1] < -0.01
 
 
-def test_a_rank_count_held_out_is_predicted_from_the_others():
-    true = Link(alpha=20e-6, beta=0.5e-9, gamma=0.2e-9)
-    samples = [(a, P, n, all_reduce(a, P, n).seconds(true)) for a in ("ring", "tree") for P in (2, 3, 4)
-               for n in (64 << 10, MB, 16 * MB)]
-    assert max(calibrate.held_out_errors(samples)) < 1e-6          # the model is the truth: exact
-    bent = [(a, P, n, t * (1.5 if P == 3 else 1.0)) for a, P, n, t in samples]
-    assert min(calibrate.held_out_errors(bent)) > 0.3               # 3 ranks 1.5x slower than the model
-    assert calibrate.held_out_errors(samples, held=5) is None
+def test_a_size_held_out_is_predicted_from_the_others():
+    true = Link(alpha=20e-6, beta=0.5e-9, gamma=0.2e-9, cache_bytes=MB, beyond=0.3e-9)
+    sizes = [(64 << 10) << i for i in range(9)]   # 64 KiB to 16 MiB, as --calibrate times them
+    samples = [(a, P, n, all_reduce(a, P, n).seconds(true)) for a in ("ring", "tree") for P in (2, 4) for n in sizes]
+    assert len(calibrate.held_out_errors(samples)) == 5 * 4               # 1 to 16 MiB, held out in turn
+    assert max(calibrate.held_out_errors(samples)) < 1e-6                # the model is the truth: exact
+    bent = [(a, P, n, t * (1.5 if n == 4 * MB else 1.0)) for a, P, n, t in samples]
+    assert max(calibrate.held_out_errors(bent)) > 0.3                    # 4 MiB 1.5x slower than the model
+    assert calibrate.held_out_errors([s for s in samples if s[2] >= 4 * MB]) is None   # 3 sizes: none to spare
+
+
+def test_ranks_on_their_own_cores_and_ranks_sharing_them_are_fitted_as_two_links():
+    """2 ranks on 2 cores spin; 3 and 4 hand off through the scheduler: two links. The fit
+    splits the samples at the cores and recovers each, where one link for all misses."""
+    from paratrain.simulate.collectives import busy_ranks
+    own, crowded = Link(10e-6, 0.2e-9, 0.1e-9), Link(60e-6, 0.5e-9, 0.3e-9)
+
+    def seconds(a, P, n):
+        if P <= 2:
+            return all_reduce(a, P, n).seconds(own)
+        return all_reduce(a, P, n).seconds(crowded.slowed(calibrate.oversubscribed(busy_ranks(a, P), 2, 1.5)))
+    samples = [(a, P, n, seconds(a, P, n)) for a in ("ring", "tree") for P in (2, 3, 4)
+               for n in (64 << 10, MB, 4 * MB, 16 * MB)]
+    split = calibrate.by_regime({"shm": samples}, 2)
+    assert sorted(split) == ["shm", "shm_crowded"] and {s[1] for s in split["shm"]} == {2}
+    assert calibrate.by_regime({"shm": samples}, 4) == {"shm": samples}   # a core each: one link
+    links = calibrate.fit_links({"shm": samples}, 2)
+    for name in links:
+        link, k = links[name]
+        assert np.abs(calibrate.relative_errors(link, split[name], 2, k)).max() < 1e-6, name
+    assert links["shm_crowded"][1] == 1.5
+    assert calibrate.host_link(links, "shm", 2, 2) == links["shm"]
+    assert calibrate.host_link(links, "shm", 4, 2) == links["shm_crowded"]
+    joint, k = calibrate.fit(samples, 2)
+    assert np.abs(calibrate.relative_errors(joint, samples, 2, k)).max() > 0.1
+    # a cluster with both: its own link while each rank has a core, the crowded one, slowed, past them
+    from paratrain.simulate.system import Cluster
+    host = Cluster("host", 1, 8, own, own, cores=2, contention=1.5, crowded=crowded)
+    assert host.host_link(2) == own and host.host_link(4) == crowded.slowed(calibrate.oversubscribed(4, 2, 1.5))
+    assert Cluster("old", 1, 8, own, own, cores=2, contention=1.5).host_link(4) == own.slowed(2 * 2 ** 0.5)
 
 
 def test_a_two_rate_link_charges_the_bytes_past_its_cache_more():

@@ -309,6 +309,11 @@ def test_a_built_in_model_is_measured_here_and_this_host_is_the_calibrated_clust
     calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10}},
                                        "crowding": {"base_s": 0.0015, "per_work": 0.2}}))
     assert here.cluster_here(calibration).crowding.per_work == 0.2
+    calibration.write_text(json.dumps({"links": {"shm_direct": {"alpha": 1e-5, "beta": 1e-10, "gamma": 2e-10},
+                                                 "shm_direct_crowded": {"alpha": 5e-5, "beta": 3e-10}},
+                                       "contention": {"shm_direct": 1.0, "shm_direct_crowded": 1.25}, "cores": 2}))
+    both = here.cluster_here(calibration)   # ranks sharing the cores meet the crowded link, with its exponent
+    assert both.crowded == Link(5e-5, 3e-10) and both.contention == 1.25 and both.host_link(2) == both.intra
     assert command.main(["--cluster", "here", "--calibration", str(calibration), "--workload", "mlp",
                          "--workers", "1,2", "--json"]) == 0
     assert [r["workers"] for r in json.loads(capsys.readouterr().out)["rows"]] == [1, 2]

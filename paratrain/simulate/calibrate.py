@@ -19,6 +19,15 @@ things make it a careful one:
   put it back. Only the ranks at work count (collectives.busy_ranks: the
   extra ranks of recursive doubling wait). (Compute, a step long, is
   balanced by the scheduler: P/C, ``time_shared``.)
+- Ranks with a core each and ranks sharing cores are two links. With a core
+  each, a rank spins on the flags its peers set and every copy stays in its
+  own core's cache; past the cores, each hand-off waits for the scheduler to
+  run the peer and the peers' buffers share a cache. One alpha and beta for
+  both fit neither (ring's 2-rank calls too slow in a core's cache, too fast
+  past it). So the samples are split at P = cores
+  (``by_regime``): the link keeps its name for ranks on their own cores and
+  ``<name>_crowded`` is fitted on the rest, with its exponent k;
+  predictions past the cores use the crowded link (``host_link``).
 - Constants are not negative. With one algorithm the bytes reduced are a
   fixed share of the bytes sent (ring: a half), so gamma cannot be told from
   beta and the plain solution may trade one against the other below zero.
@@ -78,6 +87,31 @@ def terms_matrix(samples, cores=None, contention=1.0, cache_bytes=0):
     return np.array(rows, dtype=np.float64), np.array(times, dtype=np.float64)
 
 
+CROWDED = "_crowded"   # the suffix of a link's name fitted on more ranks than cores
+
+
+def by_regime(samples, cores):
+    """{link name: samples} with each link's samples of more ranks than ``cores`` under
+    ``<name>_crowded``; a link measured on one side of the cores only keeps its name."""
+    out = {}
+    for name, rows in samples.items():
+        own = [s for s in rows if not cores or s[1] <= cores]
+        crowded = [s for s in rows if cores and s[1] > cores]
+        if own and crowded:
+            out[name], out[name + CROWDED] = own, crowded
+        else:
+            out[name] = rows
+    return out
+
+
+def host_link(links, name, P, cores):
+    """(Link, exponent k) for P ranks on a host of ``cores`` cores from fitted ``links``
+    ({name: (Link, k)}): the crowded link past the cores where one was fitted, else ``name``'s."""
+    if cores and P > cores and name + CROWDED in links:
+        return links[name + CROWDED]
+    return links[name]
+
+
 def fit(samples, cores=None, caches=CACHES):
     """(the Link, the contention exponent) whose predictions are closest to ``samples``'
     times in relative terms, the ranks sharing ``cores`` cores (None: each has its own);
@@ -121,7 +155,7 @@ def relative_errors(link, samples, cores=None, contention=1.0):
 ENGINES = {"paratrain": "direct", "paratrain/direct": "direct", "paratrain/ring": "ring", "paratrain/tree": "tree",
            "paratrain/naive": "naive"}
 PATHS = {"direct": "shm_direct", "ring": "shm", "tree": "shm", "naive": "shm"}   # which link each one runs over
-SIZES = "64K,256K,1M,4M,16M"
+SIZES = "64K,256K,512K,1M,2M,4M,8M,16M"
 
 
 def samples_from_bench(report):
@@ -226,17 +260,24 @@ def link_errors(samples, net, intra, cores=None, contention=1.0):
 
 
 def fit_links(samples, cores=None):
-    """{link name: (Link, contention exponent)} fitted to each link's samples."""
-    return {name: fit(rows, cores) for name, rows in samples.items()}
+    """{link name: (Link, contention exponent)} fitted to each link's samples, split by_regime."""
+    return {name: fit(rows, cores) for name, rows in by_regime(samples, cores).items()}
 
 
-def held_out_errors(samples, cores=None, held=3, min_bytes=1 << 20):
-    """|relative errors| of the ``held``-rank samples of at least ``min_bytes`` under a fit to
-    the other rank counts: how well the model carries to a rank count it was not fitted on.
-    None when there is nothing to hold out."""
-    rest = [s for s in samples if s[1] != held]
-    test = [s for s in samples if s[1] == held and s[2] >= min_bytes]
-    if len(rest) < 2 or not test:
+def held_out_errors(samples, cores=None, min_bytes=1 << 20):
+    """|relative errors| at each size of at least ``min_bytes`` under a fit to the other
+    sizes: how well the model's form (alpha, beta, gamma and the cache's step) carries to a
+    size it was not fitted on, where a fit of as many constants as sizes would match any
+    samples. None with fewer than four sizes (four constants)."""
+    size = {s: round(s[2] / 1024) for s in samples}   # 3 ranks time 4 bytes fewer: a multiple of 3 floats
+    sizes = sorted(set(size.values()))
+    if len(sizes) < 4:
         return None
-    link, k = fit(rest, cores)
-    return [abs(float(e)) for e in relative_errors(link, test, cores, k)]
+    out = []
+    for held in sizes:
+        test = [s for s in samples if size[s] == held]
+        if held * 1024 < min_bytes or not test:
+            continue
+        link, k = fit([s for s in samples if size[s] != held], cores)
+        out += [abs(float(e)) for e in relative_errors(link, test, cores, k)]
+    return out or None

@@ -118,8 +118,8 @@ def calibrate_here(path, rates=None):
     from ..launch import link as linkmod
     print("paratrain simulate: measuring all_reduce here (paratrain bench collectives, 2, 3 and 4 ranks)...",
           flush=True)
-    samples = calibrate.measure_here()
     cores = os.cpu_count()
+    samples = calibrate.by_regime(calibrate.measure_here(), cores)
     links = calibrate.fit_links(samples, cores)
     rows, summary = [], []
     for name, rows_of in samples.items():
@@ -127,13 +127,14 @@ def calibrate_here(path, rates=None):
         rows += _rows(name, rows_of, calibrate.relative_errors(link, rows_of, cores, contention))
         held = calibrate.held_out_errors(rows_of, cores)
         if held:
-            summary.append(f"{name}: fitted without 3 ranks, predicting them: median {_median(held):.1%}, "
-                           f"max {max(held):.1%}")
+            summary.append(f"{name}: each size of 1 MiB and above fitted without it, predicting it: median "
+                           f"{_median(held):.1%}, max {max(held):.1%}")
     if rates is None:
         rates = [r for r in calibrate.LINK_RATES if linkmod.check(r) is None]
         if len(rates) < len(calibrate.LINK_RATES):
             print(f"paratrain simulate: pretend hosts left out: {linkmod.check(calibrate.LINK_RATES[0])}")
-    intra, intra_k = links["shm_direct"]
+    intra, intra_k = calibrate.host_link(links, "shm_direct", 4, cores)   # the pretend hosts' 2 x 2 ranks
+    intra_name = next(name for name, fitted in links.items() if fitted == (intra, intra_k))
     for rate in rates:
         print(f"paratrain simulate: measuring two pretend hosts joined by {rate} (Gloo between them; "
               "the hierarchical backend at 2 x 2 ranks)...", flush=True)
@@ -146,7 +147,7 @@ def calibrate_here(path, rates=None):
         held = [abs(e) for (_, _, n, _), e in zip(got.get("hierarchical", []), errors["hierarchical"])
                 if n >= 1 << 20]
         if held:
-            summary.append(f"net_{rate}: hierarchical 2 x 2 ranks, predicted from the link and shm_direct "
+            summary.append(f"net_{rate}: hierarchical 2 x 2 ranks, predicted from the link and {intra_name} "
                            f"(not fitted on them): median {_median(held):.1%}, max {max(held):.1%}")
     from rich.console import Console
     from rich.table import Table
@@ -167,9 +168,10 @@ def calibrate_here(path, rates=None):
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
         far = (f"; past {link.cache_bytes / 1024:.0f} KiB, {link.beyond * 1e9:.4f} ns/byte more"
                if link.cache_bytes else "")
+        shared = any(P > cores for _, P, _, _ in samples.get(name, ()))
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
-              f"gamma {link.gamma * 1e9:.4f} ns/byte{far}; ranks sharing cores: ceil(P/cores) "
-              f"(P/cores)^{contention - 1:g}")
+              f"gamma {link.gamma * 1e9:.4f} ns/byte{far}"
+              + (f"; ranks sharing cores: ceil(P/cores) (P/cores)^{contention - 1:g}" if shared else ""))
     from . import crowding
     print(f"paratrain simulate: measuring a synchronization of {2 * cores} processes on the {cores} cores...",
           flush=True)

@@ -25,7 +25,6 @@ stragglers.
 """
 import math
 
-from .calibrate import oversubscribed
 from .collectives import all_reduce, busy_ranks, hierarchical_all_reduce
 from .step import Step, serial_channel
 
@@ -51,7 +50,7 @@ def slowest_link(cluster, workers, algorithm=None):
     if hosts > 1:
         return cluster.inter
     busy = busy_ranks(algorithm, per_host) if algorithm else per_host
-    return cluster.intra.slowed(oversubscribed(busy, cluster.cores, cluster.contention))
+    return cluster.host_link(busy)
 
 
 def all_reduce_seconds(cluster, workers, n, algorithm):
@@ -81,8 +80,7 @@ def group_link(cluster, size, across_hosts, workers=None):
     ``across_hosts``; else the host's memory, slowed by the job's ``workers`` there."""
     if across_hosts:
         return cluster.inter
-    return cluster.intra.slowed(oversubscribed(placement(cluster, max(size, workers or size))[1], cluster.cores,
-                                               cluster.contention))
+    return cluster.host_link(placement(cluster, max(size, workers or size))[1])
 
 
 def choose(cluster, workers, n):

@@ -23,6 +23,7 @@ import statistics
 import time
 
 from . import waits
+from .calibrate import CROWDED
 from .collectives import Link
 from .crowding import Crowding
 from .system import Cluster, Workload
@@ -529,7 +530,9 @@ def cluster_here(calibration):
         links = stored["links"]
         name = "shm_direct" if "shm_direct" in links else next(iter(links))
         link = Link(**links[name])
-        contention = float(stored.get("contention", {}).get(name, 1.0))
+        shared = name + CROWDED if name + CROWDED in links else name   # ranks sharing the cores: calibrate.py
+        crowded = Link(**links[shared]) if shared != name else None
+        contention = float(stored.get("contention", {}).get(shared, 1.0))
         crowding = Crowding(**stored["crowding"]) if stored.get("crowding") else None
     except FileNotFoundError:
         raise ValueError(f"--cluster here needs this machine's links: run `paratrain simulate --calibrate` "
@@ -539,4 +542,5 @@ def cluster_here(calibration):
                          "--calibrate` again") from None
     cores = stored.get("cores") or os.cpu_count()
     return Cluster(f"this host ({cores} cores, calibrated)", 1, max(cores, 8), link, link,
-                   host_algorithms=("direct",), cores=cores, contention=contention, crowding=crowding)
+                   host_algorithms=("direct",), cores=cores, contention=contention, crowding=crowding,
+                   crowded=crowded)

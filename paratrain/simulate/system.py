@@ -2,6 +2,7 @@
 (the model and one device's step). files.py reads them from TOML; here.py measures them here."""
 from dataclasses import dataclass
 
+from .calibrate import oversubscribed
 from .collectives import Link
 from .step import Unavailable
 
@@ -18,6 +19,13 @@ class Cluster:
     cores: int = None            # cores a host's devices share (this machine's processes), None: one each
     contention: float = 1.0      # k in (P/cores)^k: how ranks sharing cores slow a collective (calibrate.py)
     crowding: object = None      # crowding.Crowding: a synchronization of more ranks than cores, measured here
+    crowded: Link = None         # the host's memory as ranks sharing its cores meet it (calibrate.py); None: intra
+
+    def host_link(self, ranks):
+        """The host's memory as ``ranks`` processes on it meet it: ``intra`` while each has a
+        core; past the cores, ``crowded`` (else ``intra``) slowed by the most crowded core."""
+        slow = oversubscribed(ranks, self.cores, self.contention)
+        return self.intra if slow == 1 else (self.crowded or self.intra).slowed(slow)
 
     @property
     def devices(self):
