@@ -338,3 +338,24 @@ def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_s
     (tmp_path / "w.toml").write_text('params = 1000\nbytes_per_param = 4\nbatch_per_device = 8\n'
                                      'step_compute_ms = 100\nstep_jitter_ms = 5\n')
     assert load_workload(tmp_path / "w.toml").step_jitter_s == pytest.approx(0.005)
+
+
+def test_each_part_of_a_prediction_is_brought_to_the_pace_of_the_first(monkeypatch):
+    """here._once times the model's step briefly before and after each part and scales the
+    part by the first pace since forget_timings over the mean of those two: a part timed
+    while the host ran twice as slow counts as half its time."""
+    from paratrain.simulate import here
+    assert 0 < here.pace_seconds("mlp") < 1
+    paces = iter([0.10, 0.10, 0.20, 0.20, 0.05, 0.15])
+    monkeypatch.setattr(here, "pace_seconds", lambda model, seed=0: next(paces))
+    here.forget_timings()
+    try:
+        timed = here.Timed([0.06, 0.08, 0.06])
+        assert here._once(("paced", 1), "mlp", 8, 0, 0, lambda: here.Timed([0.03] * 3)) == pytest.approx(0.03)
+        slow = here._once(("paced", 2), "mlp", 8, 0, 0, lambda: timed)    # the host twice as slow
+        assert slow == pytest.approx(0.03) and slow.jitter == pytest.approx(timed.jitter / 2)
+        assert here._once(("paced", 3), "mlp", 8, 0, 0, lambda: 0.02) == pytest.approx(0.02)   # a mean of 0.1
+        assert here._once(("paced", 4), "mlp", 8, 0, 0, lambda: "ratios", paced=False) == "ratios"
+        assert here._once(("paced", 2), "mlp", 8, 0, 0, lambda: 1 / 0) == slow   # once per key
+    finally:
+        here.forget_timings()

@@ -208,12 +208,44 @@ def neighbours(model, batch, count, seed=0):
                 p.kill()
 
 
-def _once(key, model, batch, seed, alongside, measure):
+PACE_STEPS = 4   # whole steps timed, after one warm-up, for the host's pace around each timing
+
+
+def pace_seconds(model, seed=0):
+    """The median of a few training steps of built-in ``model``'s default batch: how fast
+    this host computes just now."""
+    task = task_of(model, seed)
+    return statistics.median(_after_warmup(training_steps(task, task.defaults["batch_size"]), 1, PACE_STEPS))
+
+
+def at_pace(value, ratio):
+    """``value`` (seconds: a float or a Timed) times ``ratio``."""
+    if isinstance(value, Timed):
+        return Timed.of(float(value) * ratio, value.jitter * ratio)
+    return value * ratio
+
+
+def _once(key, model, batch, seed, alongside, measure, paced=True):
     """``measure()`` of built-in ``model`` on one thread with ``alongside`` processes computing
-    its step of ``batch`` samples beside it; once per ``key`` until forget_timings."""
+    its step of ``batch`` samples beside it; once per ``key`` until forget_timings.
+
+    A prediction adds parts timed one after another (a whole step, a stage's micro-batch,
+    a cut model's step, a compressor), and a shared host's speed moves within a minute: a
+    stage timed at a fast moment and the whole step at a slow one rank a pipeline ahead of
+    data parallelism that runs faster than it. So each part
+    (``paced``: seconds) is brought to one pace: the model's step is timed briefly just
+    before and just after it, and the part is scaled by the first such pace since
+    forget_timings over the mean of these two, as if every part ran at that moment."""
     if key not in _TIMED:
         with one_thread(), neighbours(model, batch, alongside, seed):
-            _TIMED[key] = measure()
+            if not paced:
+                _TIMED[key] = measure()
+                return _TIMED[key]
+            before = pace_seconds(model, seed)
+            value = measure()
+            now = (before + pace_seconds(model, seed)) / 2
+        base = _TIMED.setdefault(("pace", model, alongside), before)
+        _TIMED[key] = at_pace(value, base / now)
     return _TIMED[key]
 
 
@@ -352,7 +384,7 @@ def backward_split(model, batch, seed=0, alongside=0, tp=1):
     def measure():
         forward, whole, b, w = (statistics.median(column) for column in zip(*_after_warmup(parts())))
         return BackwardSplit(whole / (forward + whole), w / (b + w), (b + w) / whole)
-    return _once((model, batch, "split", tp, alongside), model, batch, seed, alongside, measure)
+    return _once((model, batch, "split", tp, alongside), model, batch, seed, alongside, measure, paced=False)
 
 
 def encode_seconds(model, spec, replicas, tp=1, seed=0, alongside=0):
