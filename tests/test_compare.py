@@ -76,7 +76,7 @@ def test_a_run_s_spread_is_taken_from_step_to_step_leaving_out_the_host_s_drift(
     of the steps timed for a prediction."""
     import numpy as np
 
-    from paratrain.simulate import here, waits
+    from paratrain.simulate import timing, waits
     rng = np.random.default_rng(0)
     jitter = rng.normal(0, 1.0, 400)
     steps = list(100 + 0.05 * np.arange(400) + jitter)   # 20 units of drift across the run
@@ -84,7 +84,7 @@ def test_a_run_s_spread_is_taken_from_step_to_step_leaving_out_the_host_s_drift(
     assert waits.step_to_step_spread(steps) == pytest.approx(np.std(jitter), rel=0.1)
     assert waits.step_to_step_spread([1.0, 3.0, 1.0, 3.0]) == pytest.approx(np.sqrt(2))   # (3 x 2^2) / (2 x 3)
     assert waits.step_to_step_spread([5.0]) == 0.0
-    timed = here.Timed(steps)
+    timed = timing.Timed(steps)
     assert timed == pytest.approx(np.median(steps)) and timed.jitter == waits.step_to_step_spread(steps)
 
 

@@ -235,25 +235,25 @@ def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction():
     """compare's second prediction: a run that computed 1.25x as long as the model's timing
     is predicted with every timing 1.25x as long (its compute part too), whatever the layout;
     its steps' spread is what the model charges at each synchronization (none for ASP's)."""
-    from paratrain.simulate import here
+    from paratrain.simulate import here, timing
     for model, name in (("digits", "dp"), ("digits", "ps-bsp"), ("digits", "zero1"), ("digits", "pipeline"),
                         ("digits", "pipeline-zb"), ("gpt", "tensor")):
         workload, measured, layout = here.workload_of(model), here.Measured(model), plan.compare_layout(name, 2)
         timed, _ = plan.predicted(layout, workload, CLUSTER, memory.ADAM, measured=measured)
         run = 1.25 * plan.worker_compute_seconds(layout, workload, measured)
-        step, speed = plan.predict_from_run(model, 2, name, CLUSTER, here.Timed.of(run, 0.0))
+        step, speed = plan.predict_from_run(model, 2, name, CLUSTER, timing.Timed.of(run, 0.0))
         assert speed == pytest.approx(1.25) and step.compute_s == pytest.approx(1.25 * timed.compute_s), name
         assert step.wait_s == 0, name   # steady steps: nobody waits for the slowest
-        unsteady, _ = plan.predict_from_run(model, 2, name, CLUSTER, here.Timed.of(run, 0.1 * run))
+        unsteady, _ = plan.predict_from_run(model, 2, name, CLUSTER, timing.Timed.of(run, 0.1 * run))
         assert unsteady.compute_s == step.compute_s and (unsteady.wait_s > 0) == (not name.startswith("pipeline")), name
-    steps = [plan.predict_from_run("digits", 2, "ps-asp", CLUSTER, here.Timed.of(0.01, spread))[0]
+    steps = [plan.predict_from_run("digits", 2, "ps-asp", CLUSTER, timing.Timed.of(0.01, spread))[0]
              for spread in (0, 1e-3)]
     assert steps[0].wait_s == steps[1].wait_s == 0   # ASP: nobody waits for a round
     # a slower worker than rank 0 sets the pace where they go in lockstep; a pipeline's speed
     # is its workers' mean (the model weighs its stages itself); ASP's and SSP's, rank 0's
     for name in ("dp", "ps-bsp", "zero3", "tensor", "ps-asp", "ps-ssp", "pipeline", "pipeline-zb"):
         model = "gpt" if name == "tensor" else "digits"
-        run = here.Timed.of(0.02, 0.0)
+        run = timing.Timed.of(0.02, 0.0)
         alone, slower = (plan.predict_from_run(model, 2, name, CLUSTER, run, slowest=k, mean=m)[0]
                          for k, m in ((1.0, 1.0), (1.1, 1.05)))
         lockstep = name in ("dp", "ps-bsp", "zero3", "tensor")

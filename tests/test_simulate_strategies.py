@@ -341,21 +341,21 @@ def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_s
 
 
 def test_each_part_of_a_prediction_is_brought_to_the_pace_of_the_first(monkeypatch):
-    """here._once times the model's step briefly before and after each part and scales the
+    """timing.once times the model's step briefly before and after each part and scales the
     part by the first pace since forget_timings over the mean of those two: a part timed
     while the host ran twice as slow counts as half its time."""
-    from paratrain.simulate import here
-    assert 0 < here.pace_seconds("mlp") < 1
+    from paratrain.simulate import timing
+    assert 0 < timing.pace_seconds("mlp") < 1
     paces = iter([0.10, 0.10, 0.20, 0.20, 0.05, 0.15])
-    monkeypatch.setattr(here, "pace_seconds", lambda model, seed=0: next(paces))
-    here.forget_timings()
+    monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
+    timing.forget_timings()
     try:
-        timed = here.Timed([0.06, 0.08, 0.06])
-        assert here._once(("paced", 1), "mlp", 8, 0, 0, lambda: here.Timed([0.03] * 3)) == pytest.approx(0.03)
-        slow = here._once(("paced", 2), "mlp", 8, 0, 0, lambda: timed)    # the host twice as slow
+        timed = timing.Timed([0.06, 0.08, 0.06])
+        assert timing.once(("paced", 1), "mlp", 8, 0, 0, lambda: timing.Timed([0.03] * 3)) == pytest.approx(0.03)
+        slow = timing.once(("paced", 2), "mlp", 8, 0, 0, lambda: timed)    # the host twice as slow
         assert slow == pytest.approx(0.03) and slow.jitter == pytest.approx(timed.jitter / 2)
-        assert here._once(("paced", 3), "mlp", 8, 0, 0, lambda: 0.02) == pytest.approx(0.02)   # a mean of 0.1
-        assert here._once(("paced", 4), "mlp", 8, 0, 0, lambda: "ratios", paced=False) == "ratios"
-        assert here._once(("paced", 2), "mlp", 8, 0, 0, lambda: 1 / 0) == slow   # once per key
+        assert timing.once(("paced", 3), "mlp", 8, 0, 0, lambda: 0.02) == pytest.approx(0.02)   # a mean of 0.1
+        assert timing.once(("paced", 4), "mlp", 8, 0, 0, lambda: "ratios", paced=False) == "ratios"
+        assert timing.once(("paced", 2), "mlp", 8, 0, 0, lambda: 1 / 0) == slow   # once per key
     finally:
-        here.forget_timings()
+        timing.forget_timings()

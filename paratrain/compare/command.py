@@ -73,7 +73,7 @@ def predictor(args):
     (shared hosts; the same dp prediction timed six times in 20 s: 165-203 ms), and a
     prediction timed in another minute than its run would compare the minutes, not the
     model."""
-    from ..simulate import here, plan
+    from ..simulate import here, plan, timing
     from ..simulate.command import calibration_path
     if not os.path.exists(calibration_path()):
         return None
@@ -84,12 +84,12 @@ def predictor(args):
         return None
 
     def predict(name, compute=None, slowest=1.0, mean=1.0):
-        """name's Step timed afresh; or, given the run's ``compute`` (a here.Timed of rank 0's),
+        """name's Step timed afresh; or, given the run's ``compute`` (a timing.Timed of rank 0's),
         (Step, speed) at the run's speed (plan.predict_from_run), on the last timings."""
         if compute is not None:
             return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size,
                                          slowest, mean)
-        here.forget_timings()
+        timing.forget_timings()
         steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
         return steps.get(name)
     return predict
@@ -99,7 +99,7 @@ def from_run_fields(predict, name, row):
     """``predicted_from_run_compute_ms``: the row's strategy predicted at the speed its run
     computed at (and as unsteadily), and ``run_compute_speed``, that speed against the
     timing's (the run's compute a step over the model's: 1.2, the run computed 20% slower)."""
-    from ..simulate.here import Timed
+    from ..simulate.timing import Timed
     if not row.get("compute_ms"):
         return {}
     step, speed = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3),

@@ -40,7 +40,8 @@ def measure(model, batch, seed=0):
 
     from ..train.memory import PeakMemory, heap_mb
     from ..train.tasks import build_task
-    from .here import cut_copy, training_steps   # (imported before the heap's baseline)
+    from .here import cut_copy   # (imported before the heap's baseline)
+    from .timing import training_steps
     torch.set_num_threads(1)
     memory = PeakMemory()
     task = build_task(model, seed=seed)

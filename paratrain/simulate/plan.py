@@ -28,7 +28,7 @@ import dataclasses
 import json
 import sys
 
-from . import compressed, here, memory, parameter_server, zero
+from . import compressed, here, memory, parameter_server, timing, zero
 from .calibrate import time_shared
 from .step import Unavailable
 from .strategies import predict
@@ -142,7 +142,7 @@ class AtSpeed:
         self.measured, self.speed, self.spread = measured, speed, spread
 
     def _scaled(self, seconds):
-        return here.Timed.of(seconds * self.speed, seconds * self.speed * self.spread)
+        return timing.Timed.of(seconds * self.speed, seconds * self.speed * self.spread)
 
     def step(self, batch):
         return self._scaled(self.measured.step(batch))
@@ -181,7 +181,7 @@ def in_lockstep(layout):
 
 def predict_from_run(model, workers, name, cluster, compute, batch_size=None, slowest=1.0, mean=1.0):
     """(Step, speed) of compare's run ``name`` predicted at the speed the run computed at.
-    ``compute`` is rank 0's compute a step (a here.Timed of its metrics' compute_seconds:
+    ``compute`` is rank 0's compute a step (a timing.Timed of its metrics' compute_seconds:
     their median and spread); ``slowest`` and ``mean``, the slowest worker's and the
     workers' mean over rank 0's (their means over the run). ``speed`` is the run's
     compute over the model's (worker_compute_seconds, sharing the cores as predicted()
@@ -212,7 +212,7 @@ def predict_from_run(model, workers, name, cluster, compute, batch_size=None, sl
 def _optimizer_and_heads(model):
     """(bytes of optimizer state a parameter, attention heads or None) of built-in ``model``:
     Adam's two moments or SGD's momentum, as its task trains it; heads for a transformer."""
-    task = here.task_of(model)
+    task = timing.task_of(model)
     K = memory.ADAM if task.defaults["optimizer"] == "adam" else memory.SGD_MOMENTUM
     return K, (task.config.get("n_head") or task.config.get("heads")) if task.blocks else None
 

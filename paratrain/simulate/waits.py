@@ -41,7 +41,7 @@ def step_to_step_spread(values):
     slow drift over a run, which every rank feels alike and so makes none wait for
     another, is left out, where the plain standard deviation counts it (gpt's ZeRO-3
     steps: 9.8% of the median against 17.5%). The spread of a run's steps (compare)
-    and of the steps timed for a prediction (here.Timed) alike."""
+    and of the steps timed for a prediction (timing.Timed) alike."""
     if len(values) < 2:
         return 0.0
     return math.sqrt(sum((b - a) ** 2 for a, b in zip(values, values[1:])) / (2 * (len(values) - 1)))

@@ -1,0 +1,205 @@
+"""How a part of a step is timed here: on one thread, with the job's other workers computing
+beside it, once until the host's speed is said to have moved, and at one pace.
+
+here.py times the parts a prediction needs (a whole step, a stage's micro-batch, a cut
+model's step, a compressor, the optimizer); this file is how each is timed: ``once``
+runs a ``measure()`` under ``one_thread`` and ``neighbours`` and keeps it per key until
+``forget_timings``, brought to the pace of the first part timed (``pace_seconds``); a
+step's seconds come back as a ``Timed`` (the median, and its spread from one step to
+the next, which waits.py charges).
+"""
+import contextlib
+import functools
+import statistics
+import time
+
+from . import waits
+
+# A gpt step here varies by 10-15% from step to step and its median over 25 steps by 5%
+# from one stretch of seconds to the next: 20 steps after 5 put the timing's median
+# within a few percent of a run's.
+WARMUP, TIMED = 5, 20
+
+
+def training_steps(task, batch_size, model=None, copied=True, sample=None):
+    """Seconds of each step, forever: forward, backward and the task's optimizer step on
+    ``batch_size`` samples, on a copy of ``model`` (else the task's own), left as it was;
+    with ``copied`` False on the model itself (footprint.py: a copy's parameters would
+    count in the heap it measures). ``sample()``, if given, is called where the trainer
+    samples the heap: after backward and after the optimizer's step."""
+    import copy
+
+    from ..train.optimizer import make_optimizer
+    model = task.model if model is None else model
+    if copied:
+        model = copy.deepcopy(model)
+    optimizer = make_optimizer(task.defaults["optimizer"], model.parameters(), task.defaults["lr"])
+    for batch in batches(task, batch_size):
+        t0 = time.perf_counter()
+        task.loss(model, batch).backward()
+        if sample:
+            sample()
+        optimizer.step()
+        if sample:
+            sample()
+        optimizer.zero_grad(set_to_none=True)
+        yield time.perf_counter() - t0
+
+
+def batches(task, batch_size):
+    """The task's training batches of ``batch_size`` samples in order, over and over."""
+    import torch
+    while True:
+        yield from torch.utils.data.DataLoader(task.train_set, batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+class Timed(float):
+    """A step's seconds (the median of the timed steps, as a run's step time is reported),
+    with ``jitter``, their spread from one step to the next (what waits.py charges per
+    synchronization; as compare takes a run's: the host's drift across the timing left out)."""
+
+    def __new__(cls, samples):
+        timed = super().__new__(cls, statistics.median(samples))
+        timed.jitter = waits.step_to_step_spread(samples)
+        return timed
+
+    @classmethod
+    def of(cls, median, jitter):
+        """The Timed of a median and standard deviation already taken (a run's, from its metrics)."""
+        timed = super().__new__(cls, median)
+        timed.jitter = jitter
+        return timed
+
+
+def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
+    """Seconds of a training step on ``batch_size`` samples on this process (``training_steps``;
+    ``model``: another model of the task's, a cut one), a Timed of ``timed`` steps after
+    ``warmup``."""
+    return timed_of(training_steps(task, batch_size, model), warmup, timed)
+
+
+def timed_of(seconds, warmup=WARMUP, timed=TIMED):
+    """A Timed of ``timed`` of the times the generator ``seconds`` yields, after ``warmup``."""
+    return Timed(after_warmup(seconds, warmup, timed))
+
+
+def after_warmup(measures, warmup=WARMUP, timed=TIMED):
+    """The ``timed`` values the generator ``measures`` yields after its first ``warmup``."""
+    return [next(measures) for _ in range(warmup + timed)][warmup:]
+
+
+_TIMED = {}
+NEIGHBOUR_START_S = 120   # seconds a neighbour may take to finish its first step
+
+
+def kept(key, measure):
+    """``measure()`` once per ``key`` until forget_timings, as it is (a timing that needs no
+    thread of its own nor neighbours: a send between two processes)."""
+    if key not in _TIMED:
+        _TIMED[key] = measure()
+    return _TIMED[key]
+
+
+def forget_timings():
+    """Time the models afresh from now on (the machine's speed has moved)."""
+    _TIMED.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def task_of(model, seed=0):
+    """Built-in ``model``'s task, built once (the gpt task reads its text each time it is built);
+    the timings below run forward and backward on it and leave its parameters as they were."""
+    from ..train.tasks import build_task
+    return build_task(model, seed=seed)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Compute on one thread, as paratrain train's workers do (--threads 1)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute_until(task, batch, stop, started):
+    import torch
+    torch.set_num_threads(1)
+    for i, _ in enumerate(training_steps(task, batch)):
+        if i == 0:
+            started.release()
+        if stop.is_set():
+            return
+
+
+@contextlib.contextmanager
+def neighbours(model, batch, count, seed=0):
+    """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples
+    while the body times its own: what a worker's compute takes beside the others. The body
+    starts once each has finished a step: a short timing (a pipeline stage's layers, a
+    few hundred milliseconds) would otherwise be over before they compute at all."""
+    if count <= 0:
+        yield
+        return
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    stop, started = fork.Event(), fork.Semaphore(0)
+    others = [fork.Process(target=_compute_until, args=(task_of(model, seed), batch, stop, started), daemon=True)
+              for _ in range(count)]
+    for p in others:
+        p.start()
+    try:
+        for _ in others:
+            if not started.acquire(timeout=NEIGHBOUR_START_S):
+                raise RuntimeError(f"a process computing beside the timing did not finish a step of {model} "
+                                   f"in {NEIGHBOUR_START_S} s")
+        yield
+    finally:
+        stop.set()
+        for p in others:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+PACE_STEPS = 4   # whole steps timed, after one warm-up, for the host's pace around each timing
+
+
+def pace_seconds(model, seed=0):
+    """The median of a few training steps of built-in ``model``'s default batch: how fast
+    this host computes just now."""
+    task = task_of(model, seed)
+    return statistics.median(after_warmup(training_steps(task, task.defaults["batch_size"]), 1, PACE_STEPS))
+
+
+def at_pace(value, ratio):
+    """``value`` (seconds: a float or a Timed) times ``ratio``."""
+    if isinstance(value, Timed):
+        return Timed.of(float(value) * ratio, value.jitter * ratio)
+    return value * ratio
+
+
+def once(key, model, batch, seed, alongside, measure, paced=True):
+    """``measure()`` of built-in ``model`` on one thread with ``alongside`` processes computing
+    its step of ``batch`` samples beside it; once per ``key`` until forget_timings.
+
+    A prediction adds parts timed one after another (a whole step, a stage's micro-batch,
+    a cut model's step, a compressor), and a shared host's speed moves within a minute: a
+    stage timed at a fast moment and the whole step at a slow one rank a pipeline ahead of
+    data parallelism that runs faster than it. So each part in seconds (``paced``) is
+    brought to one pace: the model's step is timed briefly just before and just after it,
+    and the part is scaled by the first such pace since forget_timings over the mean of
+    these two, as if every part ran at that moment."""
+    if key not in _TIMED:
+        with one_thread(), neighbours(model, batch, alongside, seed):
+            if not paced:
+                return kept(key, measure)
+            before = pace_seconds(model, seed)
+            value = measure()
+            now = (before + pace_seconds(model, seed)) / 2
+        base = _TIMED.setdefault(("pace", model, alongside), before)
+        _TIMED[key] = at_pace(value, base / now)
+    return _TIMED[key]
