@@ -185,8 +185,9 @@ def test_ranks_on_their_own_cores_and_ranks_sharing_them_are_fitted_as_two_links
         link, k = links[name]
         assert np.abs(calibrate.relative_errors(link, split[name], 2, k)).max() < 1e-6, name
     assert links["shm_crowded"][1] == 1.5
-    assert calibrate.host_link(links, "shm", 2, 2) == links["shm"]
-    assert calibrate.host_link(links, "shm", 4, 2) == links["shm_crowded"]
+    assert calibrate.link_for_ranks(links, "shm", 2, 2) == "shm"
+    assert calibrate.link_for_ranks(links, "shm", 4, 2) == "shm_crowded"
+    assert calibrate.link_for_ranks({"net": None}, "net", 4, 2) == "net"   # no crowded link fitted
     joint, k = calibrate.fit(samples, 2)
     assert np.abs(calibrate.relative_errors(joint, samples, 2, k)).max() > 0.1
     # a cluster with both: its own link while each rank has a core, the crowded one, slowed, past them

@@ -24,10 +24,10 @@ things make it a careful one:
   own core's cache; past the cores, each hand-off waits for the scheduler to
   run the peer and the peers' buffers share a cache. One alpha and beta for
   both fit neither (ring's 2-rank calls too slow in a core's cache, too fast
-  past it). So the samples are split at P = cores
-  (``by_regime``): the link keeps its name for ranks on their own cores and
-  ``<name>_crowded`` is fitted on the rest, with its exponent k;
-  predictions past the cores use the crowded link (``host_link``).
+  past it). So the samples are split at P = cores (``by_regime``): the
+  link keeps its name for ranks on their own cores and ``<name>_crowded``
+  is fitted on the rest, with its exponent k; predictions past the cores
+  use the crowded link (``link_for_ranks``, system.Cluster.host_link).
 - Constants are not negative. With one algorithm the bytes reduced are a
   fixed share of the bytes sent (ring: a half), so gamma cannot be told from
   beta and the plain solution may trade one against the other below zero.
@@ -104,12 +104,12 @@ def by_regime(samples, cores):
     return out
 
 
-def host_link(links, name, P, cores):
-    """(Link, exponent k) for P ranks on a host of ``cores`` cores from fitted ``links``
-    ({name: (Link, k)}): the crowded link past the cores where one was fitted, else ``name``'s."""
+def link_for_ranks(links, name, P, cores):
+    """The name among fitted ``links`` that P ranks on a host of ``cores`` cores meet:
+    ``name``'s crowded link past the cores where one was fitted, else ``name``."""
     if cores and P > cores and name + CROWDED in links:
-        return links[name + CROWDED]
-    return links[name]
+        return name + CROWDED
+    return name
 
 
 def fit(samples, cores=None, caches=CACHES):

@@ -133,8 +133,8 @@ def calibrate_here(path, rates=None):
         rates = [r for r in calibrate.LINK_RATES if linkmod.check(r) is None]
         if len(rates) < len(calibrate.LINK_RATES):
             print(f"paratrain simulate: pretend hosts left out: {linkmod.check(calibrate.LINK_RATES[0])}")
-    intra, intra_k = calibrate.host_link(links, "shm_direct", 4, cores)   # the pretend hosts' 2 x 2 ranks
-    intra_name = next(name for name, fitted in links.items() if fitted == (intra, intra_k))
+    intra_name = calibrate.link_for_ranks(links, "shm_direct", 4, cores)   # the pretend hosts' 2 x 2 ranks
+    intra, intra_k = links[intra_name]
     for rate in rates:
         print(f"paratrain simulate: measuring two pretend hosts joined by {rate} (Gloo between them; "
               "the hierarchical backend at 2 x 2 ranks)...", flush=True)
