@@ -172,7 +172,7 @@ def pace_seconds(model, seed=0):
     """The median of a few training steps of built-in ``model``'s default batch: how fast
     this host computes just now."""
     task = task_of(model, seed)
-    return statistics.median(after_warmup(training_steps(task, task.defaults["batch_size"]), 1, PACE_STEPS))
+    return float(time_step(task, task.defaults["batch_size"], warmup=1, timed=PACE_STEPS))
 
 
 def at_pace(value, ratio):
