@@ -20,9 +20,8 @@ memory; default its ``reduce_gbps``, else its intra-node rate), or the
 workload's ``encode_s`` where it is measured (here.encode_seconds: the
 compressor itself timed on the model's gradients, as plan and compare do)
 or declared. It adds to the step: the encoder runs on the device that
-computes. What this leaves out: top-k's warm-up (denser early steps), the
-small tensors sent whole, and the optimizer's step over top-k's gradients:
-mostly zeros, which torch's Adam takes longer over than over dense ones.
+computes. What this leaves out: top-k's warm-up (denser early steps) and
+the small tensors sent whole.
 """
 from . import data_parallel
 from .collectives import all_gather

@@ -263,7 +263,7 @@ def server_update_seconds(model, seed=0, alongside=0):
     """The task's optimizer over every parameter of built-in ``model`` as a parameter server
     runs it (paratrain/ps/optimizers.py, numpy, one step over one flat buffer: ps/fused.py's
     round), on one thread: the update the servers make in place of the workers' own
-    optimizer_seconds (gpt's Adam: 3.5-4.5 ms here in numpy, 5.7-7.5 ms in torch)."""
+    optimizer_seconds (numpy's passes, not torch's fused kernel)."""
     import numpy as np
 
     from ..ps.optimizers import make_optimizer

@@ -28,7 +28,7 @@ import torch
 import paratrain as pt
 
 from ...parallel.data import CommStats
-from ..optimizer import optimizer_class
+from ..optimizer import FUSED, optimizer_class
 from .base import GroupStep
 
 HELP = ("zero: data parallelism with the optimizer state (--stage 1), the gradients (2) and the parameters "
@@ -84,7 +84,7 @@ class ZeroStep(GroupStep):
         group = pt.init(backend=args.backend)
         self.group, self.rank, self.world_size = group, group.rank, group.world_size
         cls, kwargs = optimizer_class(settings.optimizer, settings.lr)
-        self.engine = pt.ZeRO(task.model, cls, stage=args.stage or DEFAULT_STAGE, group=group, **kwargs)
+        self.engine = pt.ZeRO(task.model, cls, stage=args.stage or DEFAULT_STAGE, group=group, **kwargs, **FUSED)
         self.model, self.adam = self.engine, cls is torch.optim.Adam
         self.numel = sum(q.numel() for q in task.model.parameters())
         self.stats, self.held, self._moved = CommStats(), None, 0
