@@ -518,3 +518,32 @@ def test_a_failing_hook_does_not_stop_the_output(tmp_path, capfd):
     cap = capfd.readouterr()
     assert "[rank 0] before" in cap.out and "[rank 0] after" in cap.out
     assert "output hook failed on rank 0's output (RuntimeError: bug in the hook)" in cap.err
+
+
+def test_the_workers_step_torchs_fused_optimizers_with_the_same_arithmetic():
+    """make_optimizer gives torch's fused kernels: SGD's steps equal the default's bit for
+    bit, Adam's to rounding, on gradients 99% zero as top-k leaves them; the servers get
+    the hyper-parameters alone (their own optimizers take no torch kernel option)."""
+    from paratrain.ps.optimizers import make_optimizer as server_optimizer
+    from paratrain.train.optimizer import make_optimizer, optimizer_class
+
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    for name, tolerance in (("sgd", 0.0), ("adam", 1e-6)):
+        fused = [torch.nn.Parameter(t.clone()) for t in start]
+        plain = [torch.nn.Parameter(t.clone()) for t in start]
+        ours = make_optimizer(name, fused, lr=1e-2)
+        cls, hyper = optimizer_class(name, 1e-2)
+        reference = cls(plain, **hyper)
+        assert all(group["fused"] for group in ours.param_groups)
+        assert not any(group["fused"] for group in reference.param_groups)
+        for _ in range(20):
+            for p, q in zip(fused, plain):
+                p.grad = torch.randn_like(p) * (torch.rand_like(p) < 0.01)
+                q.grad = p.grad.clone()
+            ours.step()
+            reference.step()
+        for p, q in zip(fused, plain):
+            assert float((p - q).detach().abs().max()) <= tolerance, name
+        assert any(float((p.detach() - t).abs().max()) > 0 for p, t in zip(fused, start))   # it stepped
+        server_optimizer(name, **hyper)
