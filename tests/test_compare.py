@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from paratrain.compare import command
+from paratrain.compare import command, report
 from paratrain.compare.strategies import NAMES
 from paratrain.simulate import memory
 from paratrain.train.metrics import read_metrics
@@ -92,7 +92,6 @@ def test_the_table_names_the_runs_across_which_the_host_moved():
     """A run whose prediction's two timings (before it, after it) are more than 10% apart was
     predicted and measured at different speeds of this host: the table says which, and how
     to measure them again."""
-    from paratrain.compare import report
 
     def row(name, before, after):
         return {"strategy": name, "samples_per_s": 100.0, "step_ms": 150.0, "bytes_per_step": 1, "loss": 1.0,
@@ -136,7 +135,7 @@ def test_compare_runs_the_combinations_it_is_given_and_says_why_not_for_the_rest
     a layout of 8 workers are listed with train's reasons."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "none"))   # no calibration: no predictions
     assert command.main(["--model", "digits", "--workers", "4", "--strategies", "dp2-pp2,dp2-tp2,dp2-pp2-tp2",
-                         "--steps", "2", "--runs", str(tmp_path)]) == 0
+                         "--steps", "2", "--rounds", "2", "--runs", str(tmp_path)]) == 0
     (folder,) = tmp_path.glob("compare-*")
     rows = json.loads((folder / "compare.json").read_text())["rows"]
     assert [r["strategy"] for r in rows] == ["dp2-pp2", "dp2-tp2", "dp2-pp2-tp2"]
@@ -144,3 +143,32 @@ def test_compare_runs_the_combinations_it_is_given_and_says_why_not_for_the_rest
     assert (summary["pipeline_stages"], summary["pipeline_replicas"], summary["steps"]) == (2, 2, 2), summary
     assert rows[0]["samples_per_s"] > 0 and math.isfinite(rows[0]["loss"]) and "predicted_step_ms" not in rows[0]
     assert "not digits" in rows[1]["unavailable"] and "2 x 2 x 2 = 8" in rows[2]["unavailable"]
+    # --rounds 2: two runs of their own, each logged; the row is the slower one (the lower middle)
+    first, second = rows[0]["rounds"]
+    assert first["run_dir"] != second["run_dir"] and rows[0]["run_dir"] in (first["run_dir"], second["run_dir"])
+    speeds = sorted(r["samples_per_s"] for r in (first, second))
+    assert rows[0]["samples_per_s"] == speeds[0] and rows[0]["samples_per_s_range"] == speeds
+    assert (folder / "logs" / "dp2-pp2.1.log").exists() and (folder / "logs" / "dp2-pp2.2.log").exists()
+    assert "ran 2 times" in (folder / "compare.md").read_text()
+
+
+def test_rounds_alternate_the_order_and_a_strategy_shows_its_median_run():
+    """Every other round runs the list backwards, so over two rounds each strategy sits as
+    early on average as the others; the row is the median run's own, whole, with every run's
+    figures beside it; a failed run is listed, not counted."""
+    assert command.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert command.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    positions = {n: sum(command.round_order("abc", r).index(n) for r in (0, 1)) for n in "abc"}
+    assert len(set(positions.values())) == 1
+    runs = [{"strategy": "dp", "samples_per_s": s, "step_ms": 1e3 / s, "loss": 9 - i, "run_dir": f"run{i}",
+             "bytes_per_step": 1, "peak_memory_mb": 5}
+            for i, s in enumerate((300.0, 360.0, 330.0))] + [{"strategy": "dp", "unavailable": "the run failed"}]
+    row = report.median_run(runs)
+    assert (row["samples_per_s"], row["loss"], row["run_dir"]) == (330.0, 7, "run2")   # one run's, all of it
+    assert row["samples_per_s_range"] == [300.0, 360.0]
+    assert [r.get("samples_per_s") for r in row["rounds"]] == [300.0, 360.0, 330.0, None]
+    assert row["rounds"][3] == {"unavailable": "the run failed"}
+    assert report.median_run(runs[:1]) == runs[0]   # one round: the run as it was
+    assert "330 (300-360)" in report.markdown([row], "t") and "ran 4 times" in report.markdown([row], "t")
+    with pytest.raises(SystemExit):
+        command.build_parser().parse_args(["--rounds", "0"])

@@ -5,7 +5,10 @@
 
 Each strategy runs as an ordinary ``paratrain train`` run (its folder, its
 summary, its trace with --trace) under ``runs/compare-<id>/``, one after
-another, the same model, data, seed and batch for all; then compare.md (the
+another, the same model, data, seed and batch for all (``--rounds N``: the
+whole list N times, every other round in reverse, and each strategy's median
+run shown: a shared host drifts by more than strategies differ, and runs one
+after another would rank the minutes they ran in); then compare.md (the
 table), compare.json ({"rows": [...]}) and compare.png (loss against wall
 time; memory and bytes per step) are written beside them. A strategy that
 cannot run with these workers or this model is listed with train's reason.
@@ -33,6 +36,24 @@ def budget_seconds(text):
     return value
 
 
+def rounds_count(text):
+    """--rounds: a whole number of rounds, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--rounds {text!r}: give how many times to run each strategy, 1 or more")
+    return value
+
+
+def round_order(names, r):
+    """The strategies in round ``r`` (from 0): as given in even rounds, reversed in odd ones, so
+    that over two rounds every strategy sits as early on average as every other and a host's
+    steady drift favours none of them."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="paratrain compare", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="digits", help="the built-in model every strategy trains (default digits)")
@@ -46,6 +67,9 @@ def build_parser():
                       help=f"wall-clock seconds of training for each strategy, e.g. 120s (default "
                            f"{DEFAULT_BUDGET_S:g}s)")
     when.add_argument("--steps", type=int, default=None, help="the same optimizer steps for each, instead")
+    p.add_argument("--rounds", type=rounds_count, default=1, metavar="N",
+                   help="run every strategy N times, in alternating order, and show each one's median run "
+                        "(default 1): on a shared host the speed drifts by more than strategies differ")
     p.add_argument("--target-loss", type=float, default=None, metavar="X",
                    help="also report each strategy's time until its loss first reached X")
     p.add_argument("--batch-size", type=int, default=None, help="samples per worker per step (default: the model's)")
@@ -120,6 +144,21 @@ def prediction_fields(before, after):
     return fields
 
 
+def run_and_predict(name, flags, folder, predict, log, say):
+    """One run of ``name`` (logs/<log>.log) and its row, with the model's prediction timed just
+    before it and just after (the two bracket the run), and at the run's own speed; ``say``
+    is told what it is doing."""
+    say(f"predicting {log}")
+    predicted = predict(name) if predict else None
+    say(f"training {log}")
+    row = run_one(name, flags, folder, log=log)
+    if predicted and "unavailable" not in row:
+        say(f"predicting {log} again")
+        row.update(prediction_fields(predicted, predict(name)))
+        row.update(from_run_fields(predict, name, row))
+    return row
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
@@ -134,27 +173,23 @@ def main(argv=None):
     title = f"{args.model} on {args.workers} workers, {how_long} each"
     print(f"paratrain compare: {title}; runs in {folder}", flush=True)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    rows, predict = [], predictor(args)
+    runs, predict = {name: [] for name in names}, predictor(args)
+    unavailable = {name: why_not(name, flags) for name in names}
     with one_fork_server(), Progress(TextColumn("{task.description}"), BarColumn(),
                                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as bar:
-        task = bar.add_task("compare", total=len(names))
-        for name in names:
-            reason = why_not(name, flags)
-            if reason:
-                rows.append({"strategy": name, "unavailable": reason})
-            else:
-                bar.update(task, description=f"predicting {name}")
-                predicted = predict(name) if predict else None
-                bar.update(task, description=f"training {name}")
-                rows.append(run_one(name, flags, folder))
-                r = rows[-1]
-                if predicted and "unavailable" not in r:   # timed again after: the two bracket the run
-                    bar.update(task, description=f"predicting {name} again")
-                    r.update(prediction_fields(predicted, predict(name)))
-                    r.update(from_run_fields(predict, name, r))
-                bar.console.print(f"{name}: " + (r["unavailable"] if "unavailable" in r else
-                                                 f"{r['samples_per_s']:,.0f} samples/s, loss {r['loss']:.4f}"))
-            bar.advance(task)
+        task = bar.add_task("compare", total=len(names) * args.rounds)
+        for r in range(args.rounds):
+            for name in round_order(names, r):
+                if not unavailable[name]:
+                    log = f"{name}.{r + 1}" if args.rounds > 1 else name
+                    row = run_and_predict(name, flags, folder, predict, log,
+                                          lambda text: bar.update(task, description=text))
+                    runs[name].append(row)
+                    bar.console.print(f"{log}: " + (row["unavailable"] if "unavailable" in row else
+                                      f"{row['samples_per_s']:,.0f} samples/s, loss {row['loss']:.4f}"))
+                bar.advance(task)
+    rows = [{"strategy": name, "unavailable": unavailable[name]} if unavailable[name]
+            else report.median_run(runs[name]) for name in names]
     paths = report.write(folder, rows, title)
     print(report.markdown(rows, title))
     print("wrote " + ", ".join(paths))

@@ -12,6 +12,8 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
 - slowest_compute_ratio, mean_compute_ratio: the slowest worker's mean compute a
   step, and the workers' mean, over rank 0's;
 - loss: the last logged; time_to_target_s with --target-loss;
+- with --rounds N, the strategy's median run of its N (median_run), and
+  ``rounds``, every run's samples/s, step and predictions;
 - predicted_step_ms (compare/command.py, with a calibration): the mean of the model's
   prediction timed just before the run and just after, predicted_before_after_ms;
   predicted_parts_ms, the mean's parts;
@@ -57,6 +59,31 @@ def row_from_run(name, run_dir):
     if "time_to_target_s" in s:
         row["time_to_target_s"] = s["time_to_target_s"]
     return row
+
+
+ROUND_FIELDS = ("samples_per_s", "step_ms", "predicted_step_ms", "predicted_from_run_compute_ms", "run_dir")
+
+
+def median_run(runs):
+    """A strategy's row from its runs, one a round (compare --rounds): the run of median
+    samples/s (the lower middle one of an even count), so that its loss, memory and
+    prediction are all one run's; past one run, ``rounds`` holds every run's figures in the
+    order they ran, and ``samples_per_s_range`` the lowest and the highest."""
+    ran = [r for r in runs if "unavailable" not in r]
+    if len(runs) == 1 or not ran:
+        return runs[0]
+    row = dict(sorted(ran, key=lambda r: r["samples_per_s"])[(len(ran) - 1) // 2])
+    row["rounds"] = [{k: r[k] for k in ROUND_FIELDS if k in r} if "unavailable" not in r
+                     else {"unavailable": r["unavailable"]} for r in runs]
+    speeds = [r["samples_per_s"] for r in ran]
+    row["samples_per_s_range"] = [min(speeds), max(speeds)]
+    return row
+
+
+def _samples_cell(row):
+    """'368' or, for a median of rounds, '368 (325-378)'."""
+    spread = row.get("samples_per_s_range")
+    return _cell(row["samples_per_s"], ",.0f") + (f" ({spread[0]:,.0f}-{spread[1]:,.0f})" if spread else "")
 
 
 def _cell(value, fmt):
@@ -115,11 +142,15 @@ def markdown(rows, title):
         if from_run:
             own = r.get("predicted_from_run_compute_ms")
             guess += "- | " if own is None else f"{own:.1f} ms (x{r['run_compute_speed']:.2f}) | "
-        lines.append(f"| {r['strategy']} | {_cell(r['samples_per_s'], ',.0f')} | {_cell(r['step_ms'], '.1f')} ms | "
+        lines.append(f"| {r['strategy']} | {_samples_cell(r)} | {_cell(r['step_ms'], '.1f')} ms | "
                      f"{guess}"
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
                      f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
                      f"{'-' if target is None else f'{target:.1f} s'} |")
+    rounds = max((len(r.get("rounds", ())) for r in rows), default=0)
+    if rounds:
+        lines += ["", f"Each strategy ran {rounds} times, in alternating order; its row is its median run by "
+                  "samples/s, beside its lowest and highest."]
     if from_run:
         lines += ["", "Predicted from its compute: the model again at the speed the run computed at, and as "
                   "unsteadily (x: the run's compute a step over the model's timing of it; 1.20, 20% slower)."]

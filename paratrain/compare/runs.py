@@ -36,12 +36,12 @@ def one_fork_server():
         shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
-def run_one(name, flags, folder, strategy_flags=None):
+def run_one(name, flags, folder, strategy_flags=None, log=None):
     """Train ``name`` as ``paratrain train`` does, in this process (its workers are the
     launcher's, as always; this saves a Python and torch start per strategy); returns its
-    row, or one saying why it did not finish. Its output goes to logs/<name>.log."""
+    row, or one saying why it did not finish. Its output goes to logs/<log or name>.log."""
     from ..train.job import main as train
-    log = os.path.join(folder, "logs", f"{name}.log")
+    log = os.path.join(folder, "logs", f"{log or name}.log")
     before = set(os.listdir(folder))
     argv = [*flags, *(strategy_flags or train_flags(name, int(flags[flags.index("--workers") + 1])))]
     with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
