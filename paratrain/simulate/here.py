@@ -75,6 +75,13 @@ def step_seconds(model, batch, seed=0, alongside=0):
                  lambda: time_step(task_of(model, seed), batch))
 
 
+class _Done:
+    """An asynchronous collective of a ComputeOnlyGroup: made where it was issued, so done."""
+
+    def wait(self):
+        return None
+
+
 class ComputeOnlyGroup:
     """Rank 0 of a group of ``world_size`` whose collectives move nothing: a model cut by
     pt.tensor.parallelize over it computes exactly what one rank of a real group computes
@@ -94,9 +101,9 @@ class ComputeOnlyGroup:
     def broadcast(self, tensor, src=0):
         return tensor
 
-    def all_gather(self, out, tensor):
+    def all_gather(self, out, tensor, async_op=False):
         out.view(self.world_size, -1).copy_(tensor.reshape(1, -1).expand(self.world_size, -1))
-        return out
+        return _Done() if async_op else out
 
     def reduce_scatter(self, out, tensor, op="sum"):
         out.reshape(-1).copy_(tensor.reshape(-1)[:out.numel()])
@@ -125,6 +132,35 @@ def cut_step_seconds(model, batch, tp, seed=0, alongside=0):
     def measure():
         return time_step(task, batch, model=cut_copy(task, tp))
     return once((model, batch, "tp", tp, alongside), model, batch, seed, alongside, measure)
+
+
+def zero3_compute_seconds(model, batch, workers, seed=0, alongside=0):
+    """A ZeRO-3 worker's forward and backward on ``batch`` samples of built-in ``model``
+    among ``workers``, as its run counts its compute (train/strategies/zero.py: less the
+    time blocked in the engine's collectives), on a pt.ZeRO stage-3 engine over a
+    ComputeOnlyGroup, one thread. Stage 3 adds to a plain step what a plain step's timing
+    cannot show: each unit's buffer allocated before its gather and freed after it, the
+    hooks around each unit, and the copies of the gathers it prefetches. A real group
+    copies those on its communication lane while the unit before computes, on the same
+    cores here; this group copies them where they are issued, in the compute's time."""
+    import copy
+
+    from ..parallel.zero import ZeRO
+    from ..train.optimizer import FUSED, optimizer_class
+    task = task_of(model, seed)
+
+    def steps():
+        cls, hyper = optimizer_class(task.defaults["optimizer"], task.defaults["lr"])
+        engine = ZeRO(copy.deepcopy(task.model), cls, stage=3, group=ComputeOnlyGroup(workers), **hyper, **FUSED)
+        for samples in batches(task, batch):
+            blocked, t0 = engine.blocked_seconds(), time.perf_counter()
+            task.loss(engine, samples).backward()
+            computed = time.perf_counter() - t0 - (engine.blocked_seconds() - blocked)
+            engine.step()
+            engine.zero_grad()
+            yield computed
+    return once((model, batch, "zero3", workers, alongside), model, batch, seed, alongside,
+                lambda: timed_of(steps()))
 
 
 def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
@@ -334,6 +370,9 @@ class Measured:
 
     def optimizer(self):
         return optimizer_seconds(self.model, self.seed, self.alongside)
+
+    def zero3(self, batch, workers):
+        return zero3_compute_seconds(self.model, batch, workers, self.seed, self.alongside)
 
     def server_update(self):
         return server_update_seconds(self.model, self.seed, self.alongside)

@@ -118,7 +118,7 @@ def worker_compute_seconds(layout, workload, measured):
     no optimizer, no waiting): the whole model's on its batch; a tensor group's share of
     the cut model; a pipeline's slowest stage on every micro-batch, its backward split
     into B and W on every stage under ZB-H1 and on all but the first under 1F1B
-    (pipeline.py)."""
+    (pipeline.py); stage 3's on its engine."""
     if layout.pp > 1:
         small = microbatch_samples(layout, workload)
         stage = measured.stage(small, layout.pp)
@@ -130,6 +130,8 @@ def worker_compute_seconds(layout, workload, measured):
         return (layout.microbatches or 1) * stage * (1 - split.backward_fraction + split.backward_fraction * cost)
     if layout.tp > 1:
         return measured.cut(workload.batch_per_device, layout.tp) - measured.optimizer() / layout.tp
+    if layout.strategy == "zero3":
+        return measured.zero3(workload.batch_per_device, layout.dp)
     return workload.step_compute_s - measured.optimizer()
 
 
@@ -158,6 +160,9 @@ class AtSpeed:
 
     def server_update(self):
         return self._scaled(self.measured.server_update())
+
+    def zero3(self, batch, workers):
+        return self._scaled(self.measured.zero3(batch, workers))
 
     def ps_step(self, consistency):
         return self._scaled(self.measured.ps_step(consistency))
@@ -233,7 +238,8 @@ def compute_seconds(layout, workload, measured=None):
     whole model's on a micro-batch; for a parameter server's worker, the step without
     the optimizer, which the servers run (parameter_server.py); for ZeRO's, the step
     with the optimizer over its 1/N of the parameters alone (Rajbhandari et al. 2020:
-    each rank updates its partition).
+    each rank updates its partition), stage 3's forward and backward timed on its engine
+    (here.zero3_compute_seconds: its buffers, hooks and gathers' copies).
     ``measured`` (here.Measured) times these on the model here; without it they are the
     workload's step scaled down."""
     if layout.pp > 1:
@@ -247,6 +253,9 @@ def compute_seconds(layout, workload, measured=None):
         return measured.cut(workload.batch_per_device, layout.tp)
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # the servers run the optimizer
         return workload.step_compute_s - measured.optimizer()
+    if layout.strategy == "zero3" and measured:   # the engine's own forward and backward, then the same
+        computed = measured.zero3(workload.batch_per_device, layout.dp)
+        return timing.Timed.of(computed + measured.optimizer() / layout.dp, computed.jitter)
     if layout.strategy in zero.STAGES and measured:   # each worker steps the optimizer on its 1/N alone
         return workload.step_compute_s - measured.optimizer() * (1 - 1 / layout.dp)
     return workload.step_compute_s / layout.tp
