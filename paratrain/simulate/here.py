@@ -297,9 +297,10 @@ def optimizer_seconds(model, seed=0, alongside=0):
 
 def server_update_seconds(model, seed=0, alongside=0):
     """The task's optimizer over every parameter of built-in ``model`` as a parameter server
-    runs it (paratrain/ps/optimizers.py, numpy, one step over one flat buffer: ps/fused.py's
-    round), on one thread: the update the servers make in place of the workers' own
-    optimizer_seconds (numpy's passes, not torch's fused kernel)."""
+    runs it (paratrain/ps/optimizers.py: torch's kernels one after another on a numpy
+    shard's views, one step over one flat buffer: ps/fused.py's round), on one thread: the
+    update the servers make in place of the workers' own optimizer_seconds (the workers
+    step torch's fused kernel instead)."""
     import numpy as np
 
     from ..ps.optimizers import make_optimizer
@@ -352,9 +353,10 @@ def stage_send_seconds(nbytes):
 
 class Measured:
     """What plan.py times of built-in ``model`` here: a whole step, a pipeline stage's
-    micro-batch and its send to the next stage, a tensor-parallel worker's share, a
-    compressor's call, the optimizer on a worker and on the parameter servers, a
-    parameter-server worker's step outside its compute; ``alongside`` others computing."""
+    micro-batch and its send to the next stage, a tensor-parallel worker's share, a ZeRO-3
+    worker's forward and backward on its engine, a compressor's call, the optimizer on a
+    worker and on the parameter servers, a parameter-server worker's step outside its
+    compute; ``alongside`` others computing."""
 
     def __init__(self, model, seed=0, alongside=0):
         self.model, self.seed, self.alongside = model, seed, alongside
