@@ -355,6 +355,7 @@ class Adam(_ShardOptimizer):
             raise ValueError(f"adam needs 0 <= beta < 1, got betas {self.betas}")
         if min(self.lr, self.eps, self.weight_decay) < 0:
             raise ValueError(f"adam needs lr, eps, weight_decay >= 0, got {self.lr}, {self.eps}, {self.weight_decay}")
+        self._root = None   # sqrt(v), a scratch buffer (step)
 
     @property
     def lookahead(self):
@@ -362,9 +363,12 @@ class Adam(_ShardOptimizer):
 
     def step(self, param, grad, grad_scale=1.0):
         """One step on ``grad * grad_scale``, as torch.optim.Adam's single-tensor path
-        (with the scale, m <- b1 m + (1 - b1) s g instead of lerp: the same to rounding)."""
+        (with the scale, m <- b1 m + (1 - b1) s g instead of lerp: the same to rounding).
+        The square root of v is numpy's: torch's CPU kernel takes a slow path on exact
+        zeros, and v stays zero at every entry a compressed push has not yet reached."""
         p, g, s = _dense(param, grad, grad_scale, self.weight_decay)
-        m, v = (_tensor(a) for a in self._arrays(param.size))
+        moments = self._arrays(param.size)
+        m, v = (_tensor(a) for a in moments)
         self.steps += 1
         b1, b2 = self.betas
         if s == 1.0:
@@ -373,7 +377,9 @@ class Adam(_ShardOptimizer):
             m.mul_(b1).add_(g, alpha=(1 - b1) * s)
         v.mul_(b2).addcmul_(g, g, value=(1 - b2) * s * s)
         step_size = self.lr / (1 - b1 ** self.steps)
-        denom = v.sqrt().div_((1 - b2 ** self.steps) ** 0.5).add_(self.eps)
+        if self._root is None or self._root.size != param.size:
+            self._root = np.empty(param.size, dtype=F32)   # reused: a fresh one would fault in each step
+        denom = _tensor(np.sqrt(moments[1], out=self._root)).div_((1 - b2 ** self.steps) ** 0.5).add_(self.eps)
         p.addcdiv_(m, denom, value=-step_size)
 
     def step_rows(self, param2d, rows, grad_rows):
