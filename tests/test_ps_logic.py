@@ -666,15 +666,17 @@ def test_a_fused_asp_push_steps_every_shard_as_its_own_apply_now_would_bitwise(n
     assert not fused.apply_push(np.ones(sum(sizes), np.float32), 1 / 2) and fused.rounds == 5
 
 
-def test_adam_over_pushes_mostly_zero_matches_torch():
-    """A server's Adam over gradients 99% zero (a top-k push), where most of v stays exactly
-    zero and its square root is taken outside torch: the same steps as torch's, to rounding."""
+@pytest.mark.parametrize("name", ["adam", "adagrad"])
+def test_a_server_over_pushes_mostly_zero_matches_torch(name):
+    """A server's Adam or Adagrad over gradients 99% zero (a top-k push), where most of v (the
+    sum) stays exactly zero and its square root is taken outside torch: the same steps as
+    torch's, to rounding."""
     rng = np.random.default_rng(5)
     p0 = rng.standard_normal(4099).astype(np.float32)
     grads = [(rng.standard_normal(4099) * (rng.random(4099) < 0.01)).astype(np.float32) for _ in range(STEPS)]
-    want = _torch_trajectory("adam", {"lr": 0.01}, p0, grads)
-    opt, p = make_optimizer("adam", lr=0.01), p0.copy()
+    want = _torch_trajectory(name, {"lr": 0.01}, p0, grads)
+    opt, p = make_optimizer(name, lr=0.01), p0.copy()
     for t, g in enumerate(grads):
         opt.step(p, np.frombuffer(g.tobytes(), dtype=np.float32))
-        np.testing.assert_allclose(p, want[t], **TOL, err_msg=f"step {t + 1}")
-    assert (opt.state["exp_avg_sq"] == 0).mean() > 0.5 and not np.array_equal(p, p0)
+        np.testing.assert_allclose(p, want[t], **TOL, err_msg=f"{name} step {t + 1}")
+    assert (opt.state[opt.ARRAYS[-1]] == 0).mean() > 0.5 and not np.array_equal(p, p0)

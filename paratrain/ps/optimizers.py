@@ -111,9 +111,19 @@ class _ShardOptimizer:
     def __init__(self):
         self.steps = 0          # updates applied (dense or row); Adam/Adagrad's `step`
         self.state = {}         # array name -> flat float32 array of the shard's size
+        self._root = None       # _square_root's buffer, reused from step to step
 
     def _fresh(self, name, size):
         return np.zeros(size, dtype=F32)
+
+    def _square_root(self, array):
+        """A torch view of sqrt(``array``) in a buffer this optimizer reuses (a fresh one
+        would fault its pages in at each step), taken by numpy: torch's CPU kernel takes a
+        slow path on exact zeros, and Adam's v and Adagrad's sum stay zero at every entry
+        a compressed push has not yet reached."""
+        if self._root is None or self._root.size != array.size:
+            self._root = np.empty(array.size, dtype=F32)
+        return _tensor(np.sqrt(array, out=self._root))
 
     @property
     def lookahead(self):
@@ -310,12 +320,13 @@ class Adagrad(_ShardOptimizer):
         return self.lr / (1 + (self.steps - 1) * self.lr_decay)
 
     def step(self, param, grad, grad_scale=1.0):
-        """One step on ``grad * grad_scale``, as torch.optim.Adagrad's single-tensor path."""
+        """One step on ``grad * grad_scale``, as torch.optim.Adagrad's single-tensor path,
+        the square root of the sum numpy's (_square_root)."""
         p, g, s = _dense(param, grad, grad_scale, self.weight_decay)
-        total = _tensor(self._arrays(param.size)[0])
+        summed = self._arrays(param.size)[0]
         self.steps += 1
-        total.addcmul_(g, g, value=s * s)
-        std = total.sqrt().add_(self.eps)
+        _tensor(summed).addcmul_(g, g, value=s * s)
+        std = self._square_root(summed).add_(self.eps)
         p.addcdiv_(g, std, value=-self._clr() * s)
 
     def step_rows(self, param2d, rows, grad_rows):
@@ -355,7 +366,6 @@ class Adam(_ShardOptimizer):
             raise ValueError(f"adam needs 0 <= beta < 1, got betas {self.betas}")
         if min(self.lr, self.eps, self.weight_decay) < 0:
             raise ValueError(f"adam needs lr, eps, weight_decay >= 0, got {self.lr}, {self.eps}, {self.weight_decay}")
-        self._root = None   # sqrt(v), a scratch buffer (step)
 
     @property
     def lookahead(self):
@@ -363,9 +373,8 @@ class Adam(_ShardOptimizer):
 
     def step(self, param, grad, grad_scale=1.0):
         """One step on ``grad * grad_scale``, as torch.optim.Adam's single-tensor path
-        (with the scale, m <- b1 m + (1 - b1) s g instead of lerp: the same to rounding).
-        The square root of v is numpy's: torch's CPU kernel takes a slow path on exact
-        zeros, and v stays zero at every entry a compressed push has not yet reached."""
+        (with the scale, m <- b1 m + (1 - b1) s g instead of lerp: the same to rounding),
+        the square root of v numpy's (_square_root)."""
         p, g, s = _dense(param, grad, grad_scale, self.weight_decay)
         moments = self._arrays(param.size)
         m, v = (_tensor(a) for a in moments)
@@ -377,9 +386,7 @@ class Adam(_ShardOptimizer):
             m.mul_(b1).add_(g, alpha=(1 - b1) * s)
         v.mul_(b2).addcmul_(g, g, value=(1 - b2) * s * s)
         step_size = self.lr / (1 - b1 ** self.steps)
-        if self._root is None or self._root.size != param.size:
-            self._root = np.empty(param.size, dtype=F32)   # reused: a fresh one would fault in each step
-        denom = _tensor(np.sqrt(moments[1], out=self._root)).div_((1 - b2 ** self.steps) ** 0.5).add_(self.eps)
+        denom = self._square_root(moments[1]).div_((1 - b2 ** self.steps) ** 0.5).add_(self.eps)
         p.addcdiv_(m, denom, value=-step_size)
 
     def step_rows(self, param2d, rows, grad_rows):
