@@ -298,9 +298,9 @@ def optimizer_seconds(model, seed=0, alongside=0):
 def server_update_seconds(model, seed=0, alongside=0):
     """The task's optimizer over every parameter of built-in ``model`` as a parameter server
     runs it (paratrain/ps/optimizers.py: torch's kernels one after another on a numpy
-    shard's views, one step over one flat buffer: ps/fused.py's round), on one thread: the
-    update the servers make in place of the workers' own optimizer_seconds (the workers
-    step torch's fused kernel instead)."""
+    shard's views, its square roots numpy's, one step over one flat buffer: ps/fused.py's
+    round), on one thread: the update the servers make in place of the workers' own
+    optimizer_seconds (the workers step torch's fused kernel instead)."""
     import numpy as np
 
     from ..ps.optimizers import make_optimizer
