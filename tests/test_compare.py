@@ -7,7 +7,7 @@ import pytest
 
 from paratrain.compare import command, report
 from paratrain.compare.strategies import NAMES
-from paratrain.simulate import memory
+from paratrain.simulate import memory, plan
 from paratrain.train.metrics import read_metrics
 
 
@@ -172,3 +172,13 @@ def test_rounds_alternate_the_order_and_a_strategy_shows_its_median_run():
     assert "330 (300-360)" in report.markdown([row], "t") and "ran 4 times" in report.markdown([row], "t")
     with pytest.raises(SystemExit):
         command.build_parser().parse_args(["--rounds", "0"])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("parser", [command.build_parser, plan.build_parser], ids=["compare", "plan"])
+def test_no_workers_is_refused_by_the_command_given_it(parser, capsys):
+    """Zero workers is the command's own error, not train's, which the user did not call."""
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--workers", "0"])
+    err = capsys.readouterr().err
+    assert f"{parser().prog}: error: argument --workers/-n: must be at least 1, got 0" in err

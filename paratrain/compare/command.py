@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from ..train.argtypes import positive_int
 from . import report
 from .runs import one_fork_server, run_one
 from .strategies import NAMES, parse_names, why_not
@@ -57,7 +58,7 @@ def round_order(names, r):
 def build_parser():
     p = argparse.ArgumentParser(prog="paratrain compare", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="digits", help="the built-in model every strategy trains (default digits)")
-    p.add_argument("--workers", "-n", type=int, default=2, help="workers for each strategy (default 2)")
+    p.add_argument("--workers", "-n", type=positive_int, default=2, help="workers for each strategy (default 2)")
     p.add_argument("--strategies", default="all",
                    help=f"comma-separated, from {', '.join(NAMES)}, or combinations of dp, pp and tp "
                         f"(dp2-pp2, pp2-tp2, ...); or all (the default: every name and the combinations "

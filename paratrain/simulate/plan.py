@@ -28,6 +28,7 @@ import dataclasses
 import json
 import sys
 
+from ..train.argtypes import positive_int
 from . import compressed, here, memory, parameter_server, timing, zero
 from .calibrate import time_shared
 from .step import Unavailable
@@ -350,7 +351,7 @@ def build_parser():
     from .command import calibration_path
     p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt", help="the built-in model (default gpt)")
-    p.add_argument("--workers", "-n", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--workers", "-n", type=positive_int, default=2, help="workers (default 2)")
     p.add_argument("--cluster", default="here", help="here (this machine, calibrated; default) or a CLUSTER.toml")
     p.add_argument("--calibration", default=None, help=f"the calibration --cluster here reads "
                                                         f"(default {calibration_path()})")
