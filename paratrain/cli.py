@@ -53,7 +53,7 @@ commands:
 
 # each command's module (imported only when it runs: `paratrain run` must not wait for what `train` needs)
 COMMANDS = {"train": "train.job", "run": "launch.local", "trace": "trace.command", "server": "launch.serve",
-            "compare": "compare.command", "plan": "simulate.plan", "simulate": "simulate.command"}
+            "compare": "compare.command", "plan": "simulate.plan_command", "simulate": "simulate.command"}
 
 
 def main(argv=None):

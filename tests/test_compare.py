@@ -7,7 +7,7 @@ import pytest
 
 from paratrain.compare import command, report
 from paratrain.compare.strategies import NAMES
-from paratrain.simulate import memory, plan
+from paratrain.simulate import memory, plan_command
 from paratrain.train.metrics import read_metrics
 
 
@@ -175,7 +175,7 @@ def test_rounds_alternate_the_order_and_a_strategy_shows_its_median_run():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("parser", [command.build_parser, plan.build_parser], ids=["compare", "plan"])
+@pytest.mark.parametrize("parser", [command.build_parser, plan_command.build_parser], ids=["compare", "plan"])
 def test_no_workers_is_refused_by_the_command_given_it(parser, capsys):
     """Zero workers is the command's own error, not train's, which the user did not call."""
     with pytest.raises(SystemExit):

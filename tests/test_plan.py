@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from paratrain.simulate import memory, plan
+from paratrain.simulate import memory, plan, plan_command
 from paratrain.simulate.collectives import Link
 from paratrain.simulate.system import Cluster, Workload
 
@@ -50,7 +50,7 @@ def test_zero_s_state_is_the_papers():
 def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plan, "memory_here", lambda *a: None)   # the formulas; the compare test measures here
     (tmp_path / "c.json").write_text(json.dumps(CALIBRATION))
-    assert plan.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"), "--json"]) == 0
+    assert plan_command.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["layouts"]
     rates = [r["predicted_samples_per_s"] for r in rows]
@@ -64,7 +64,7 @@ def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, m
     assert zero3["predicted_memory_mb"] < dp["predicted_memory_mb"]
     # a memory cap drops what would not fit
     cap = (dp["predicted_memory_mb"] + zero3["predicted_memory_mb"]) / 2 / 1024
-    assert plan.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"),
+    assert plan_command.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"),
                       "--memory-gb", str(cap), "--json"]) == 0
     kept = json.loads(capsys.readouterr().out)["layouts"]
     assert "dp" not in {r["strategy"] for r in kept} and "zero3" in {r["strategy"] for r in kept}
@@ -290,7 +290,7 @@ def test_the_backward_split_of_a_model_is_measured_as_shares():
 
 
 def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):
-    assert plan.main(["--model", "mlp", "--calibration", str(tmp_path / "none.json")]) == 2
+    assert plan_command.main(["--model", "mlp", "--calibration", str(tmp_path / "none.json")]) == 2
     assert "paratrain simulate --calibrate" in capsys.readouterr().err
 
 
