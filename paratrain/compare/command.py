@@ -37,17 +37,6 @@ def budget_seconds(text):
     return value
 
 
-def rounds_count(text):
-    """--rounds: a whole number of rounds, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--rounds {text!r}: give how many times to run each strategy, 1 or more")
-    return value
-
-
 def round_order(names, r):
     """The strategies in round ``r`` (from 0): as given in even rounds, reversed in odd ones, so
     that over two rounds every strategy sits as early on average as every other and a host's
@@ -67,13 +56,13 @@ def build_parser():
     when.add_argument("--budget", type=budget_seconds, default=None,
                       help=f"wall-clock seconds of training for each strategy, e.g. 120s (default "
                            f"{DEFAULT_BUDGET_S:g}s)")
-    when.add_argument("--steps", type=int, default=None, help="the same optimizer steps for each, instead")
-    p.add_argument("--rounds", type=rounds_count, default=1, metavar="N",
+    when.add_argument("--steps", type=positive_int, default=None, help="the same optimizer steps for each, instead")
+    p.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                    help="run every strategy N times, in alternating order, and show each one's median run "
                         "(default 1): on a shared host the speed drifts by more than strategies differ")
     p.add_argument("--target-loss", type=float, default=None, metavar="X",
                    help="also report each strategy's time until its loss first reached X")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per worker per step (default: the model's)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="trace every run (paratrain trace on its folder)")
     p.add_argument("--runs", default="runs", help="where compare-<id>/ goes (default ./runs)")

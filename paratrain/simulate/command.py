@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from ..train.argtypes import positive_float, positive_int
 from . import data_parallel, here
 from .files import load_cluster, load_workload
 from .step import Unavailable
@@ -61,15 +62,15 @@ def build_parser():
                         "strategy, side by side")
     p.add_argument("--algorithm", choices=data_parallel.FORCIBLE, default=None,
                    help="force this all-reduce (default: the cheapest by the model)")
-    p.add_argument("--bucket-mb", type=float, default=data_parallel.BUCKET_MB,
+    p.add_argument("--bucket-mb", type=positive_float, default=data_parallel.BUCKET_MB,
                    help=f"gradient bucket size (default {data_parallel.BUCKET_MB:g}, pt.DataParallel's)")
-    p.add_argument("--stages", type=int, default=None,
+    p.add_argument("--stages", type=positive_int, default=None,
                    help="pipeline: stages per replica (default: a host's devices)")
-    p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step (default 4)")
-    p.add_argument("--tp", type=int, default=None,
+    p.add_argument("--microbatches", type=positive_int, default=4, help="pipeline: micro-batches per step (default 4)")
+    p.add_argument("--tp", type=positive_int, default=None,
                    help="tensor: devices per tensor group (default: a host's); pipeline: each stage cut across "
                         "TP devices (3D; default 1)")
-    p.add_argument("--servers", type=int, default=None, help="ps-*: parameter servers (default: one a host)")
+    p.add_argument("--servers", type=positive_int, default=None, help="ps-*: parameter servers (default: one a host)")
     p.add_argument("--compression", choices=("topk", "powersgd"), default=None,
                    help="tensor: the replicas of the tensor groups compress their gradients (top-k 1%%, PowerSGD "
                         "rank 4, as paratrain train --tp T --compression)")
