@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from ..train.argtypes import positive_int
+from ..train.argtypes import positive_float, positive_int
 from . import report
 from .runs import one_fork_server, run_one
 from .strategies import NAMES, parse_names, why_not
@@ -60,7 +60,7 @@ def build_parser():
     p.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                    help="run every strategy N times, in alternating order, and show each one's median run "
                         "(default 1): on a shared host the speed drifts by more than strategies differ")
-    p.add_argument("--target-loss", type=float, default=None, metavar="X",
+    p.add_argument("--target-loss", type=positive_float, default=None, metavar="X",
                    help="also report each strategy's time until its loss first reached X")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
