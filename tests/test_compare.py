@@ -176,8 +176,9 @@ def test_rounds_alternate_the_order_and_a_strategy_shows_its_median_run():
 @pytest.mark.quick
 @pytest.mark.parametrize("command_module, option, value", [
     (command, "--workers", "0"), (command, "--steps", "0"), (command, "--batch-size", "-2"),
-    (command, "--rounds", "0"), (command, "--target-loss", "0"), (plan_command, "--workers", "0"), (plan_command, "--top", "0"),
-    (plan_command, "--steps", "0"), (plan_command, "--memory-gb", "0"), (simulate_command, "--bucket-mb", "0"),
+    (command, "--rounds", "0"), (command, "--target-loss", "0"), (plan_command, "--workers", "0"),
+    (plan_command, "--top", "0"), (plan_command, "--steps", "0"), (plan_command, "--memory-gb", "0"),
+    (simulate_command, "--bucket-mb", "0"),
     (simulate_command, "--stages", "0"), (simulate_command, "--microbatches", "0"), (simulate_command, "--tp", "-1"),
     (simulate_command, "--servers", "0")])
 def test_a_count_below_one_is_refused_by_the_command_given_it(command_module, option, value, capsys):

@@ -62,7 +62,8 @@ def build_parser():
                         "(default 1): on a shared host the speed drifts by more than strategies differ")
     p.add_argument("--target-loss", type=positive_float, default=None, metavar="X",
                    help="also report each strategy's time until its loss first reached X")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="samples per worker per step (default: the model's)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="samples per worker per step (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="trace every run (paratrain trace on its folder)")
     p.add_argument("--runs", default="runs", help="where compare-<id>/ goes (default ./runs)")

@@ -24,7 +24,8 @@ def build_parser():
     p.add_argument("--cluster", default="here", help="here (this machine, calibrated; default) or a CLUSTER.toml")
     p.add_argument("--calibration", default=None, help=f"the calibration --cluster here reads "
                                                         f"(default {calibration_path()})")
-    p.add_argument("--memory-gb", type=positive_float, default=None, help="drop layouts predicted to hold more a worker")
+    p.add_argument("--memory-gb", type=positive_float, default=None,
+                   help="drop layouts predicted to hold more a worker")
     p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
     p.add_argument("--verify", action="store_true", help="run the first 3 here and print predicted against measured")
     p.add_argument("--steps", type=positive_int, default=30, help="--verify: steps of each run (default 30)")
