@@ -276,3 +276,23 @@ def test_steadiness_warns_when_an_engines_rounds_spread_widely():
     line = steadiness(busy)
     assert "busy" in line and "(b)" in line     # b's rounds spread the most: 0.9 / 2.05
     assert steadiness({"a": [1.0]}) is None      # one round says nothing about steadiness
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("argv", [
+    ["bench", "collectives", "--iters", "0"], ["bench", "collectives", "--warmup", "0"],
+    ["bench", "collectives", "--timeout", "0"], ["bench", "data-parallel", "--rounds", "0"],
+    ["bench", "parameter-server", "--repeats", "0"], ["bench", "trace", "--steps", "0"],
+    ["bench", "elastic", "--kill-step", "0"], ["bench", "compression", "--accuracy-steps", "0"],
+    ["run", "--stall-s", "0", "train.py"], ["trace", ".", "--steps", "0"]], ids=" ".join)
+def test_a_benchmark_or_launcher_count_below_one_is_refused_before_anything_runs(argv, capsys):
+    """0 rounds, iterations or seconds is an error naming the option, before a worker starts,
+    where 0 was read as not given (the default ran) or reached the workers."""
+    from paratrain import cli
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:   # argparse's exit, where the command does not turn it into its return
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {argv[-2] if argv[0] != 'run' else '--stall-s'}" in err and "got 0" in err

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..comm.env import size_bytes
 from ..launch import binding
+from ..train.argtypes import positive_float, positive_int
 from . import launcher, report
 from .cases import COLLECTIVES, elements
 
@@ -84,15 +85,15 @@ def parser():
                    help=f"comma list from {','.join(COLLECTIVES)} (default {DEFAULT_COLLECTIVES})")
     p.add_argument("--sizes", default=None, type=lambda s: [parse_size(x) for x in s.split(",") if x.strip()],
                    help=f"whole-buffer sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
-    p.add_argument("--iters", type=int, default=None,
+    p.add_argument("--iters", type=positive_int, default=None,
                    help="rounds per size (default: by size, 300 up to 1 MiB, 128 at 16 MiB, 32 at 64 MiB)")
     p.add_argument("--interleave-sizes", action="store_true",
                    help="each round times every size in turn, instead of one size's rounds after another: "
                         "the sizes then see the same host when its speed moves (calibrating a link)")
-    p.add_argument("--calls", type=int, default=None,
+    p.add_argument("--calls", type=positive_int, default=None,
                    help="back-to-back calls per engine in each timed turn, the time divided by them "
                         f"(default: 10 up to {CALLS_BELOW // 1024} KiB, 1 above)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls per engine and size, the first "
+    p.add_argument("--warmup", type=positive_int, default=None, help="untimed calls per engine and size, the first "
                    "checked against numpy (default 2)")
     p.add_argument("--algorithms", default="", type=lambda s: parse_list(s, ALGORITHMS, "algorithm") if s else [],
                    help="extra paratrain all_reduce algorithms to measure beside the default one, "
@@ -111,7 +112,7 @@ def parser():
     p.add_argument("--out", default="benchmarks/results", help="directory for collectives.json/.png "
                    "(default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 rounds: a smoke test")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=positive_float, default=None,
                    help="seconds the whole run may take before the workers are killed (default: estimated)")
     return p
 

@@ -39,6 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..train.argtypes import positive_int
 from . import gpt_runs, launcher
 
 ENGINES = ["pt/none", "pt/fp16", "pt/topk:0.01", "pt/powersgd:4", "pt/onebit", "torch/ddp", "torch/ddp+fp16"]
@@ -54,7 +55,7 @@ def parser():
     p.add_argument("--links", default="1gbit,10gbit,unlimited",
                    help="link rates between the 2 pretend hosts, comma-separated (tc's words, or 'unlimited')")
     p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated")
-    p.add_argument("--accuracy-steps", type=int, default=400,
+    p.add_argument("--accuracy-steps", type=positive_int, default=400,
                    help="steps each of our engines trains in the accuracy run, then scored (default 400)")
     p.add_argument("--accuracy-engines", default=",".join(ACCURACY_ENGINES),
                    help="engines of the accuracy run, comma-separated")

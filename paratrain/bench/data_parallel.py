@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..train.argtypes import positive_float, positive_int
 from . import launcher
 
 MODELS = {"small": [784, 512, 512, 10], "large": [784, 3072, 3072, 3072, 10]}
@@ -39,13 +40,14 @@ def parser():
                                 description="paratrain DataParallel vs PyTorch DDP (Gloo), same run, same model")
     p.add_argument("--models", default="small,large", help="small, large (default both)")
     p.add_argument("--workers", default="1,2,4", help="worker counts (1 = the single-process baseline)")
-    p.add_argument("--batch", type=int, default=32, help="samples per worker per step (default 32)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    p.add_argument("--steps", type=int, default=None, help="steps per engine per round (default: 3 large, 20 small)")
+    p.add_argument("--batch", type=positive_int, default=32, help="samples per worker per step (default 32)")
+    p.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="steps per engine per round (default: 3 large, 20 small)")
     p.add_argument("--engines", default=",".join(ENGINES), help="engines with several workers")
     p.add_argument("--quick", action="store_true", help="tiny models and few rounds (a smoke test)")
     p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds before a run is stopped")
     return p
 
 

@@ -47,6 +47,7 @@ import sys
 import tempfile
 
 from ..launch import forkserver
+from ..train.argtypes import positive_int
 
 COMMIT_EVERY = 10
 
@@ -169,10 +170,10 @@ def _share(x):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="paratrain bench elastic", description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--kill-step", type=int, default=25)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--workers", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=60)
+    p.add_argument("--kill-step", type=positive_int, default=25)
     p.add_argument("--no-torchrun", action="store_true", help="leave out torchrun's rounds")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
                    help="pt.ZeRO at this stage instead of pt.DataParallel (torchrun's side stays DDP)")

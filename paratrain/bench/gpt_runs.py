@@ -11,18 +11,19 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..train.argtypes import positive_float, positive_int
 from . import launcher
 
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def add_common_options(p):
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=int, default=2, help="steps per engine per round (default 2)")
+    p.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=positive_int, default=2, help="steps per engine per round (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each engine before the rounds (default 2)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (a smoke test)")
     p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds before a run is stopped")
 
 
 def words(text):

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from ..launch import forkserver
+from ..train.argtypes import positive_float, positive_int
 
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MODES = [("bsp", []), ("asp", []), ("ssp s=1", ["--staleness", "1"]), ("ssp s=3", ["--staleness", "3"]),
@@ -50,21 +51,23 @@ def parser():
     p = argparse.ArgumentParser(prog="paratrain bench parameter-server",
                                 description="parameter server vs all-reduce; BSP vs ASP vs SSP (real training runs)")
     p.add_argument("--tables", default="1,2,3", help="which of the three tables to run (default all)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per configuration in tables 1-2 (median; default 2)")
-    p.add_argument("--gpt-steps", type=int, default=200, help="table 3: --steps (batches per worker; default 200)")
-    p.add_argument("--gpt-repeats", type=int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="runs per configuration in tables 1-2 (median; default 2)")
+    p.add_argument("--gpt-steps", type=positive_int, default=200,
+                   help="table 3: --steps (batches per worker; default 200)")
+    p.add_argument("--gpt-repeats", type=positive_int, default=1,
                    help="table 3: runs of each mode, alternated (default 1). The final loss of an asynchronous "
                         "run depends on the timing of the pushes, so one run is one draw: with more, each row "
                         "shows the mean and the range")
     p.add_argument("--modes", default=None,
                    help="table 3: comma list of the modes to run, from " + ", ".join(m for m, _ in MODES) +
                         " (default all; bsp, the reference, always runs)")
-    p.add_argument("--target-loss", type=float, default=None,
+    p.add_argument("--target-loss", type=positive_float, default=None,
                    help="table 3: the training loss to time (default: BSP's final smoothed loss + 5%%)")
     p.add_argument("--quick", action="store_true", help="few steps everywhere, and in table 3 only BSP and SSP(3) "
                    "with prediction (a smoke test of the script)")
     p.add_argument("--out", default=str(OUT), help="folder for the JSON and PNG")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before one run is stopped")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds before one run is stopped")
     return p
 
 

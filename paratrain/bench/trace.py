@@ -27,6 +27,7 @@ import tempfile
 
 from ..launch import forkserver
 from ..trace import analysis
+from ..train.argtypes import positive_int
 
 TASKS = {
     "gpt": ["--model", "gpt"],
@@ -102,8 +103,8 @@ def _us(x):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="paratrain bench trace", description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--steps", type=positive_int, default=60)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "trace.json"))
     args = p.parse_args(argv)

@@ -22,6 +22,7 @@ import secrets
 import socket
 import sys
 
+from ..train.argtypes import positive_float
 from . import binding, elastic, trace_files
 from . import servers as ps
 from .watch import LauncherSignals, Policy, say, stop, supervise
@@ -128,7 +129,7 @@ def build_parser():
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="every worker records a trace into DIR (PARATRAIN_TRACE); at the end they are merged into "
                         "DIR/trace.json, which Perfetto opens and `paratrain trace DIR` reads")
-    p.add_argument("--stall-s", type=float, default=None, metavar="S",
+    p.add_argument("--stall-s", type=positive_float, default=None, metavar="S",
                    help="seconds a worker waits in a call before it logs which ranks it waits for and their stacks "
                         "(PARATRAIN_STALL_S, default 60)")
     p.add_argument("--flight-dir", default=None, help=argparse.SUPPRESS)   # paratrain train: runs/<id>/flight

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+from ..train.argtypes import positive_int
 from . import analysis, gantt
 
 
@@ -18,7 +19,7 @@ def build_parser():
     p.add_argument("--flight", metavar="DIR", default=None,
                    help="read the flight recorder's dumps in DIR (runs/<id>/flight, or the folder an error named)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--steps", type=int, default=3, help="steps drawn in trace.png (default 3)")
+    p.add_argument("--steps", type=positive_int, default=3, help="steps drawn in trace.png (default 3)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not write trace.png")
     return p
 
