@@ -280,19 +280,28 @@ def test_steadiness_warns_when_an_engines_rounds_spread_widely():
 
 @pytest.mark.quick
 @pytest.mark.parametrize("argv", [
+    ["compare", "--workers", "0"], ["compare", "--steps", "0"], ["compare", "--batch-size", "-2"],
+    ["compare", "--rounds", "0"], ["compare", "--target-loss", "0"], ["plan", "--workers", "0"],
+    ["plan", "--top", "0"], ["plan", "--steps", "0"], ["plan", "--memory-gb", "0"],
+    ["simulate", "--bucket-mb", "0"], ["simulate", "--stages", "0"], ["simulate", "--microbatches", "0"],
+    ["simulate", "--tp", "-1"], ["simulate", "--servers", "0"],
     ["bench", "collectives", "--iters", "0"], ["bench", "collectives", "--warmup", "0"],
     ["bench", "collectives", "--timeout", "0"], ["bench", "data-parallel", "--rounds", "0"],
     ["bench", "parameter-server", "--repeats", "0"], ["bench", "trace", "--steps", "0"],
     ["bench", "elastic", "--kill-step", "0"], ["bench", "compression", "--accuracy-steps", "0"],
     ["run", "--stall-s", "0", "train.py"], ["trace", ".", "--steps", "0"]], ids=" ".join)
-def test_a_benchmark_or_launcher_count_below_one_is_refused_before_anything_runs(argv, capsys):
-    """0 rounds, iterations or seconds is an error naming the option, before a worker starts,
-    where 0 was read as not given (the default ran) or reached the workers."""
+def test_a_count_below_one_is_refused_by_the_command_given_it_before_anything_runs(argv, capsys):
+    """0 workers, steps, rounds, iterations or seconds is the command's own error, naming the
+    option, before a worker starts: not a crash (simulate's bucket of 0 MB divided by zero),
+    not the default silently (0 stages or iterations read as none given), not train's error
+    for a command the user did not call, not a value the workers meet."""
     from paratrain import cli
     try:
         code = cli.main(argv)
     except SystemExit as e:   # argparse's exit, where the command does not turn it into its return
         code = e.code
     assert code == 2
+    value = next(a for a in argv if a in ("0", "-1", "-2"))
+    command = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
     err = capsys.readouterr().err
-    assert f"error: argument {argv[argv.index('0') - 1]}" in err and "got 0" in err
+    assert f"paratrain {command}: error: argument {argv[argv.index(value) - 1]}" in err and f"got {value}" in err

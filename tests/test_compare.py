@@ -7,8 +7,7 @@ import pytest
 
 from paratrain.compare import command, report
 from paratrain.compare.strategies import NAMES
-from paratrain.simulate import command as simulate_command
-from paratrain.simulate import memory, plan_command
+from paratrain.simulate import memory
 from paratrain.train.metrics import read_metrics
 
 
@@ -172,21 +171,3 @@ def test_rounds_alternate_the_order_and_a_strategy_shows_its_median_run():
     assert report.median_run(runs[:1]) == runs[0]   # one round: the run as it was
     assert "330 (300-360)" in report.markdown([row], "t") and "ran 4 times" in report.markdown([row], "t")
 
-
-@pytest.mark.quick
-@pytest.mark.parametrize("command_module, option, value", [
-    (command, "--workers", "0"), (command, "--steps", "0"), (command, "--batch-size", "-2"),
-    (command, "--rounds", "0"), (command, "--target-loss", "0"), (plan_command, "--workers", "0"),
-    (plan_command, "--top", "0"), (plan_command, "--steps", "0"), (plan_command, "--memory-gb", "0"),
-    (simulate_command, "--bucket-mb", "0"),
-    (simulate_command, "--stages", "0"), (simulate_command, "--microbatches", "0"), (simulate_command, "--tp", "-1"),
-    (simulate_command, "--servers", "0")])
-def test_a_count_below_one_is_refused_by_the_command_given_it(command_module, option, value, capsys):
-    """No workers, steps, stages or servers is the command's own error, in its own name: not a
-    crash (a bucket of 0 MB divided by zero), not the default silently (0 stages read as
-    none given), not train's error for a command the user did not call."""
-    parser = command_module.build_parser()
-    with pytest.raises(SystemExit):
-        parser.parse_args([option, value])
-    err = capsys.readouterr().err
-    assert f"{parser.prog}: error: argument {option}" in err and f"got {value}" in err

@@ -50,7 +50,8 @@ def test_zero_s_state_is_the_papers():
 def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plan, "memory_here", lambda *a: None)   # the formulas; the compare test measures here
     (tmp_path / "c.json").write_text(json.dumps(CALIBRATION))
-    assert plan_command.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"), "--json"]) == 0
+    assert plan_command.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"),
+                              "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["layouts"]
     rates = [r["predicted_samples_per_s"] for r in rows]
