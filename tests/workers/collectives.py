@@ -28,18 +28,30 @@ def make(rank, n, dtype, salt=0):
 
 @functools.lru_cache(maxsize=64)
 def _made(rank, n, dtype, salt):
+    """Values in [0.5, 1.5), or 0-3 for integers, drawn in single precision or as bytes:
+    every rank draws every rank's inputs, and with large sizes drawing them in float64 is
+    much of a run."""
     rng = np.random.default_rng(1000 * rank + 17 * n + salt)
     if dtype.is_floating_point:
-        vals = rng.uniform(0.5, 1.5, n)
+        vals = rng.random(n, dtype=np.float32)
+        vals += 0.5
     else:
-        vals = rng.integers(0, 4, n)
+        vals = rng.integers(0, 4, n, dtype=np.uint8)
     return torch.from_numpy(vals).to(dtype)
 
 
+def rows(arrays):
+    """The arrays (each rank's input) as the rows of one float64 array, which the
+    references reduce down: stacked once for all the ops of a size."""
+    if not arrays[0].numel():
+        return np.zeros((len(arrays), 0))
+    return np.stack([x.to(torch.float64).numpy() for x in arrays])
+
+
 def ref_reduce(arrays, op, dtype):
-    a = np.stack([x.to(torch.float64).numpy() for x in arrays]) if arrays[0].numel() else \
-        np.zeros((len(arrays), 0))
-    r = {"sum": a.sum(0), "avg": a.mean(0), "max": a.max(0), "min": a.min(0), "prod": a.prod(0)}[op]
+    """What reducing ``arrays`` (a list of tensors, or their rows) by ``op`` gives in ``dtype``."""
+    a = arrays if isinstance(arrays, np.ndarray) else rows(arrays)
+    r = {"sum": a.sum, "avg": a.mean, "max": a.max, "min": a.min, "prod": a.prod}[op](0)
     if not dtype.is_floating_point:
         r = torch.tensor(r.astype(np.int64)).to(dtype)  # uint8 wraps like the collective
         return r
@@ -74,8 +86,12 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
         ops = ["sum", "max", "min", "prod"] + (["avg"] if dt.is_floating_point else [])
         for n in sizes:
             ins = [make(r, n, dt) for r in range(P)]
+            ins_rows = rows(ins)
+            # reduce_scatter: piece r of everyone, reduced, lands on rank r
+            pieces = [make(r, n * P, dt, salt=1) for r in range(P)]
+            my_pieces = rows([p[me * n:(me + 1) * n] for p in pieces])
             for op in ops:
-                reduced = ref_reduce(ins, op, dt)
+                reduced = ref_reduce(ins_rows, op, dt)
                 for algo in algorithms:
                     t = ins[me].clone()
                     g.all_reduce(arg(t), op=op, algorithm=algo)
@@ -85,11 +101,9 @@ def run(g, dtypes, sizes, algorithms, as_numpy):
                 t = ins[me].clone()
                 g.reduce(arg(t), dst=P - 1, op=op)
                 check(t, reduced if me == P - 1 else ins[me], f"reduce {dname} n={n} op={op}")
-                # reduce_scatter: piece r of everyone, reduced, lands on rank r
-                pieces = [make(r, n * P, dt, salt=1) for r in range(P)]
                 out = torch.empty(n, dtype=dt)
                 g.reduce_scatter(arg(out), arg(pieces[me].clone()), op=op)
-                want = ref_reduce([p[me * n:(me + 1) * n] for p in pieces], op, dt)
+                want = ref_reduce(my_pieces, op, dt)
                 check(out, want, f"reduce_scatter {dname} n={n} op={op}")
                 out = torch.empty(n, dtype=dt)   # the list form: pieces in separate tensors
                 g.reduce_scatter(arg(out), arg([pieces[me][q * n:(q + 1) * n].clone() for q in range(P)]), op=op)
@@ -255,9 +269,10 @@ def big_all_reduce(g, dtypes, n, algorithms=(None,)):
     for dname in dtypes:
         dt = DTYPES[dname]
         ins = [make(r, n, dt, salt=9) for r in range(P)]
+        ins_rows = rows(ins)
         ops = ("sum", "max", "avg") if dt.is_floating_point else ("sum", "max")
         for op in ops:
-            want = ref_reduce(ins, op, dt)
+            want = ref_reduce(ins_rows, op, dt)
             for algo in algorithms:
                 t = ins[me].clone()
                 g.all_reduce(t, op=op, algorithm=algo)
