@@ -340,6 +340,36 @@ def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_s
     assert load_workload(tmp_path / "w.toml").step_jitter_s == pytest.approx(0.005)
 
 
+def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatch):
+    """Inside timing.standing() the parts timed one after another keep the neighbours
+    computing beside them, started once while the parts ask for the same ones, and take
+    the pace just after one part as the pace just before the next; a part timed without
+    neighbours, or not paced, takes its own. Nothing computes after the block."""
+    import multiprocessing
+
+    from paratrain.simulate import timing
+    started, real_start = [], timing._start_neighbours
+    monkeypatch.setattr(timing, "_start_neighbours", lambda *spec: started.append(spec) or real_start(*spec))
+    paces = iter([0.10, 0.20, 0.10, 0.30, 0.10, 0.05, 0.15, 0.99])
+    monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
+    timing.forget_timings()
+    try:
+        with timing.standing():
+            assert timing.once(("standing", 1), "mlp", 8, 0, 1, lambda: 0.03) == pytest.approx(0.02)   # 0.1 / 0.15
+            beside = len(multiprocessing.active_children())
+            # paced from 0.2, the part before's last pace, to 0.1 (taken afresh: 0.1 to 0.3, 0.015)
+            assert timing.once(("standing", 2), "mlp", 8, 0, 1, lambda: 0.03) == pytest.approx(0.02)
+            # none beside this one, so its own paces (0.3, 0.1) and its own first pace
+            assert timing.once(("standing", 3), "mlp", 8, 0, 0, lambda: 0.03) == pytest.approx(0.045)
+            assert multiprocessing.active_children() == []
+            assert timing.once(("standing", 4), "mlp", 8, 0, 1, lambda: "ratios", paced=False) == "ratios"
+            assert timing.once(("standing", 5), "mlp", 8, 0, 1, lambda: 0.03) == pytest.approx(0.03)   # 0.05, 0.15
+        assert beside == 1 and started == [("mlp", 8, 1, 0)] * 2, started
+        assert next(paces) == 0.99 and multiprocessing.active_children() == []
+    finally:
+        timing.forget_timings()
+
+
 def test_each_part_of_a_prediction_is_brought_to_the_pace_of_the_first(monkeypatch):
     """timing.once times the model's step briefly before and after each part and scales the
     part by the first pace since forget_timings over the mean of those two: a part timed

@@ -96,14 +96,15 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     """{name: predicted Step (step.py: its seconds and their parts)} of compare's runs, for the
     model measured here."""
     beside = alongside(cluster, workers)
-    workload = here.workload_of(model, batch_size, alongside=beside)
-    K, heads = _optimizer_and_heads(model)
     out = {}
-    for name in names:
-        step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads,
-                            here.Measured(model, alongside=beside))
-        if not isinstance(step, Unavailable):
-            out[name] = step
+    with timing.standing():   # the parts timed one after another, beside the same neighbours
+        workload = here.workload_of(model, batch_size, alongside=beside)
+        K, heads = _optimizer_and_heads(model)
+        for name in names:
+            step, _ = predicted(compare_layout(name, workers), workload, cluster, K, heads,
+                                here.Measured(model, alongside=beside))
+            if not isinstance(step, Unavailable):
+                out[name] = step
     return out
 
 
@@ -310,21 +311,23 @@ def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
     """[(Layout, Step, bytes held)] best first, and [(Layout, why not)] for the rest."""
     from ..compare.strategies import refused
     beside = alongside(cluster, workers)
-    workload = here.workload_of(model, batch_size, alongside=beside)
     K, heads = _optimizer_and_heads(model)
-    measured_memory = memory_here(model, workload, K) if cluster.cores else None
     common = common or ["--model", model, "--workers", str(workers)]
     ranked, dropped = [], []
-    for layout in layouts(workers, workload.layers):
-        why = refused([*common, *layout.flags])
-        step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
-                                                        here.Measured(model, alongside=beside), measured_memory)
-        if why or isinstance(step, Unavailable):
-            dropped.append((layout, why or str(step)))
-        elif memory_gb and held > memory_gb * 2 ** 30:
-            dropped.append((layout, f"predicted {held / 2 ** 30:.2f} GiB a worker, over --memory-gb {memory_gb:g}"))
-        else:
-            ranked.append((layout, step, held))
+    with timing.standing():   # the parts timed one after another, beside the same neighbours
+        workload = here.workload_of(model, batch_size, alongside=beside)
+        measured_memory = memory_here(model, workload, K) if cluster.cores else None
+        for layout in layouts(workers, workload.layers):
+            why = refused([*common, *layout.flags])
+            step, held = (None, None) if why else predicted(layout, workload, cluster, K, heads,
+                                                            here.Measured(model, alongside=beside), measured_memory)
+            if why or isinstance(step, Unavailable):
+                dropped.append((layout, why or str(step)))
+            elif memory_gb and held > memory_gb * 2 ** 30:
+                dropped.append((layout, f"predicted {held / 2 ** 30:.2f} GiB a worker, "
+                                        f"over --memory-gb {memory_gb:g}"))
+            else:
+                ranked.append((layout, step, held))
     ranked.sort(key=lambda r: -r[1].samples_per_s)   # step times of different batches do not compare
     return ranked, dropped
 

@@ -135,15 +135,9 @@ def _compute_until(task, batch, stop, started):
             return
 
 
-@contextlib.contextmanager
-def neighbours(model, batch, count, seed=0):
-    """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples
-    while the body times its own: what a worker's compute takes beside the others. The body
-    starts once each has finished a step: a short timing (a pipeline stage's layers, a
-    few hundred milliseconds) would otherwise be over before they compute at all."""
-    if count <= 0:
-        yield
-        return
+def _start_neighbours(model, batch, count, seed):
+    """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples,
+    returned once each has finished a step; (processes, their stop event)."""
     import multiprocessing
     fork = multiprocessing.get_context("fork")
     stop, started = fork.Event(), fork.Semaphore(0)
@@ -156,13 +150,84 @@ def neighbours(model, batch, count, seed=0):
             if not started.acquire(timeout=NEIGHBOUR_START_S):
                 raise RuntimeError(f"a process computing beside the timing did not finish a step of {model} "
                                    f"in {NEIGHBOUR_START_S} s")
+    except BaseException:
+        _stop_neighbours(others, stop)
+        raise
+    return others, stop
+
+
+def _stop_neighbours(others, stop):
+    stop.set()
+    for p in others:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+
+class _Standing:
+    """Inside ``standing()``: the neighbours left computing after a timing, for the next
+    that asks for the same ones, and the pace last taken beside them."""
+
+    def __init__(self):
+        self.spec, self.others, self.stop, self.pace = None, [], None, None
+
+    def neighbours(self, spec):
+        """Start the neighbours ``spec`` (model, batch, count, seed) asks for, unless they run."""
+        if spec != self.spec:
+            self.close()
+            self.others, self.stop = _start_neighbours(*spec)
+            self.spec = spec
+
+    def close(self):
+        if self.stop is not None:
+            _stop_neighbours(self.others, self.stop)
+        self.spec, self.others, self.stop, self.pace = None, [], None, None
+
+
+_STANDING = None   # a _Standing while inside standing()
+
+
+@contextlib.contextmanager
+def standing():
+    """Within: the parts of a prediction timed one after another share their neighbours
+    (started once, instead of forked and warmed up again for each part) and their paces
+    (the pace taken just after one part is the pace just before the next): each part is
+    still timed beside the job's other workers, at one pace, without paying for their
+    start and for a second pace each time. The neighbours stop at the end: nothing
+    computes beside what runs after (a compare's training run)."""
+    global _STANDING
+    if _STANDING is not None:   # already inside: the outer one stops them
+        yield
+        return
+    _STANDING = _Standing()
+    try:
         yield
     finally:
-        stop.set()
-        for p in others:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        _STANDING.close()
+        _STANDING = None
+
+
+@contextlib.contextmanager
+def neighbours(model, batch, count, seed=0):
+    """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples
+    while the body times its own: what a worker's compute takes beside the others. The body
+    starts once each has finished a step: a short timing (a pipeline stage's layers, a
+    few hundred milliseconds) would otherwise be over before they compute at all. Inside
+    ``standing()`` they go on computing after the body, for the next timing."""
+    if count <= 0:
+        if _STANDING is not None:
+            _STANDING.close()   # none beside this timing; nor a pace taken beside others
+        yield
+        return
+    if _STANDING is not None:
+        _STANDING.neighbours((model, batch, count, seed))
+        yield
+        return
+    others, stop = _start_neighbours(model, batch, count, seed)
+    try:
+        yield
+    finally:
+        _stop_neighbours(others, stop)
 
 
 PACE_STEPS = 4   # whole steps timed, after one warm-up, for the host's pace around each timing
@@ -173,6 +238,14 @@ def pace_seconds(model, seed=0):
     this host computes just now."""
     task = task_of(model, seed)
     return float(time_step(task, task.defaults["batch_size"], warmup=1, timed=PACE_STEPS))
+
+
+def _pace_before(model, seed, alongside):
+    """The pace just before a timing: inside ``standing()``, the one taken just after the
+    timing before it, beside the same neighbours, if there was one."""
+    if _STANDING is not None and _STANDING.pace and _STANDING.pace[0] == (model, seed, alongside):
+        return _STANDING.pace[1]
+    return pace_seconds(model, seed)
 
 
 def at_pace(value, ratio):
@@ -196,10 +269,15 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
     if key not in _TIMED:
         with one_thread(), neighbours(model, batch, alongside, seed):
             if not paced:
+                if _STANDING is not None:
+                    _STANDING.pace = None   # time passes: the next part takes its own pace
                 return kept(key, measure)
-            before = pace_seconds(model, seed)
+            before = _pace_before(model, seed, alongside)
             value = measure()
-            now = (before + pace_seconds(model, seed)) / 2
+            after = pace_seconds(model, seed)
+            if _STANDING is not None:
+                _STANDING.pace = ((model, seed, alongside), after)
+            now = (before + after) / 2
         base = _TIMED.setdefault(("pace", model, alongside), before)
         _TIMED[key] = at_pace(value, base / now)
     return _TIMED[key]
