@@ -344,13 +344,14 @@ def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatc
     """Inside timing.standing() the parts timed one after another keep the neighbours
     computing beside them, started once while the parts ask for the same ones, and take
     the pace just after one part as the pace just before the next; a part timed without
-    neighbours, or not paced, takes its own. Nothing computes after the block."""
+    neighbours, or not paced, or long after the last pace, takes its own. Nothing computes
+    after the block."""
     import multiprocessing
 
     from paratrain.simulate import timing
     started, real_start = [], timing._start_neighbours
     monkeypatch.setattr(timing, "_start_neighbours", lambda *spec: started.append(spec) or real_start(*spec))
-    paces = iter([0.10, 0.20, 0.10, 0.30, 0.10, 0.05, 0.15, 0.99])
+    paces = iter([0.10, 0.20, 0.10, 0.30, 0.10, 0.05, 0.15, 0.10, 0.20, 0.99])
     monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
     timing.forget_timings()
     try:
@@ -364,6 +365,8 @@ def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatc
             assert multiprocessing.active_children() == []
             assert timing.once(("standing", 4), "mlp", 8, 0, 1, lambda: "ratios", paced=False) == "ratios"
             assert timing.once(("standing", 5), "mlp", 8, 0, 1, lambda: 0.03) == pytest.approx(0.03)   # 0.05, 0.15
+            monkeypatch.setattr(timing, "PACE_FRESH_S", 0.0)   # the last pace taken too long ago: its own
+            assert timing.once(("standing", 6), "mlp", 8, 0, 1, lambda: 0.03) == pytest.approx(0.02)   # 0.1, 0.2
         assert beside == 1 and started == [("mlp", 8, 1, 0)] * 2, started
         assert next(paces) == 0.99 and multiprocessing.active_children() == []
     finally:

@@ -240,11 +240,16 @@ def pace_seconds(model, seed=0):
     return float(time_step(task, task.defaults["batch_size"], warmup=1, timed=PACE_STEPS))
 
 
+PACE_FRESH_S = 1.0   # a pace taken this long before a timing still stands for the moment it starts
+
+
 def _pace_before(model, seed, alongside):
     """The pace just before a timing: inside ``standing()``, the one taken just after the
-    timing before it, beside the same neighbours, if there was one."""
-    if _STANDING is not None and _STANDING.pace and _STANDING.pace[0] == (model, seed, alongside):
-        return _STANDING.pace[1]
+    timing before it, beside the same neighbours, if that was a moment ago (a plan measures
+    the model's memory between two parts)."""
+    last = _STANDING.pace if _STANDING is not None else None
+    if last and last[0] == (model, seed, alongside) and time.monotonic() - last[2] <= PACE_FRESH_S:
+        return last[1]
     return pace_seconds(model, seed)
 
 
@@ -276,7 +281,7 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
             value = measure()
             after = pace_seconds(model, seed)
             if _STANDING is not None:
-                _STANDING.pace = ((model, seed, alongside), after)
+                _STANDING.pace = ((model, seed, alongside), after, time.monotonic())
             now = (before + after) / 2
         base = _TIMED.setdefault(("pace", model, alongside), before)
         _TIMED[key] = at_pace(value, base / now)
