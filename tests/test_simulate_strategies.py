@@ -343,15 +343,15 @@ def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_s
 def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatch):
     """Inside timing.standing() the parts timed one after another keep the neighbours
     computing beside them, started once while the parts ask for the same ones, and take
-    the pace just after one part as the pace just before the next; a part timed without
-    neighbours, or not paced, or long after the last pace, takes its own. Nothing computes
-    after the block."""
+    the pace just after one part as the pace just before the next, also between parts with
+    no neighbours; a part timed beside other neighbours than the last, or after one not
+    paced, or long after the last pace, takes its own. Nothing computes after the block."""
     import multiprocessing
 
     from paratrain.simulate import timing
     started, real_start = [], timing._start_neighbours
     monkeypatch.setattr(timing, "_start_neighbours", lambda *spec: started.append(spec) or real_start(*spec))
-    paces = iter([0.10, 0.20, 0.10, 0.30, 0.10, 0.05, 0.15, 0.10, 0.20, 0.99])
+    paces = iter([0.10, 0.20, 0.10, 0.30, 0.10, 0.20, 0.05, 0.15, 0.10, 0.20, 0.99])
     monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
     timing.forget_timings()
     try:
@@ -363,6 +363,8 @@ def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatc
             # none beside this one, so its own paces (0.3, 0.1) and its own first pace
             assert timing.once(("standing", 3), "mlp", 8, 0, 0, lambda: 0.03) == pytest.approx(0.045)
             assert multiprocessing.active_children() == []
+            # none beside it either: the pace just after the one before stands (0.1, then 0.2)
+            assert timing.once(("standing", 3.5), "mlp", 8, 0, 0, lambda: 0.03) == pytest.approx(0.06)
             assert timing.once(("standing", 4), "mlp", 8, 0, 1, lambda: "ratios", paced=False) == "ratios"
             assert timing.once(("standing", 5), "mlp", 8, 0, 1, lambda: 0.03) == pytest.approx(0.03)   # 0.05, 0.15
             monkeypatch.setattr(timing, "PACE_FRESH_S", 0.0)   # the last pace taken too long ago: its own

@@ -215,8 +215,8 @@ def neighbours(model, batch, count, seed=0):
     few hundred milliseconds) would otherwise be over before they compute at all. Inside
     ``standing()`` they go on computing after the body, for the next timing."""
     if count <= 0:
-        if _STANDING is not None:
-            _STANDING.close()   # none beside this timing; nor a pace taken beside others
+        if _STANDING is not None and _STANDING.spec is not None:
+            _STANDING.close()   # none beside this timing
         yield
         return
     if _STANDING is not None:
