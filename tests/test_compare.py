@@ -28,6 +28,7 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
     assert (folder / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (folder / "compare.md").read_text()
     assert "| dp |" in table and "predicted step" in table and table.count(" (before ") == len(NAMES) - 1
+    assert "at one pace" in table
     rows = {r["strategy"]: r for r in json.loads((folder / "compare.json").read_text())["rows"]}
     assert list(rows) == list(NAMES)
     assert "not digits" in rows["tensor"]["unavailable"]   # train's own reason: --tp cuts transformers
@@ -40,6 +41,7 @@ def test_compare_runs_every_strategy_for_the_budget_and_writes_the_three_files(t
         assert r["peak_memory_mb"] > 0 and r["predicted_step_ms"] > 0
         before, after = r["predicted_before_after_ms"]   # timed just before the run and just after
         assert before > 0 and after > 0 and r["predicted_step_ms"] == pytest.approx((before + after) / 2)
+        assert r["pace_ms"] > 0 and r["whole_steps_per_compute"] > 0 and r["samples_per_s_at_pace"] > 0
         parts = r["predicted_parts_ms"]   # the model's step in parts: they add up to it
         assert parts["compute"] > 0 and sum(parts.values()) == pytest.approx(r["predicted_step_ms"])
         assert 0 < r["compute_ms"] < r["step_ms"], (name, r)   # rank 0 computes inside its step
@@ -171,3 +173,40 @@ def test_rounds_alternate_the_order_and_a_strategy_shows_its_median_run():
     assert report.median_run(runs[:1]) == runs[0]   # one round: the run as it was
     assert "330 (300-360)" in report.markdown([row], "t") and "ran 4 times" in report.markdown([row], "t")
 
+
+
+def test_runs_at_one_pace_are_their_samples_per_s_at_the_median_pace_of_all_runs():
+    """A run while the host computed slower (its pace: its compute a step, in the model's whole
+    steps, longer) is shown as fast as it would have run at the median pace: samples/s x
+    pace / median."""
+    def run(name, speed, **pace):
+        return {"strategy": name, "samples_per_s": speed, "step_ms": 1, "loss": 1, "bytes_per_step": 1,
+                "peak_memory_mb": 5, "run_dir": f"{name}-{speed}", **pace}
+    runs = [run("dp", 300.0, pace_ms=120.0), run("dp", 380.0, pace_ms=100.0), run("zero1", 330.0, pace_ms=90.0),
+            run("zero1", 340.0, pace_ms=100.0), {"strategy": "zero1", "unavailable": "the run failed"},
+            run("tensor", 200.0)]   # no prediction, no pace
+    report.at_one_pace(runs)   # the median pace of the four: 100 ms
+    assert [r.get("samples_per_s_at_pace") for r in runs] == [pytest.approx(360.0), 380.0, pytest.approx(297.0),
+                                                              340.0, None, None]
+    dp, zero1 = report.median_run(runs[:2]), report.median_run(runs[2:5])
+    assert dp["samples_per_s"] == 300.0 and dp["samples_per_s_at_pace"] == pytest.approx(370.0)   # of both runs
+    assert zero1["samples_per_s_at_pace"] == pytest.approx(318.5)
+    assert [r.get("pace_ms") for r in zero1["rounds"]] == [90.0, 100.0, None]
+    table = report.markdown([dp, zero1], "t")
+    assert "| dp | 300 (300-380) | 370 |" in table and "Fastest: zero1 as run, dp at one pace." in table
+    report.at_one_pace(runs[5:])   # no paces: nothing to bring to one
+    assert "samples_per_s_at_pace" not in runs[5] and "at one pace" not in report.markdown(runs[5:], "t")
+
+
+def test_a_strategys_runs_share_the_median_of_their_compute_to_pace_ratios():
+    """Two pipeline runs whose workers computed equally fast are at one pace, though the model's
+    timing beside each said a stage is worth 2.0 and 1.5 of the whole step (a stage's timing
+    moves): each gets the median ratio, 1.75, and their paces differ only by their compute."""
+    runs = [{"strategy": "pipeline", "samples_per_s": 200.0, "pace_ms": 200.0, "whole_steps_per_compute": 2.0},
+            {"strategy": "pipeline", "samples_per_s": 220.0, "pace_ms": 150.0, "whole_steps_per_compute": 1.5},
+            {"strategy": "dp", "samples_per_s": 350.0, "pace_ms": 175.0, "whole_steps_per_compute": 1.0}]
+    report.at_one_pace(runs)   # both pipeline runs computed 100 ms a step: 175 ms of the whole step each
+    assert [r["samples_per_s_at_pace"] for r in runs] == [pytest.approx(200.0), pytest.approx(220.0), 350.0]
+    runs[1]["pace_ms"] = 165.0   # this one computed 10% slower: shown 10% faster
+    report.at_one_pace(runs)
+    assert runs[1]["samples_per_s_at_pace"] == pytest.approx(220.0 * 1.1)   # the median pace still 175

@@ -100,10 +100,15 @@ def predictor(args):
 
     def predict(name, compute=None, slowest=1.0, mean=1.0):
         """name's Step timed afresh; or, given the run's ``compute`` (a timing.Timed of rank 0's),
-        (Step, speed) at the run's speed (plan.predict_from_run), on the last timings."""
+        (Step, speed, pace, worth) at the run's speed (plan.predict_from_run), on the last
+        timings, where pace is the model's whole step at that speed (plan.host_pace x speed)
+        and worth plan.whole_steps_per_compute."""
         if compute is not None:
-            return plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size,
-                                         slowest, mean)
+            step, speed = plan.predict_from_run(args.model, args.workers, name, cluster, compute, args.batch_size,
+                                                slowest, mean)
+            pace = speed * plan.host_pace(args.model, args.workers, cluster, args.batch_size)
+            return step, speed, pace, plan.whole_steps_per_compute(args.model, args.workers, name, cluster,
+                                                                   args.batch_size)
         timing.forget_timings()
         steps = plan.predict_compare(args.model, args.workers, [name], cluster, args.batch_size)
         return steps.get(name)
@@ -112,14 +117,18 @@ def predictor(args):
 
 def from_run_fields(predict, name, row):
     """``predicted_from_run_compute_ms``: the row's strategy predicted at the speed its run
-    computed at (and as unsteadily), and ``run_compute_speed``, that speed against the
-    timing's (the run's compute a step over the model's: 1.2, the run computed 20% slower)."""
+    computed at (and as unsteadily); ``run_compute_speed``, that speed against the
+    timing's (the run's compute a step over the model's: 1.2, the run computed 20% slower);
+    ``pace_ms``, the model's whole step at that speed: how fast this host computed during the
+    run, in the same units for every strategy; and ``whole_steps_per_compute``, the ratio
+    that converted the run's compute into them (report.at_one_pace)."""
     from ..simulate.timing import Timed
     if not row.get("compute_ms"):
         return {}
-    step, speed = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3),
-                          row.get("slowest_compute_ratio", 1.0), row.get("mean_compute_ratio", 1.0))
-    return {"predicted_from_run_compute_ms": 1e3 * step.step_s, "run_compute_speed": speed} if step else {}
+    step, speed, pace, worth = predict(name, Timed.of(row["compute_ms"] / 1e3, row["compute_jitter_ms"] / 1e3),
+                                       row.get("slowest_compute_ratio", 1.0), row.get("mean_compute_ratio", 1.0))
+    return {"predicted_from_run_compute_ms": 1e3 * step.step_s, "run_compute_speed": speed,
+            "pace_ms": 1e3 * pace, "whole_steps_per_compute": worth} if step else {}
 
 
 def prediction_fields(before, after):
@@ -179,6 +188,7 @@ def main(argv=None):
                     bar.console.print(f"{log}: " + (row["unavailable"] if "unavailable" in row else
                                       f"{row['samples_per_s']:,.0f} samples/s, loss {row['loss']:.4f}"))
                 bar.advance(task)
+    report.at_one_pace([run for name in names for run in runs[name]])
     rows = [{"strategy": name, "unavailable": unavailable[name]} if unavailable[name]
             else report.median_run(runs[name]) for name in names]
     paths = report.write(folder, rows, title)

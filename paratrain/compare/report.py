@@ -23,7 +23,12 @@ Each strategy's row comes from its run's summary.json and metrics.jsonl:
   go in lockstep and mean_compute_ratio for a pipeline), and spread as the run's
   steps were (compute_jitter_ms, their spread from one step to the next, over
   compute_ms): the model's communication, bubbles and waits checked at the speed
-  the run had, which the timings before and after may miss.
+  the run had, which the timings before and after may miss;
+- pace_ms, samples_per_s_at_pace (with predicted_from_run_compute_ms): the model's whole
+  step at the speed the run computed at (run_compute_speed), how fast this host computed
+  during the run in units alike for every strategy, and the run's samples/s brought to
+  the median pace of all the compare's runs (at_one_pace); a strategy's row, the median
+  of its runs' at that pace.
 
 compare.png: loss against wall time, a line per strategy, and bars of memory
 and bytes per step.
@@ -61,14 +66,44 @@ def row_from_run(name, run_dir):
     return row
 
 
-ROUND_FIELDS = ("samples_per_s", "step_ms", "predicted_step_ms", "predicted_from_run_compute_ms", "run_dir")
+ROUND_FIELDS = ("samples_per_s", "samples_per_s_at_pace", "pace_ms", "whole_steps_per_compute", "step_ms",
+                "predicted_step_ms", "predicted_from_run_compute_ms", "run_dir")
+
+
+def at_one_pace(runs):
+    """Give each run that has a ``pace_ms`` its ``samples_per_s_at_pace``: its samples/s times
+    its pace over the median pace of them all. A shared host's speed moves by a third
+    within the half hour a compare takes, more than strategies differ: a strategy run at a
+    slow minute would rank below one run at a fast minute. The pace is read from the run
+    itself: its workers' compute a step, times ``whole_steps_per_compute``, what the model
+    says a second of that strategy's compute (a pipeline's stage, a tensor worker's cut
+    model, data parallelism's whole model) is worth of the model's whole step, so one unit
+    for every strategy. That ratio comes from a timing (a stage's, in a third of a second,
+    moves by a sixth from one to the next), so a strategy's runs share the median of
+    theirs: between its own runs only their compute tells their paces apart. A run that
+    computed 10% slower than the median is shown 10% faster. A pace timed apart from the
+    run (the model's step just before it and just after) reads the seconds around the run,
+    not its thirty, and spread a strategy's runs wider, not narrower."""
+    paced = [r for r in runs if r.get("pace_ms") and r.get("samples_per_s")]
+    if not paced:
+        return
+    worth = {}
+    for r in paced:
+        if r.get("whole_steps_per_compute"):
+            worth.setdefault(r["strategy"], []).append(r["whole_steps_per_compute"])
+    paces = [r["pace_ms"] * (statistics.median(worth[r["strategy"]]) / r["whole_steps_per_compute"]
+                             if r.get("whole_steps_per_compute") else 1.0) for r in paced]
+    middle = statistics.median(paces)
+    for r, pace in zip(paced, paces):
+        r["samples_per_s_at_pace"] = r["samples_per_s"] * pace / middle
 
 
 def median_run(runs):
     """A strategy's row from its runs, one a round (compare --rounds): the run of median
     samples/s (the lower middle one of an even count), so that its loss, memory and
     prediction are all one run's; past one run, ``rounds`` holds every run's figures in the
-    order they ran, and ``samples_per_s_range`` the lowest and the highest."""
+    order they ran, ``samples_per_s_range`` the lowest and the highest, and
+    ``samples_per_s_at_pace`` the median of the runs' at one pace."""
     ran = [r for r in runs if "unavailable" not in r]
     if len(runs) == 1 or not ran:
         return runs[0]
@@ -77,6 +112,9 @@ def median_run(runs):
                      else {"unavailable": r["unavailable"]} for r in runs]
     speeds = [r["samples_per_s"] for r in ran]
     row["samples_per_s_range"] = [min(speeds), max(speeds)]
+    at_pace = [r["samples_per_s_at_pace"] for r in ran if "samples_per_s_at_pace" in r]
+    if at_pace:
+        row["samples_per_s_at_pace"] = statistics.median(at_pace)
     return row
 
 
@@ -124,25 +162,33 @@ def accuracy(rows):
     return line + "."
 
 
+def fastest(rows, key):
+    """The strategy of the most ``key`` (samples/s, or at one pace) among the rows that ran."""
+    ran = [r for r in rows if r.get(key)]
+    return max(ran, key=lambda r: r[key])["strategy"] if ran else None
+
+
 def markdown(rows, title):
     predicted = any("predicted_step_ms" in r for r in rows)
     from_run = any("predicted_from_run_compute_ms" in r for r in rows)
+    paced = any("samples_per_s_at_pace" in r for r in rows)
     lines = [f"# {title}", "",
-             "| strategy | samples/s | step | " + ("predicted step | " if predicted else "")
-             + ("predicted from its compute | " if from_run else "")
+             "| strategy | samples/s | " + ("at one pace | " if paced else "") + "step | "
+             + ("predicted step | " if predicted else "") + ("predicted from its compute | " if from_run else "")
              + "bytes/step | peak memory/worker | loss | time to target |",
-             "| --- | ---: | ---: | " + ("---: | " * (predicted + from_run)) + "---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | " + ("---: | " * (paced + predicted + from_run)) + "---: | ---: | ---: | ---: |"]
     for r in rows:
         if "unavailable" in r:
             lines.append(f"| {r['strategy']} | not run: {r['unavailable']} | | | | | |"
-                         + " |" * (predicted + from_run))
+                         + " |" * (paced + predicted + from_run))
             continue
+        pace = f"{_cell(r.get('samples_per_s_at_pace'), ',.0f')} | " if paced else ""
         target = r.get("time_to_target_s")
         guess = f"{_cell(r.get('predicted_step_ms'), '.1f')} ms{_moved(r)} | " if predicted else ""
         if from_run:
             own = r.get("predicted_from_run_compute_ms")
             guess += "- | " if own is None else f"{own:.1f} ms (x{r['run_compute_speed']:.2f}) | "
-        lines.append(f"| {r['strategy']} | {_samples_cell(r)} | {_cell(r['step_ms'], '.1f')} ms | "
+        lines.append(f"| {r['strategy']} | {_samples_cell(r)} | {pace}{_cell(r['step_ms'], '.1f')} ms | "
                      f"{guess}"
                      f"{_cell(r['bytes_per_step'] and r['bytes_per_step'] / MB, '.2f')} MiB | "
                      f"{_cell(r['peak_memory_mb'], '.0f')} MiB | {_cell(r['loss'], '.4f')} | "
@@ -151,6 +197,11 @@ def markdown(rows, title):
     if rounds:
         lines += ["", f"Each strategy ran {rounds} times, in alternating order; its row is its median run by "
                   "samples/s, beside its lowest and highest."]
+    if paced:
+        lines += ["", "At one pace: each run's samples/s brought to the median speed this host computed at "
+                  "across the runs (each run's compute a step, in the model's whole steps); this host's speed "
+                  f"drifts by more than strategies differ. Fastest: {fastest(rows, 'samples_per_s')} as run, "
+                  f"{fastest(rows, 'samples_per_s_at_pace')} at one pace."]
     if from_run:
         lines += ["", "Predicted from its compute: the model again at the speed the run computed at, and as "
                   "unsteadily (x: the run's compute a step over the model's timing of it; 1.20, 20% slower)."]

@@ -108,6 +108,28 @@ def predict_compare(model, workers, names, cluster, batch_size=None):
     return out
 
 
+def host_pace(model, workers, cluster, batch_size=None):
+    """Seconds of the model's whole step on a worker's batch, one thread, beside the job's
+    other workers, as the last timings took it (the first part predict_compare times; timed
+    now if none has since forget_timings): the units in which compare states how fast each
+    run computed, whatever its strategy computes (predict_from_run's speed times this)."""
+    return float(here.workload_of(model, batch_size, alongside=alongside(cluster, workers)).step_compute_s)
+
+
+def whole_steps_per_compute(model, workers, name, cluster, batch_size=None):
+    """host_pace over what the model takes a worker of compare's run ``name`` to compute a
+    step (worker_compute_seconds, sharing the cores as predicted() shares them), on the last
+    timings: how much of the model's whole step a second of that strategy's compute is
+    worth (about 1 for data parallelism; nearly 2 for a stage of a 2-stage pipeline). Both
+    are timed in one prediction, so the host's pace cancels; what is left is the timings'
+    own spread (a pipeline stage's, in a third of a second, the widest)."""
+    beside = alongside(cluster, workers)
+    workload = here.workload_of(model, batch_size, alongside=beside)
+    layout = compare_layout(name, workers)
+    compute = worker_compute_seconds(layout, workload, here.Measured(model, alongside=beside))
+    return workload.step_compute_s / (compute * time_shared(layout.dp * layout.pp * layout.tp, cluster.cores))
+
+
 def worker_compute_seconds(layout, workload, measured):
     """What the model takes a worker's forward and backward in one step of ``layout`` to be,
     on average over the workers, as a run reports them (its metrics' compute_seconds:
