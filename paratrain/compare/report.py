@@ -72,14 +72,14 @@ ROUND_FIELDS = ("samples_per_s", "samples_per_s_at_pace", "pace_ms", "whole_step
 
 def at_one_pace(runs):
     """Give each run that has a ``pace_ms`` its ``samples_per_s_at_pace``: its samples/s times
-    its pace over the median pace of them all. A shared host's speed moves by a third
-    within the half hour a compare takes, more than strategies differ: a strategy run at a
+    its pace over the median pace of them all. A shared host's speed moves within the
+    half hour a compare takes by more than strategies differ: a strategy run at a
     slow minute would rank below one run at a fast minute. The pace is read from the run
     itself: its workers' compute a step, times ``whole_steps_per_compute``, what the model
     says a second of that strategy's compute (a pipeline's stage, a tensor worker's cut
     model, data parallelism's whole model) is worth of the model's whole step, so one unit
-    for every strategy. That ratio comes from a timing (a stage's, in a third of a second,
-    moves by a sixth from one to the next), so a strategy's runs share the median of
+    for every strategy. That ratio comes from a timing (a stage's, a third of a second
+    long, moves from one prediction to the next), so a strategy's runs share the median of
     theirs: between its own runs only their compute tells their paces apart. A run that
     computed 10% slower than the median is shown 10% faster. A pace timed apart from the
     run (the model's step just before it and just after) reads the seconds around the run,
