@@ -87,12 +87,13 @@ def at_one_pace(runs):
     paced = [r for r in runs if r.get("pace_ms") and r.get("samples_per_s")]
     if not paced:
         return
-    worth = {}
+    worths = {}
     for r in paced:
         if r.get("whole_steps_per_compute"):
-            worth.setdefault(r["strategy"], []).append(r["whole_steps_per_compute"])
-    paces = [r["pace_ms"] * (statistics.median(worth[r["strategy"]]) / r["whole_steps_per_compute"]
-                             if r.get("whole_steps_per_compute") else 1.0) for r in paced]
+            worths.setdefault(r["strategy"], []).append(r["whole_steps_per_compute"])
+    shared = {name: statistics.median(values) for name, values in worths.items()}
+    paces = [r["pace_ms"] * shared[r["strategy"]] / r["whole_steps_per_compute"]
+             if r.get("whole_steps_per_compute") else r["pace_ms"] for r in paced]
     middle = statistics.median(paces)
     for r, pace in zip(paced, paces):
         r["samples_per_s_at_pace"] = r["samples_per_s"] * pace / middle

@@ -123,11 +123,20 @@ def whole_steps_per_compute(model, workers, name, cluster, batch_size=None):
     worth (about 1 for data parallelism; nearly 2 for a stage of a 2-stage pipeline). Both
     are timed in one prediction, so the host's pace cancels; what is left is the timings'
     own spread (a pipeline stage's, in a third of a second, the widest)."""
+    _layout, workload, _measured, compute = _shared_worker_compute(model, workers, name, cluster, batch_size)
+    return workload.step_compute_s / compute
+
+
+def _shared_worker_compute(model, workers, name, cluster, batch_size=None):
+    """(layout, workload, Measured, seconds) of compare's run ``name`` here, on the last
+    timings: seconds, what a worker computes a step (worker_compute_seconds) with the cores
+    shared as predicted() shares them."""
     beside = alongside(cluster, workers)
+    measured = here.Measured(model, alongside=beside)
     workload = here.workload_of(model, batch_size, alongside=beside)
     layout = compare_layout(name, workers)
-    compute = worker_compute_seconds(layout, workload, here.Measured(model, alongside=beside))
-    return workload.step_compute_s / (compute * time_shared(layout.dp * layout.pp * layout.tp, cluster.cores))
+    shared = time_shared(layout.dp * layout.pp * layout.tp, cluster.cores)
+    return layout, workload, measured, worker_compute_seconds(layout, workload, measured) * shared
 
 
 def worker_compute_seconds(layout, workload, measured):
@@ -217,13 +226,9 @@ def predict_from_run(model, workers, name, cluster, compute, batch_size=None, sl
     predicts (by 20-40% within a minute here); this prediction checks the rest of the
     model (communication, overlap, bubbles, waits) at the run's own speed. None where
     the layout is unavailable."""
-    beside = alongside(cluster, workers)
-    measured = here.Measured(model, alongside=beside)
-    workload = here.workload_of(model, batch_size, alongside=beside)
-    layout = compare_layout(name, workers)
+    layout, workload, measured, modelled = _shared_worker_compute(model, workers, name, cluster, batch_size)
     share = slowest if in_lockstep(layout) else mean if layout.pp > 1 else 1.0
-    shared = time_shared(layout.dp * layout.pp * layout.tp, cluster.cores)
-    speed = compute * share / (worker_compute_seconds(layout, workload, measured) * shared)
+    speed = compute * share / modelled
     spread = compute.jitter / compute
     workload = dataclasses.replace(workload, step_compute_s=workload.step_compute_s * speed,
                                    step_jitter_s=workload.step_compute_s * speed * spread)
