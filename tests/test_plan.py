@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from paratrain.simulate import memory, plan, plan_command
+from paratrain.simulate import memory, plan, plan_command, timing
 from paratrain.simulate.collectives import Link
 from paratrain.simulate.system import Cluster, Workload
 
@@ -49,6 +49,7 @@ def test_zero_s_state_is_the_papers():
 
 def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plan, "memory_here", lambda *a: None)   # the formulas; the compare test measures here
+    monkeypatch.setattr(timing, "PART_TIMINGS", 1)   # each part timed once: this checks what is predicted
     (tmp_path / "c.json").write_text(json.dumps(CALIBRATION))
     assert plan_command.main(["--model", "mlp", "--workers", "2", "--calibration", str(tmp_path / "c.json"),
                               "--json"]) == 0
@@ -238,11 +239,12 @@ def test_a_pipeline_s_send_is_timed_between_two_real_stages_and_predicted_with_i
 
 
 @pytest.mark.timeout(120)
-def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction():
+def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction(monkeypatch):
     """compare's second prediction: a run that computed 1.25x as long as the model's timing
     is predicted with every timing 1.25x as long (its compute part too), whatever the layout;
     its steps' spread is what the model charges at each synchronization (none for ASP's)."""
     from paratrain.simulate import here, timing
+    monkeypatch.setattr(timing, "PART_TIMINGS", 1)   # each part timed once: this checks what is predicted
     for model, name in (("digits", "dp"), ("digits", "ps-bsp"), ("digits", "zero1"), ("digits", "zero3"),
                         ("digits", "pipeline"), ("digits", "pipeline-zb"), ("gpt", "tensor")):
         workload, measured, layout = here.workload_of(model), here.Measured(model), plan.compare_layout(name, 2)

@@ -353,6 +353,7 @@ def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatc
     monkeypatch.setattr(timing, "_start_neighbours", lambda *spec: started.append(spec) or real_start(*spec))
     paces = iter([0.10, 0.20, 0.10, 0.30, 0.10, 0.20, 0.05, 0.15, 0.10, 0.20, 0.99])
     monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
+    monkeypatch.setattr(timing, "PART_TIMINGS", 1)   # a part timed once: the next test times it more
     timing.forget_timings()
     try:
         with timing.standing():
@@ -375,6 +376,28 @@ def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatc
         timing.forget_timings()
 
 
+def test_a_part_is_the_median_of_its_timings_each_at_the_pace_around_it(monkeypatch):
+    """timing.once times a part PART_TIMINGS times, each between two paces (the one after a
+    timing is the one before the next), brings each to the first pace and keeps the median:
+    one timing in a slow moment of the host, which its paces did not see, moves nothing."""
+    from paratrain.simulate import timing
+    assert timing.PART_TIMINGS == 3
+    paces = iter([0.10, 0.10, 0.20, 0.10, 0.10, 0.10, 0.10, 0.20])
+    monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
+    measured = iter([0.03, 0.045, 0.06, timing.Timed([0.02] * 3), timing.Timed([0.05, 0.07, 0.05]),
+                     timing.Timed([0.09, 0.09, 0.08])])
+    timing.forget_timings()
+    try:
+        # paces 0.1 | 0.1 | 0.2 | 0.1: 0.03 at 1x, 0.045 at 0.1/0.15, 0.06 at 0.1/0.15 -> 0.03, 0.03, 0.04
+        assert timing.once(("three", 1), "mlp", 8, 0, 0, lambda: next(measured)) == pytest.approx(0.03)
+        # its own first pace (outside standing()), then 0.1 | 0.1 | 0.2: 0.02, 0.05, 0.09 at 0.1/0.15 -> 0.06
+        part = timing.once(("three", 2), "mlp", 8, 0, 0, lambda: next(measured))
+        assert part == pytest.approx(0.05) and part.jitter == timing.Timed([0.05, 0.07, 0.05]).jitter
+        assert next(paces, None) is None
+    finally:
+        timing.forget_timings()
+
+
 def test_each_part_of_a_prediction_is_brought_to_the_pace_of_the_first(monkeypatch):
     """timing.once times the model's step briefly before and after each part and scales the
     part by the first pace since forget_timings over the mean of those two: a part timed
@@ -383,6 +406,7 @@ def test_each_part_of_a_prediction_is_brought_to_the_pace_of_the_first(monkeypat
     assert 0 < timing.pace_seconds("mlp") < 1
     paces = iter([0.10, 0.10, 0.20, 0.20, 0.05, 0.15])
     monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
+    monkeypatch.setattr(timing, "PART_TIMINGS", 1)
     timing.forget_timings()
     try:
         timed = timing.Timed([0.06, 0.08, 0.06])

@@ -4,7 +4,8 @@ beside it, once until the host's speed is said to have moved, and at one pace.
 here.py times the parts a prediction needs (a whole step, a stage's micro-batch, a cut
 model's step, a compressor, the optimizer); this file is how each is timed: ``once``
 runs a ``measure()`` under ``one_thread`` and ``neighbours`` and keeps it per key until
-``forget_timings``, brought to the pace of the first part timed (``pace_seconds``); a
+``forget_timings``, brought to the pace of the first part timed (``pace_seconds``), the
+median of a few such timings; a
 step's seconds come back as a ``Timed`` (the median, and its spread from one step to
 the next, which waits.py charges).
 """
@@ -231,6 +232,12 @@ def neighbours(model, batch, count, seed=0):
 
 
 PACE_STEPS = 4   # whole steps timed, after one warm-up, for the host's pace around each timing
+# Each part is timed this many times in a row, each brought to the first pace on its own,
+# and the median kept: a part and its two paces take a second or two, and one of them
+# landing on a fast or slow moment of the host moved a pipeline stage's or a tensor
+# worker's share of the whole step from one prediction to the next by more than the
+# strategies differ.
+PART_TIMINGS = 3
 
 
 def pace_seconds(model, seed=0):
@@ -270,7 +277,9 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
     data parallelism that runs faster than it. So each part in seconds (``paced``) is
     brought to one pace: the model's step is timed briefly just before and just after it,
     and the part is scaled by the first such pace since forget_timings over the mean of
-    these two, as if every part ran at that moment."""
+    these two, as if every part ran at that moment. The part is timed PART_TIMINGS times
+    so, one after another (each one's pace after it is the next one's before), and the
+    median of the paced values kept (a Timed keeps its own jitter)."""
     if key not in _TIMED:
         with one_thread(), neighbours(model, batch, alongside, seed):
             if not paced:
@@ -278,11 +287,14 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
                     _STANDING.pace = None   # time passes: the next part takes its own pace
                 return kept(key, measure)
             before = _pace_before(model, seed, alongside)
-            value = measure()
-            after = pace_seconds(model, seed)
+            base = _TIMED.setdefault(("pace", model, alongside), before)
+            paced_values = []
+            for _ in range(PART_TIMINGS):
+                value = measure()
+                after = pace_seconds(model, seed)
+                paced_values.append(at_pace(value, base / ((before + after) / 2)))
+                before = after
             if _STANDING is not None:
                 _STANDING.pace = ((model, seed, alongside), after, time.monotonic())
-            now = (before + after) / 2
-        base = _TIMED.setdefault(("pace", model, alongside), before)
-        _TIMED[key] = at_pace(value, base / now)
+        _TIMED[key] = sorted(paced_values, key=float)[len(paced_values) // 2]
     return _TIMED[key]
