@@ -4,10 +4,9 @@ beside it, once until the host's speed is said to have moved, and at one pace.
 here.py times the parts a prediction needs (a whole step, a stage's micro-batch, a cut
 model's step, a compressor, the optimizer); this file is how each is timed: ``once``
 runs a ``measure()`` under ``one_thread`` and ``neighbours`` and keeps it per key until
-``forget_timings``, brought to the pace of the first part timed (``pace_seconds``), the
-median of a few such timings; a
-step's seconds come back as a ``Timed`` (the median, and its spread from one step to
-the next, which waits.py charges).
+``forget_timings``, the median of a few timings each brought to the pace of the first
+part timed (``pace_seconds``); a step's seconds come back as a ``Timed`` (the median,
+and its spread from one step to the next, which waits.py charges).
 """
 import contextlib
 import functools
@@ -296,5 +295,5 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
                 before = after
             if _STANDING is not None:
                 _STANDING.pace = ((model, seed, alongside), after, time.monotonic())
-        _TIMED[key] = sorted(paced_values, key=float)[len(paced_values) // 2]
+        _TIMED[key] = statistics.median_low(paced_values)   # one of them, a Timed with its jitter
     return _TIMED[key]
