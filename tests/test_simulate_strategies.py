@@ -340,6 +340,47 @@ def test_ranks_wait_for_the_slowest_at_each_synchronization_by_their_compute_s_s
     assert load_workload(tmp_path / "w.toml").step_jitter_s == pytest.approx(0.005)
 
 
+def test_a_pipeline_s_stages_wait_for_each_other_as_drawn_through_its_schedule():
+    """1F1B on 2 stages and 2 micro-batches written out by hand (rank 0: F0 F1 B0 B1; rank 1:
+    F0 B0 F1 B1, each action after the data it needs) and drawn with numpy: the schedule's
+    mean makespan with every action drawn around its cost, less the fixed one, is
+    jittered_wait's. One micro-batch is a chain nobody waits in; the wait grows with the
+    spread, and ZB-H1, whose W fills the slack 1F1B leaves, pays more of it."""
+    import numpy as np
+
+    from paratrain.simulate import pipeline
+    cost, spread, n = {"F": 1.0, "B": 2.0}, 0.3, 400_000
+    rng = np.random.default_rng(1)
+
+    def draw(d):   # each rank is busy 6: sigma^2 = spread^2 x 6 x d, never below 0
+        return np.maximum(0.0, d + rng.normal(0.0, spread * (6 * d) ** 0.5, n))
+    f0, f1, b0, b1 = draw(1.0), draw(1.0), draw(2.0), draw(2.0)          # rank 0
+    g_f0, g_b0, g_f1, g_b1 = draw(1.0), draw(2.0), draw(1.0), draw(2.0)  # rank 1
+    r1_b0 = f0 + g_f0 + g_b0
+    r0_b0 = np.maximum(f0 + f1, r1_b0) + b0
+    r1_b1 = np.maximum(r1_b0, f0 + f1) + g_f1 + g_b1
+    makespan = np.maximum(r0_b0, r1_b1) + b1
+    fixed = schedules.simulate("1f1b", 2, 2, cost=cost)[0]
+    assert fixed == 9.0
+    by_hand = makespan.mean() - fixed
+    assert by_hand > 0.1
+    assert pipeline.jittered_wait("1f1b", 2, 2, [cost] * 2, spread, draws=n) == pytest.approx(by_hand, rel=0.03)
+    assert pipeline.jittered_wait("1f1b", 2, 1, [cost] * 2, 0.1, draws=n) == pytest.approx(0.0, abs=2e-3)
+    assert pipeline.jittered_wait("1f1b", 2, 2, [cost] * 2, 0.0) == 0.0
+    small = pipeline.jittered_wait("1f1b", 2, 4, [cost] * 2, 0.01)
+    assert pipeline.jittered_wait("1f1b", 2, 4, [cost] * 2, 0.02) == pytest.approx(2 * small, rel=1e-6)
+    split = {"F": 1.0, "B": 1.0, "W": 1.0}
+    assert pipeline.jittered_wait("zb-h1", 2, 4, [split] * 2, 0.05) > \
+        1.5 * pipeline.jittered_wait("1f1b", 2, 4, [cost] * 2, 0.05)
+    w = gpt_like(step_jitter_s=0.01)
+    for name in ("pipeline", "pipeline-zb"):
+        step = predict(name, w, HOST, 2)
+        assert step.wait_s > 0 and step.step_s == pytest.approx(step.compute_s + step.exposed_s + step.bubble_s
+                                                                + step.wait_s)
+        assert predict(name, gpt_like(), HOST, 2).wait_s == 0.0
+        assert predict(name, w, HOST, 2) == step   # drawn from a fixed seed: the same each time
+
+
 def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatch):
     """Inside timing.standing() the parts timed one after another keep the neighbours
     computing beside them, started once while the parts ask for the same ones, and take

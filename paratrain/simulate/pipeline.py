@@ -29,13 +29,45 @@ takes the workload's ``split_cost`` times b, W its ``weight_fraction`` of that
 the bubble is what the schedule leaves idle (GPipe's and 1F1B's (p-1)/(m+p-1)
 of the step when sends are free; ZB-H1 about a third of that), not a
 formula laid over it.
+
+Stages whose compute jitters from step to step (the workload's
+``step_jitter_s``) also wait for each other: every micro-batch handed on is
+a meeting of two ranks, and the later one sets when the next action starts.
+How much of that the schedule's own slack absorbs depends on the schedule
+(ZB-H1 fills its bubbles with W, so it has less to absorb with), so the wait
+is found by running it again with each action's time drawn around its cost
+(jittered_wait), not by a formula per meeting as waits.py charges collectives.
 """
+import math
+
+import numpy as np
+
 from ..parallel.pipeline import schedules
 from . import data_parallel, tensor
 from .step import Step, Unavailable
 
 SCHEDULES = {"pipeline": "1f1b", "pipeline-zb": "zb-h1"}
 MICROBATCHES = 4   # paratrain train --strategy pipeline's default
+DRAWS = 200        # runs of the schedule with drawn action times (jittered_wait)
+
+
+def jittered_wait(schedule, p, m, cost, spread, draws=DRAWS, seed=0):
+    """How much longer, on average, the schedule takes when each rank's compute varies by
+    ``spread`` of itself (a standard deviation over the mean) from step to step: the
+    stochastic makespan of the schedule's graph (as PERT's, Malcolm et al. 1959) less
+    the fixed one. A rank's variance is spread over its actions in proportion to their
+    length (an action of d seconds on a rank busy B: sigma^2 = spread^2 B d, so its
+    step varies by spread B), each drawn on its own. The mean of ``draws`` runs, drawn
+    from a fixed seed so that a prediction is the same each time it is asked."""
+    if not spread:
+        return 0.0
+    makespan, busy, _ = schedules.simulate(schedule, p, m, cost=cost)
+    rng = np.random.default_rng(seed)
+
+    def drawn(rank, kind, seconds):   # every draw of this action at once
+        return np.maximum(0.0, seconds + rng.normal(0.0, spread * math.sqrt(busy[rank] * seconds), draws))
+    ends = schedules.simulate(schedule, p, m, cost=cost, duration=drawn)[0]
+    return max(0.0, float(np.mean(ends)) - makespan)
 
 
 def default_stages(cluster, workers):
@@ -77,7 +109,8 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     grads = data_parallel.group_all_reduce_seconds(cluster, replicas, hosts > 1, workload.gradient_bytes / (p * t),
                                                    algorithm, workers)
     compute = max(busy) - sends - inside
+    spread = workload.step_jitter_s / workload.step_compute_s if workload.step_compute_s else 0.0
     return Step(workers, compute, sends + inside + grads, bubble_s=max(0.0, makespan - max(busy)),
-                comm_s=sends + inside + grads,
+                comm_s=sends + inside + grads, wait_s=jittered_wait(schedule, p, m, cost, spread),
                 how=f"{schedule}, {p} stages" + (f" of tp {t}" if t > 1 else "") + f" x {replicas}, {m} micro-batches",
                 batch_per_device=workload.batch_per_device)

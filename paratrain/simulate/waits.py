@@ -12,8 +12,10 @@ once a step (its last bucket), tensor parallelism at each of its activation
 all-reduces (Megatron's four a block, and the embedding's), ZeRO-3 at each
 layer's reduce-scatter in backward (its gathers are prefetched a layer ahead,
 so a rank late by less than a layer's compute holds nobody up there) and at
-the step's end; an asynchronous parameter server never, and a pipeline's
-sends form a chain its schedule already orders.
+the step's end; an asynchronous parameter server never. A pipeline's stages
+meet at every micro-batch they hand on, with slack between meetings that
+depends on the schedule: pipeline.py runs the schedule with drawn action
+times instead.
 
 sigma_step is measured here (the step-to-step spread of the timed steps, simulate/here.py)
 or declared (a WORKLOAD's ``step_jitter_ms``); 0 leaves the step as it was.

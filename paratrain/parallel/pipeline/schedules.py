@@ -39,6 +39,10 @@ With p stages and m micro-batches, F and B (full) taking f and b:
   otherwise wait for data, so with f = b = w the idle time is a third of
   1F1B's (``_zero_bubble_h1`` says what that costs in memory).
 """
+import functools
+
+import numpy as np
+
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 SPLIT_BACKWARD = {"zb-h1"}      # schedules whose B computes input gradients only, W the weights'
@@ -154,10 +158,13 @@ def stage_of(rank, chunk, stages):
     return chunk * stages + rank
 
 
-def simulate(schedule, stages, microbatches, chunks=1, cost=None):
+def simulate(schedule, stages, microbatches, chunks=1, cost=None, duration=None):
     """Run every rank's list against the others with each action's cost in time
     units (default F 1, B 2, or B 1 and W 1 when split; or a list of such costs, one
-    per rank, where the stages differ); no communication cost.
+    per rank, where the stages differ); no communication cost. ``duration(rank, kind,
+    cost)``, when given, is what each action takes instead of its cost: a numpy array of
+    draws around it (simulate/pipeline.py's jittered stages), every time an array of as
+    many, the makespan then one a draw.
 
     Returns (makespan, per-rank busy time, per-rank list of (kind, mb, chunk,
     start, end)). Raises RuntimeError on a deadlock (some rank waits for data
@@ -186,8 +193,12 @@ def simulate(schedule, stages, microbatches, chunks=1, cost=None):
                     need = [("B", mb, s)]
                 if any(n not in done for n in need):
                     break
-                start = max([clock[r]] + [done[n] for n in need])
-                end = start + costs[r][kind]
+                if duration:
+                    start = functools.reduce(np.maximum, [done[n] for n in need], clock[r])
+                    end = start + duration(r, kind, costs[r][kind])
+                else:
+                    start = max([clock[r]] + [done[n] for n in need])
+                    end = start + costs[r][kind]
                 done[(kind, mb, s)] = end
                 trace[r].append((kind, mb, c, start, end))
                 clock[r] = end
@@ -198,7 +209,7 @@ def simulate(schedule, stages, microbatches, chunks=1, cost=None):
             stuck = {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
             raise RuntimeError(f"schedule {schedule!r} deadlocks (p={p}, m={microbatches}, v={v}): "
                                f"ranks wait on {stuck}")
-    makespan = max(clock)
+    makespan = functools.reduce(np.maximum, clock) if duration else max(clock)
     busy = [sum(e - s for _, _, _, s, e in t) for t in trace]
     return makespan, busy, trace
 
