@@ -41,4 +41,5 @@ def predict(strategy, workload, cluster, workers, **options):
         _, ranks_here = data_parallel.placement(cluster, workers)
         wait += cluster.crowding.seconds(syncs, workload.step_compute_s, min(group, ranks_here), ranks_here,
                                          cluster.cores)
-    return dataclasses.replace(step, wait_s=wait) if wait else step
+    # added to what a strategy finds itself (a pipeline's stages waiting for each other)
+    return dataclasses.replace(step, wait_s=step.wait_s + wait) if wait else step

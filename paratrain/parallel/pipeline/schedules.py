@@ -163,8 +163,8 @@ def simulate(schedule, stages, microbatches, chunks=1, cost=None, duration=None)
     units (default F 1, B 2, or B 1 and W 1 when split; or a list of such costs, one
     per rank, where the stages differ); no communication cost. ``duration(rank, kind,
     cost)``, when given, is what each action takes instead of its cost: a numpy array of
-    draws around it (simulate/pipeline.py's jittered stages), every time an array of as
-    many, the makespan then one a draw.
+    draws around it, the same length each time (simulate/pipeline.py's jittered
+    stages); the makespan is then an array too, one a draw.
 
     Returns (makespan, per-rank busy time, per-rank list of (kind, mb, chunk,
     start, end)). Raises RuntimeError on a deadlock (some rank waits for data
