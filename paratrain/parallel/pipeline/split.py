@@ -157,32 +157,36 @@ def _measured_on_rank0(gm, model, layers, sample, group):
 
 def measure_layers(gm, model, layers, sample, repeats=3):
     """Forward+backward milliseconds of each layer alone, on the values it sees
-    when ``sample`` goes through the model (median of ``repeats``)."""
+    when ``sample`` goes through the model: the median of ``repeats`` sweeps over
+    every layer, after one sweep untimed. Sweeps, not one layer's repeats after
+    another's, so that a slow stretch of a shared host (a neighbour starting up)
+    slows one reading of many layers, not every reading of one, which would push
+    the cut off balance; the first sweep pays what a layer's first call does
+    (its buffers' first allocation), which no later step pays."""
     owner = {n: i for i, (_, nodes) in enumerate(layers) for n in nodes}
     top = split_module(gm, model, lambda n: owner[n])
     plan = StagePlan(top, len(layers))
-    inputs = sample if isinstance(sample, (tuple, list)) else (sample,)
-    values = tuple(inputs)
-    out = []
-    for s in range(len(layers)):
-        chunk = plan.chunk(s)
-        times = []
-        for _ in range(repeats):
-            args = tuple(v.detach().requires_grad_(v.is_floating_point()) if torch.is_tensor(v) else v
-                         for v in values)
-            t0 = time.perf_counter()
-            result = chunk(*args)
-            grads = [o for o in pytree.tree_leaves(result) if torch.is_tensor(o) and o.requires_grad]
-            if grads:
-                torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
-            times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-        out.append(statistics.median(times) * 1e3)
-        with torch.no_grad():
-            values = chunk(*values) if s < len(layers) - 1 else None
-            if values is not None and not isinstance(values, tuple):
-                values = (values,)
-    return out
+    chunks = [plan.chunk(s) for s in range(len(layers))]
+    inputs, values = [], tuple(sample if isinstance(sample, (tuple, list)) else (sample,))
+    with torch.no_grad():   # what each layer sees
+        for s, chunk in enumerate(chunks):
+            inputs.append(values)
+            if s < len(chunks) - 1:
+                values = chunk(*values)
+                values = values if isinstance(values, tuple) else (values,)
+
+    def forward_backward(s):
+        args = tuple(v.detach().requires_grad_(v.is_floating_point()) if torch.is_tensor(v) else v
+                     for v in inputs[s])
+        t0 = time.perf_counter()
+        result = chunks[s](*args)
+        grads = [o for o in pytree.tree_leaves(result) if torch.is_tensor(o) and o.requires_grad]
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+        return time.perf_counter() - t0
+    sweeps = [[forward_backward(s) for s in range(len(chunks))] for _ in range(1 + repeats)][1:]
+    model.zero_grad(set_to_none=True)
+    return [statistics.median(times) * 1e3 for times in zip(*sweeps)]
 
 
 class StagePlan:
