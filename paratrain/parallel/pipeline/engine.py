@@ -144,7 +144,8 @@ class Pipeline:
         """One training step over the whole batch; returns its mean loss (a float64
         tensor, the same on every rank). Gradients accumulate into the stage's
         parameters; the optimizer step is the caller's."""
-        self._check_batch(inputs, targets)
+        checking = time.perf_counter()
+        self._check_batch(inputs, targets)   # the ranks meet: a rank early from its last step waits here
         t_start = time.perf_counter()
         self._inputs = _microbatches(inputs, self.m) if self.stage.is_first else None
         self._targets = _microbatches(targets, self.m) if self.stage.is_last else None
@@ -153,7 +154,8 @@ class Pipeline:
         self._held = self.peak_activation_bytes = 0
         self.saved_per_forward = []
         self._t_start, self._weights_done = t_start, set()
-        self.waited_seconds = 0.0   # this step's time waiting on its neighbours: their values, the end
+        self.waited_seconds = t_start - checking   # this step's time waiting on its neighbours: at the
+        # start, for their values, at the end
         self.sent_bytes = 0         # and the bytes this stage sent
         try:
             for i, (kind, mb, c) in enumerate(self.actions):
