@@ -1,5 +1,6 @@
 """`paratrain plan`: the layouts a worker count allows, each predicted by the cost model and
 ranked, with the `paratrain train` command for each (in-process: nothing is launched)."""
+import copy
 import dataclasses
 import json
 
@@ -73,14 +74,16 @@ def test_plan_ranks_what_runs_and_says_why_the_rest_does_not(tmp_path, capsys, m
 
 
 class FakeMeasured:
-    """here.Measured's timings, given: a stage's micro-batch, the optimizer (a worker's, the
-    servers'), the split."""
+    """here.Measured's timings, given: a pipeline's ranks' actions, the optimizer (a
+    worker's, the servers'), ..."""
 
-    def __init__(self, split):
-        self.splits = split, []
+    def __init__(self, ranks=None):
+        self.ranks, self.asked = ranks, []
 
-    def stage(self, batch, stages):
-        return 0.02
+    def actions(self, microbatch, stages, schedule, microbatches, tp=1):
+        from paratrain.simulate.stage_actions import StageActions
+        self.asked.append((microbatch, stages, schedule, microbatches, tp))
+        return StageActions.of_ranks(self.ranks[schedule], microbatches)
 
     def step(self, batch):
         return 0.1
@@ -105,40 +108,46 @@ class FakeMeasured:
         self.sent = getattr(self, "sent", []) + [nbytes]
         return 0.0003
 
-    def split(self, batch, tp=1):
-        self.splits[1].append((batch, tp))
-        return self.splits[0]
-
     def encode(self, spec, replicas, tp=1):
         self.encoded = getattr(self, "encoded", []) + [(spec, replicas, tp)]
         return 0.007 / tp
 
 
-def test_a_pipeline_is_predicted_with_the_measured_split_of_its_backward():
-    """Under ZB-H1 every stage runs B then W, W the measured share of a split backward that
-    takes split_cost x a whole one; under 1F1B the first stage's backward is whole. F and B
-    each send a micro-batch's activations or their gradients, as timed between two stages
-    here (here.stage_send_seconds), on one host."""
+def pipeline_ranks():
+    """Two ranks' F, B, W a micro-batch under each schedule: the last stage dearer; under
+    1F1B the first's backward whole and the second's W inside its B."""
+    from paratrain.simulate.stage_actions import RankActions
+    return {"zb-h1": [RankActions(0.004, 0.004, 0.003), RankActions(0.005, 0.005, 0.003)],
+            "1f1b": [RankActions(0.004, 0.006, 0.0), RankActions(0.005, 0.009, 0.0)]}
+
+
+def test_a_pipeline_is_predicted_with_each_rank_s_actions_as_the_engine_ran_them():
+    """Each rank's F, B and W as timed here (stage_actions.py) are its costs in the
+    schedule, W its own action only where the schedule splits the backward; F and B each
+    send a micro-batch's activations or their gradients, as timed between two stages here
+    (here.stage_send_seconds), on one host. The step's compute is the slowest rank's,
+    with its share of the optimizer."""
     from paratrain.parallel.pipeline import schedules
-    from paratrain.simulate.here import BackwardSplit
     w = memory_workload()
     for name, schedule in (("pipeline-zb", "zb-h1"), ("pipeline", "1f1b")):
         layout = plan.compare_layout(name, 2)
-        measured = FakeMeasured(BackwardSplit(0.6, 0.25, 1.2))
+        measured = FakeMeasured(pipeline_ranks())
         step, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, intra=Link(0, 0)), memory.ADAM,
                                  measured=measured)
-        m = layout.microbatches
-        compute = m * 0.02 + 0.004 / 2
-        assert measured.splits[1] == [(16 // m, 1)]              # timed at a micro-batch's samples
+        m, s = layout.microbatches, 0.0003
+        assert set(measured.asked) == {(16 // m, 2, schedule, m, 1)}   # timed at a micro-batch's samples
         assert measured.sent == [w.layer_activation_bytes("") / m]   # one layer's output of a micro-batch
-        f, b, s = compute * 0.4 / m, compute * 0.6 / m, 0.0003
-        split = {"F": f + s, "B": 0.75 * 1.2 * b + s, "W": 0.25 * 1.2 * b}
-        cost = [split, split] if schedule == "zb-h1" else [{"F": f + s, "B": b + s}, {"F": f + s, "B": 1.2 * b + s}]
-        assert step.step_s == pytest.approx(schedules.simulate(schedule, 2, m, cost=cost)[0]), name
+        cost = [{"F": r.F + s, "B": r.B + s, **({"W": r.W} if schedule == "zb-h1" else {})}
+                for r in pipeline_ranks()[schedule]]
+        makespan, busy, _ = schedules.simulate(schedule, 2, m, cost=cost)
+        assert step.step_s == pytest.approx(makespan), name
         assert step.exposed_s == pytest.approx(2 * m * s)
+        assert step.compute_s == pytest.approx(max(busy) - 2 * m * s)
+        slowest = max(r.F + r.B + r.W for r in pipeline_ranks()[schedule])
+        assert plan.compute_seconds(layout, w, measured) == pytest.approx(m * slowest + 0.004 / 2)
         across, _ = plan.predicted(layout, w, dataclasses.replace(CLUSTER, nodes=2, devices_per_node=1,
                                                                   intra=Link(0, 0), inter=Link(0, 0)),
-                                   memory.ADAM, measured=FakeMeasured(BackwardSplit(0.6, 0.25, 1.2)))
+                                   memory.ADAM, measured=FakeMeasured(pipeline_ranks()))
         assert across.exposed_s == 0   # across hosts: the link's alpha and beta, here none
 
 
@@ -186,19 +195,17 @@ def test_a_zero_worker_steps_the_optimizer_on_its_share_of_the_parameters_alone(
 
 def test_a_worker_s_compute_is_what_a_run_reports_of_each_layout():
     """The model's counterpart of a run's compute_seconds (no optimizer), a worker's on
-    average: the whole step's; a tensor worker's cut step's; a pipeline's stage, its
-    backward split into B and W (dearer) on every stage under ZB-H1 and on all but the
-    first under 1F1B."""
-    from paratrain.simulate.here import BackwardSplit
-    w, measured = memory_workload(), FakeMeasured(BackwardSplit(0.6, 0.25, 1.2))
+    average: the whole step's; a tensor worker's cut step's; a pipeline's ranks' mean, as
+    the engine ran them."""
+    w, measured = memory_workload(), FakeMeasured(pipeline_ranks())
     for name in ("dp", "ps-asp", "zero1", "topk"):
         assert plan.worker_compute_seconds(plan.compare_layout(name, 2), w, measured) == pytest.approx(0.1 - 0.004)
     assert plan.worker_compute_seconds(plan.compare_layout("zero3", 2), w, measured) == pytest.approx(0.099)
     assert plan.worker_compute_seconds(plan.compare_layout("tensor", 2), w, measured) == pytest.approx(0.07 - 0.002)
     assert plan.worker_compute_seconds(plan.compare_layout("pipeline", 2), w, measured) == pytest.approx(
-        4 * 0.02 * (0.4 + 0.6 * (1 + 0.2 / 2)))
+        4 * (0.010 + 0.014) / 2)
     assert plan.worker_compute_seconds(plan.compare_layout("pipeline-zb", 2), w, measured) == pytest.approx(
-        4 * 0.02 * (0.4 + 0.6 * 1.2))
+        4 * (0.011 + 0.013) / 2)
 
 
 @pytest.mark.timeout(90)
@@ -273,31 +280,56 @@ def test_a_run_s_own_compute_sets_the_speed_of_its_second_prediction(monkeypatch
 
 
 def test_a_pipeline_of_tensor_groups_computes_its_stage_as_the_cut_model_does():
-    """--pp 2 --tp 2: a worker runs its stage's micro-batches and its share of the optimizer,
-    scaled as the cut model's step is to the whole one's (0.7 here); the train command runs it."""
+    """--pp 2 --tp 2: a worker runs its cut stage's micro-batches, timed on the stages cut
+    across the tensor group, and its share of the optimizer; the train command runs it."""
     from paratrain.compare.strategies import refused
-    from paratrain.simulate.here import BackwardSplit
     layout = next(l for l in plan.layouts(4, layers=4) if (l.strategy, l.pp, l.tp, l.microbatches) == (
         "pipeline", 2, 2, 4))
-    measured = FakeMeasured(BackwardSplit(0.6, 0.5, 1.0))
-    assert plan.compute_seconds(layout, memory_workload(), measured) == pytest.approx((4 * 0.02 + 0.004 / 2) * 0.7)
+    measured = FakeMeasured(pipeline_ranks())
+    assert plan.compute_seconds(layout, memory_workload(), measured) == pytest.approx(4 * 0.014 + 0.004 / 4)
     assert refused(["--model", "gpt", "--workers", "4", *layout.flags]) is None
     step, held = plan.predicted(layout, memory_workload(), CLUSTER, memory.ADAM, measured=measured)
-    assert measured.splits[1] == [(4, 2)]   # the split of the cut model's backward, a micro-batch's
+    assert set(measured.asked) == {(4, 2, "1f1b", 4, 2)}   # the cut stages, a micro-batch's samples
     assert "2 stages of tp 2" in step.how and held > memory.state_bytes("pipeline", 800_000, memory.ADAM, 4, 2, 2)
 
 
-def test_the_backward_split_of_a_model_is_measured_as_shares():
-    from paratrain.simulate import here
-    for split in (here.backward_split("mlp", 4), here.backward_split("gpt", 1, tp=2)):   # gpt's cut layers' W: autograd
-        assert 0 < split.backward_fraction < 1 and 0 < split.weight_fraction < 1 and split.split_cost > 0, split
+@pytest.mark.timeout(120)
+def test_a_pipeline_s_ranks_are_timed_on_the_engine_fed_by_stand_ins():
+    """stage_actions.py builds every rank's stage as train does and runs the engine over
+    stand-in neighbours: the last stage, fed the activations the stages before it would
+    send and the real targets, computes the same gradients as one process on the whole
+    batch; each rank's actions are timed, W its own only where the schedule splits."""
+    import torch
+
+    from paratrain.simulate import stage_actions
+    from paratrain.simulate.timing import task_of
+    from paratrain.train.strategies.pipeline import _loss_of
+    task = task_of("gpt")
+    x, y, pipes = stage_actions.stand_in_pipelines(task, 2, 2, "zb-h1", 4)
+    first, last = pipes
+    alone = copy.deepcopy(last.stage)   # the last stage in one process, on the whole batch
+    with torch.no_grad():
+        arriving = first.stage(x)
+    expected = _loss_of(task)(alone(*(arriving if isinstance(arriving, tuple) else (arriving,))), y)
+    expected.backward()
+    loss = last.step(None, y)
+    assert float(loss) == pytest.approx(float(expected.detach()), rel=1e-5)
+    reference = dict(alone.named_parameters())
+    held = [(n, q) for n, q in last.stage.named_parameters() if q.grad is not None]
+    assert len(held) == len(reference)
+    for name, q in held:
+        torch.testing.assert_close(q.grad, reference[name].grad, rtol=1e-4, atol=1e-6)
+    for schedule, split in (("zb-h1", True), ("1f1b", False)):
+        timed = stage_actions.seconds(task, 2, 2, schedule, 4, warmup=1, timed=2)
+        assert len(timed.ranks) == 2 and all(r.F > 0 and r.B > 0 for r in timed.ranks), schedule
+        assert all((r.W > 0) == split for r in timed.ranks), schedule
+        assert float(timed) == pytest.approx(4 * max(r.total for r in timed.ranks))
+        assert timed.scaled(2.0).mean_step_s == pytest.approx(2 * timed.mean_step_s)
 
 
 def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):
     assert plan_command.main(["--model", "mlp", "--calibration", str(tmp_path / "none.json")]) == 2
     assert "paratrain simulate --calibrate" in capsys.readouterr().err
-
-
 
 
 def test_a_workers_peak_heap_sees_a_brief_allocation_and_a_footprint_splits_what_layouts_share(monkeypatch):

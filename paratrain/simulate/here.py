@@ -17,17 +17,15 @@
 How each part is timed (on one thread, beside the job's other workers, once,
 at one pace) is timing.py's.
 """
-import dataclasses
 import json
 import os
-import statistics
 import time
 
 from .calibrate import CROWDED
 from .collectives import Link
 from .crowding import Crowding
 from .system import Cluster, Workload
-from .timing import after_warmup, batches, kept, once, task_of, time_step, timed_of
+from .timing import batches, kept, once, task_of, time_step, timed_of
 
 
 def _shape(task):
@@ -163,83 +161,16 @@ def zero3_compute_seconds(model, batch, workers, seed=0, alongside=0):
                 lambda: timed_of(steps()))
 
 
-def stage_seconds(model, batch, stages, seed=0, repeats=7, alongside=0):
-    """Forward + backward of one ``batch``-sample micro-batch through the slowest of
-    ``stages`` pipeline stages of built-in ``model``, here on one thread: each layer timed
-    alone (parallel/pipeline/split.py's measure_layers, as paratrain train's pipeline times
-    them to cut), the layers cut as it cuts them (balanced by time), the largest stage's sum."""
-    import torch
-    from ..parallel.pipeline.partition import balance
-    from ..parallel.pipeline.split import _layers_for, measure_layers
-    from ..parallel.pipeline.trace import trace
+def pipeline_actions(model, microbatch, stages, schedule, microbatches, tp=1, seed=0, alongside=0):
+    """The StageActions of built-in ``model`` in a ``stages``-rank pipeline under
+    ``schedule`` with ``microbatches`` micro-batches of ``microbatch`` samples, each stage
+    cut across ``tp`` ranks: every rank's F, B and W as the engine runs them
+    (stage_actions.py), here on one thread."""
+    from . import stage_actions
     task = task_of(model, seed)
-
-    def measure():
-        sample = torch.stack([task.train_set[i][0] for i in range(batch)])
-        gm = trace(task.model, sample).gm
-        costs = measure_layers(gm, task.model, _layers_for(gm, stages), sample, repeats=repeats)
-        starts = balance(costs, stages) + [len(costs)]
-        return max(sum(costs[a:b]) for a, b in zip(starts, starts[1:])) / 1e3
-    return once((model, batch, "stages", stages, alongside), model, batch, seed, alongside, measure)
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardSplit:
-    """A micro-batch's backward as a pipeline stage runs it, measured: ``backward_fraction``
-    of forward + backward when whole; ``weight_fraction``, W's share of it when split
-    into B and W; ``split_cost``, how much longer the split one takes than the whole one."""
-    backward_fraction: float
-    weight_fraction: float
-    split_cost: float
-
-
-def backward_split(model, batch, seed=0, alongside=0, tp=1):
-    """The BackwardSplit of built-in ``model`` on ``batch`` samples, on one thread: what a
-    pipeline stage's F, B and W take of a micro-batch. A zero-bubble schedule (Qi et al.
-    2023, "Zero Bubble Pipeline Parallelism") splits the backward into B, the input
-    gradients, and W, the weights'; paratrain's engine also splits it on every stage past
-    the first under 1F1B, W at once. Timed as the engine runs them: the whole backward
-    (the first stage's under 1F1B); B, one autograd call for the gradients of each
-    weight-owning module's output and of the parameters B keeps (norms, embeddings), the
-    graph kept for W; W, engine.weight_gradients for each: a plain nn.Linear's two products,
-    another module's (a tensor-parallel layer: ``tp`` > 1 cuts the model as cut_step_seconds
-    does) one autograd call for its own weights."""
-    import torch
-
-    from ..parallel.pipeline.engine import linear_input, parameters_left_to_b, weight_gradients, weight_owners
-    task = task_of(model, seed)
-
-    def parts():
-        copied = cut_copy(task, tp)
-        owners = weight_owners(copied)
-        loose = parameters_left_to_b(copied, owners)
-        for sample in batches(task, batch):
-            captured = []
-
-            def capture(mod, args, out):
-                captured.append((mod, linear_input(mod, args), out))
-            hooks = [m.register_forward_hook(capture) for m in owners]
-            t0 = time.perf_counter()
-            loss = task.loss(copied, sample)
-            t1 = time.perf_counter()
-            for h in hooks:
-                h.remove()
-            loss.backward(retain_graph=True)
-            t2 = time.perf_counter()
-            got = torch.autograd.grad(loss, [out for *_, out in captured] + loose, retain_graph=True,
-                                      allow_unused=True)
-            t3 = time.perf_counter()
-            for (mod, x, out), g in zip(captured, got):
-                if g is not None:
-                    weight_gradients(mod, None if x is None else x.detach(), out, g)
-            t4 = time.perf_counter()
-            copied.zero_grad(set_to_none=True)
-            yield t1 - t0, t2 - t1, t3 - t2, t4 - t3
-
-    def measure():
-        forward, whole, b, w = (statistics.median(column) for column in zip(*after_warmup(parts())))
-        return BackwardSplit(whole / (forward + whole), w / (b + w), (b + w) / whole)
-    return once((model, batch, "split", tp, alongside), model, batch, seed, alongside, measure, paced=False)
+    return once((model, microbatch, "pipeline", stages, schedule, microbatches, tp, alongside), model,
+                microbatch * microbatches, seed, alongside,
+                lambda: stage_actions.seconds(task, microbatch, stages, schedule, microbatches, tp))
 
 
 def encode_seconds(model, spec, replicas, tp=1, seed=0, alongside=0):
@@ -352,8 +283,8 @@ def stage_send_seconds(nbytes):
 
 
 class Measured:
-    """What plan.py times of built-in ``model`` here: a whole step, a pipeline stage's
-    micro-batch and its send to the next stage, a tensor-parallel worker's share, a ZeRO-3
+    """What plan.py times of built-in ``model`` here: a whole step, a pipeline's stages
+    as the engine runs them and a micro-batch's send to the next stage, a tensor-parallel worker's share, a ZeRO-3
     worker's forward and backward on its engine, a compressor's call, the optimizer on a
     worker and on the parameter servers, a parameter-server worker's step outside its
     compute; ``alongside`` others computing."""
@@ -364,8 +295,8 @@ class Measured:
     def step(self, batch):
         return step_seconds(self.model, batch, self.seed, alongside=self.alongside)
 
-    def stage(self, batch, stages):
-        return stage_seconds(self.model, batch, stages, self.seed, alongside=self.alongside)
+    def actions(self, microbatch, stages, schedule, microbatches, tp=1):
+        return pipeline_actions(self.model, microbatch, stages, schedule, microbatches, tp, self.seed, self.alongside)
 
     def cut(self, batch, tp):
         return cut_step_seconds(self.model, batch, tp, self.seed, self.alongside)
@@ -384,9 +315,6 @@ class Measured:
 
     def stage_send(self, nbytes):
         return stage_send_seconds(nbytes)
-
-    def split(self, batch, tp=1):
-        return backward_split(self.model, batch, self.seed, self.alongside, tp)
 
     def encode(self, spec, replicas, tp=1):
         return encode_seconds(self.model, spec, replicas, tp, self.seed, self.alongside)

@@ -25,7 +25,9 @@ receiver; gpt's 0.09-0.10 ms where the all-reduce's alpha and beta give
 gradients) and W (weights'): under ZB-H1 on every stage, W placed by the
 schedule; under 1F1B on every stage but the first, W at once. A split one
 takes the workload's ``split_cost`` times b, W its ``weight_fraction`` of that
-(1 and 1/2 by default; plan.py measures both here):
+(1 and 1/2 by default). A built-in model's pipeline measured here carries
+instead ``stage_actions``, every rank's F, B and W as the engine ran them
+(stage_actions.py), each stage at its own cost. The makespan is the step;
 the bubble is what the schedule leaves idle (GPipe's and 1F1B's (p-1)/(m+p-1)
 of the step when sends are free; ZB-H1 about a third of that), not a
 formula laid over it.
@@ -99,7 +101,12 @@ def step(workload, cluster, workers, schedule="1f1b", stages=None, microbatches=
     split = b * workload.split_cost            # B and W one after the other
     w = split * workload.weight_fraction
     paid = cut + send                          # what F and B each add to their compute
-    if schedule in schedules.SPLIT_BACKWARD:
+    if workload.stage_actions:   # each rank's own, as the engine ran them here (W inside B unless split)
+        if len(workload.stage_actions) != p:
+            raise ValueError(f"the workload's stage_actions are {len(workload.stage_actions)} ranks', not {p}")
+        cost = [{"F": F + paid, "B": B + paid, **({"W": W} if schedule in schedules.SPLIT_BACKWARD else {})}
+                for F, B, W in workload.stage_actions]
+    elif schedule in schedules.SPLIT_BACKWARD:
         cost = [{"F": f + paid, "B": split - w + paid, "W": w}] * p
     else:   # the engine splits every stage's backward but the first's, W at once
         cost = [{"F": f + paid, "B": b + paid}] + [{"F": f + paid, "B": split + paid}] * (p - 1)

@@ -23,7 +23,7 @@ pipeline, which ``paratrain train`` does not run.
 """
 import dataclasses
 
-from . import compressed, here, memory, parameter_server, timing, zero
+from . import compressed, here, memory, parameter_server, pipeline, timing, zero
 from .calibrate import time_shared
 from .step import Unavailable
 from .strategies import predict
@@ -143,23 +143,23 @@ def worker_compute_seconds(layout, workload, measured):
     """What the model takes a worker's forward and backward in one step of ``layout`` to be,
     on average over the workers, as a run reports them (its metrics' compute_seconds:
     no optimizer, no waiting): the whole model's on its batch; a tensor group's share of
-    the cut model; a pipeline's slowest stage on every micro-batch, its backward split
-    into B and W on every stage under ZB-H1 and on all but the first under 1F1B
-    (pipeline.py); stage 3's on its engine."""
+    the cut model; a pipeline's stages' as the engine runs them (pipeline_actions);
+    stage 3's on its engine."""
     if layout.pp > 1:
-        small = microbatch_samples(layout, workload)
-        stage = measured.stage(small, layout.pp)
-        if layout.tp > 1:
-            stage *= measured.cut(small, layout.tp) / measured.step(small)
-        split = measured.split(small, layout.tp)
-        split_stages = layout.pp if layout.strategy == "pipeline-zb" else layout.pp - 1
-        cost = 1 + (split.split_cost - 1) * split_stages / layout.pp
-        return (layout.microbatches or 1) * stage * (1 - split.backward_fraction + split.backward_fraction * cost)
+        return pipeline_actions(layout, workload, measured).mean_step_s
     if layout.tp > 1:
         return measured.cut(workload.batch_per_device, layout.tp) - measured.optimizer() / layout.tp
     if layout.strategy == "zero3":
         return measured.zero3(workload.batch_per_device, layout.dp)
     return workload.step_compute_s - measured.optimizer()
+
+
+def pipeline_actions(layout, workload, measured):
+    """The StageActions (stage_actions.py) of pipeline ``layout`` measured here: every
+    rank's F, B and W of a micro-batch as the engine runs them under its schedule, its
+    stages cut across its tensor groups."""
+    return measured.actions(microbatch_samples(layout, workload), layout.pp, pipeline.SCHEDULES[layout.strategy],
+                            layout.microbatches or 1, layout.tp)
 
 
 class AtSpeed:
@@ -176,8 +176,8 @@ class AtSpeed:
     def step(self, batch):
         return self._scaled(self.measured.step(batch))
 
-    def stage(self, batch, stages):
-        return self._scaled(self.measured.stage(batch, stages))
+    def actions(self, microbatch, stages, schedule, microbatches, tp=1):
+        return self.measured.actions(microbatch, stages, schedule, microbatches, tp).scaled(self.speed, self.spread)
 
     def cut(self, batch, tp):
         return self._scaled(self.measured.cut(batch, tp))
@@ -196,9 +196,6 @@ class AtSpeed:
 
     def stage_send(self, nbytes):
         return self._scaled(self.measured.stage_send(nbytes))
-
-    def split(self, batch, tp=1):
-        return self.measured.split(batch, tp)   # shares of a micro-batch's compute: no seconds
 
     def encode(self, spec, replicas, tp=1):
         return self._scaled(self.measured.encode(spec, replicas, tp))
@@ -252,13 +249,12 @@ def microbatch_samples(layout, workload):
 
 def compute_seconds(layout, workload, measured=None):
     """A worker's compute in one step of ``layout``: the whole batch's (the workload's) for a
-    replica of its own; for a pipeline, its micro-batches through the slowest stage, each
-    timed at its own size (a small batch runs less efficiently, and the stages are not
-    equal), and once a step the optimizer over its share of the parameters (4 ms of a
-    gpt step's 121 in a 1F1B trace); for a tensor group, its worker's share of the cut
-    model on the whole batch (the embeddings, norms and loss are not cut); for a
-    pipeline of tensor groups, the stage's, scaled as the cut model's step is to the
-    whole model's on a micro-batch; for a parameter server's worker, the step without
+    replica of its own; for a pipeline, the slowest rank's micro-batches as the engine
+    runs them (pipeline_actions: a small batch runs less efficiently, and the stages are
+    not equal), a pipeline of tensor groups' on their cut stages, and once a step the
+    optimizer over its share of the parameters (4 ms of a gpt step's 121 in a 1F1B
+    trace); for a tensor group, its worker's share of the cut model on the whole batch
+    (the embeddings, norms and loss are not cut); for a parameter server's worker, the step without
     the optimizer, which the servers run (parameter_server.py); for ZeRO's, the step
     with the optimizer over its 1/N of the parameters alone (Rajbhandari et al. 2020:
     each rank updates its partition), stage 3's forward and backward timed on its engine
@@ -270,8 +266,7 @@ def compute_seconds(layout, workload, measured=None):
         small = microbatch_samples(layout, workload)
         if not measured:
             return m * workload.step_compute_s * small / workload.batch_per_device / layout.pp / layout.tp
-        stage = m * measured.stage(small, layout.pp) + measured.optimizer() / layout.pp
-        return stage * measured.cut(small, layout.tp) / measured.step(small) if layout.tp > 1 else stage
+        return float(pipeline_actions(layout, workload, measured)) + measured.optimizer() / (layout.pp * layout.tp)
     if layout.tp > 1 and measured:
         return measured.cut(workload.batch_per_device, layout.tp)
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # the servers run the optimizer
@@ -297,10 +292,10 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
                                      step_jitter_s=getattr(compute, "jitter", workload.step_jitter_s
                                                            * compute / workload.step_compute_s),
                                      activation_bytes=workload.activation_bytes and workload.activation_bytes / share)
-    if layout.pp > 1 and measured:   # a micro-batch's F, B and W as measured, for the schedule, and its send
-        split = measured.split(microbatch_samples(layout, workload), layout.tp)
+    if layout.pp > 1 and measured:   # every rank's F, B and W as the engine ran them, and a micro-batch's send
+        ranks = pipeline_actions(layout, workload, measured).ranks
         sent = workload.layer_activation_bytes("a pipeline") / (layout.microbatches or 1)
-        per_worker = dataclasses.replace(per_worker, **dataclasses.asdict(split),
+        per_worker = dataclasses.replace(per_worker, stage_actions=tuple((r.F, r.B, r.W) for r in ranks),
                                          stage_send_s=float(measured.stage_send(sent)))
     if layout.strategy in parameter_server.CONSISTENCY and measured:   # their optimizer, as they run it,
         bsp = parameter_server.CONSISTENCY[layout.strategy] == "bsp"   # (one worker's SSP is ASP)
@@ -312,7 +307,9 @@ def predicted(layout, workload, cluster, optimizer_bytes, heads=None, measured=N
     if cluster.cores:   # more workers than cores: each computes (and encodes) on a share of one
         slower = time_shared(layout.dp * share, cluster.cores)
         per_worker = dataclasses.replace(per_worker, step_compute_s=per_worker.step_compute_s * slower,
-                                         encode_s=per_worker.encode_s and per_worker.encode_s * slower)
+                                         encode_s=per_worker.encode_s and per_worker.encode_s * slower,
+                                         stage_actions=per_worker.stage_actions and tuple(
+                                             tuple(x * slower for x in rank) for rank in per_worker.stage_actions))
     step = predict(layout.strategy, per_worker, cluster, layout.dp * share, **layout.options)
     in_flight = layout.pp if layout.pp > 1 else 1   # 1F1B holds up to p micro-batches at the first stage
     samples = workload.batch_per_device / (layout.microbatches or 1) * in_flight if layout.pp > 1 \

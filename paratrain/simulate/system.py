@@ -59,6 +59,7 @@ class Workload:
     server_update_s: float = None   # parameter servers: the optimizer over every parameter, as a server runs it
     ps_step_s: float = None         # a parameter-server worker's step outside its compute, its server beside it
     stage_send_s: float = None      # a pipeline's micro-batch between two stages on one host, as the engine sends it
+    stage_actions: tuple = None     # a pipeline's (F, B, W) a micro-batch, rank by rank, as the engine ran them here
 
     @property
     def gradient_bytes(self):

@@ -70,6 +70,10 @@ class Timed(float):
         timed.jitter = jitter
         return timed
 
+    def scaled(self, ratio):
+        """These seconds and their spread ``ratio`` times as long."""
+        return Timed.of(float(self) * ratio, self.jitter * ratio)
+
 
 def time_step(task, batch_size, warmup=WARMUP, timed=TIMED, model=None):
     """Seconds of a training step on ``batch_size`` samples on this process (``training_steps``;
@@ -261,9 +265,7 @@ def _pace_before(model, seed, alongside):
 
 def at_pace(value, ratio):
     """``value`` (seconds: a float or a Timed) times ``ratio``."""
-    if isinstance(value, Timed):
-        return Timed.of(float(value) * ratio, value.jitter * ratio)
-    return value * ratio
+    return value.scaled(ratio) if isinstance(value, Timed) else value * ratio
 
 
 def once(key, model, batch, seed, alongside, measure, paced=True):
