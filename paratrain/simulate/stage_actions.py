@@ -4,9 +4,9 @@ A stage's F, B and W cost what they cost inside the engine's step, in its
 schedule's order: which micro-batches' activations are still held, whether
 the backward is split (every stage under ZB-H1, all but the first under
 1F1B), the hooks that keep each weight owner's output for W, the header of
-each bundle sent. Timing the layers alone and a whole model's split backward
-(as the cut does) misses these: on gpt at 2 stages the engine's split made
-the first stage's step 6-10% dearer where the whole model's split said 3%.
+each bundle sent. Timing a stage's layers alone (as the cut does), with the
+split measured on the whole model, misses these, and one stage's timing given
+to every rank misses that the stages differ (the last holds the head and loss).
 
 So each rank's stage is built as ``paratrain train --strategy pipeline``
 builds it (the cut chosen by time on a micro-batch, each layer cut across a
@@ -17,6 +17,9 @@ would send (computed once, beforehand) and gradients of their shapes. What
 the engine records of each action (its timeline) is then its compute alone.
 The ranks take turns a step at a time, so that the host's pace falls on all
 of them alike, each followed by its optimizer step (untimed), as in a run.
+What the stand-ins leave out is the messages themselves (pipeline.py adds a
+send timed between two real stages) and what moving them beside the compute
+costs it: in a run the first stage under ZB-H1 computes relatively more.
 """
 import collections
 import copy

@@ -1,7 +1,7 @@
 """How a part of a step is timed here: on one thread, with the job's other workers computing
 beside it, once until the host's speed is said to have moved, and at one pace.
 
-here.py times the parts a prediction needs (a whole step, a stage's micro-batch, a cut
+here.py times the parts a prediction needs (a whole step, a pipeline's stages, a cut
 model's step, a compressor, the optimizer); this file is how each is timed: ``once``
 runs a ``measure()`` under ``one_thread`` and ``neighbours`` and keeps it per key until
 ``forget_timings``, the median of a few timings each brought to the pace of the first
@@ -272,7 +272,7 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
     """``measure()`` of built-in ``model`` on one thread with ``alongside`` processes computing
     its step of ``batch`` samples beside it; once per ``key`` until forget_timings.
 
-    A prediction adds parts timed one after another (a whole step, a stage's micro-batch,
+    A prediction adds parts timed one after another (a whole step, a pipeline's stages,
     a cut model's step, a compressor), and a shared host's speed moves within a minute: a
     stage timed at a fast moment and the whole step at a slow one rank a pipeline ahead of
     data parallelism that runs faster than it. So each part in seconds (``paced``) is
