@@ -24,6 +24,7 @@ import time
 from .calibrate import CROWDED
 from .collectives import Link
 from .crowding import Crowding
+from .compute_only import ComputeOnlyGroup, cut_copy
 from .system import Cluster, Workload
 from .timing import batches, kept, once, task_of, time_step, timed_of
 
@@ -71,52 +72,6 @@ def step_seconds(model, batch, seed=0, alongside=0):
     thread, with ``alongside`` processes computing beside it."""
     return once((model, batch, alongside), model, batch, seed, alongside,
                  lambda: time_step(task_of(model, seed), batch))
-
-
-class _Done:
-    """An asynchronous collective of a ComputeOnlyGroup: made where it was issued, so done."""
-
-    def wait(self):
-        return None
-
-
-class ComputeOnlyGroup:
-    """Rank 0 of a group of ``world_size`` whose collectives move nothing: a model cut by
-    pt.tensor.parallelize over it computes exactly what one rank of a real group computes
-    (its shards of the matrices, the uncut embeddings, norms and loss whole), so timing
-    it times a tensor-parallel worker's compute without its all-reduces, which
-    tensor.py predicts on its own. The values are not a real group's (nothing is summed),
-    the work is the same."""
-
-    rank = 0
-
-    def __init__(self, world_size):
-        self.world_size = world_size
-
-    def all_reduce(self, tensor, op="sum"):
-        return tensor
-
-    def broadcast(self, tensor, src=0):
-        return tensor
-
-    def all_gather(self, out, tensor, async_op=False):
-        out.view(self.world_size, -1).copy_(tensor.reshape(1, -1).expand(self.world_size, -1))
-        return _Done() if async_op else out
-
-    def reduce_scatter(self, out, tensor, op="sum"):
-        out.reshape(-1).copy_(tensor.reshape(-1)[:out.numel()])
-        return out
-
-
-def cut_copy(task, tp):
-    """A copy of ``task``'s model; with ``tp`` > 1 one worker's share of it, cut by its
-    tensor plan (as paratrain train --tp cuts it) over a ComputeOnlyGroup."""
-    import copy
-    model = copy.deepcopy(task.model)
-    if tp == 1:
-        return model
-    from ..parallel.tensor import parallelize
-    return parallelize(model, group=ComputeOnlyGroup(tp), plan=task.tensor_plan(task.model))
 
 
 def cut_step_seconds(model, batch, tp, seed=0, alongside=0):

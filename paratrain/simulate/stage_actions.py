@@ -28,19 +28,10 @@ import statistics
 import time
 
 from . import timing
+from .compute_only import ComputeOnlyGroup, Done, cut_copy
 
 
-class _Done:
-    """A send or receive of the stand-ins: done where it was issued."""
-
-    def wait(self):
-        return None
-
-    def is_completed(self):
-        return True
-
-
-class StandInNeighbours:
+class StandInNeighbours(ComputeOnlyGroup):
     """Rank ``rank`` of a ``world_size``-rank pipeline whose neighbours are stand-ins:
     receives of ``feeds`` tags (transport.tag's) hand over its values in turn, over and
     over; a gradient's receive, small values of its shape; anything else, zeros. Sends
@@ -48,23 +39,14 @@ class StandInNeighbours:
     broadcast) move nothing."""
 
     def __init__(self, rank, world_size, feeds=None):
-        self.rank, self.world_size = rank, world_size
+        super().__init__(world_size)
+        self.rank = rank
         self._feeds = {tag: list(values) for tag, values in (feeds or {}).items()}
         self._queued = collections.defaultdict(collections.deque)
         self._gradients = {}
 
-    def all_gather(self, out, tensor, async_op=False):
-        out.view(self.world_size, -1).copy_(tensor.reshape(1, -1).expand(self.world_size, -1))
-        return _Done() if async_op else out
-
-    def broadcast(self, tensor, src=0):
-        return tensor
-
-    def all_reduce(self, tensor, op="sum"):
-        return tensor
-
     def isend(self, tensor, dst, tag):
-        return _Done()
+        return Done()
 
     def recv(self, tensor, src, tag):
         import torch
@@ -85,7 +67,7 @@ class StandInNeighbours:
 
     def irecv(self, tensor, src, tag):
         self.recv(tensor, src, tag)
-        return _Done()
+        return Done()
 
 
 def _stand_alone_pipeline():
@@ -164,7 +146,6 @@ def stand_in_pipelines(task, microbatch, stages, schedule, microbatches, tp=1):
 
     from ..parallel.pipeline.split import choose_cut, split
     from ..train.strategies.pipeline import _loss_of, _sample_inputs
-    from .here import cut_copy
     sample = _sample_inputs(task, microbatch)
     points = choose_cut(copy.deepcopy(task.model), stages, sample=sample, group=StandInNeighbours(0, stages))
     x, y = next(iter(torch.utils.data.DataLoader(task.train_set, batch_size=microbatch * microbatches,
