@@ -3,6 +3,7 @@ ranked, with the `paratrain train` command for each (in-process: nothing is laun
 import copy
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -319,12 +320,32 @@ def test_a_pipeline_s_ranks_are_timed_on_the_engine_fed_by_stand_ins():
     assert len(held) == len(reference)
     for name, q in held:
         torch.testing.assert_close(q.grad, reference[name].grad, rtol=1e-4, atol=1e-6)
-    for schedule, split in (("zb-h1", True), ("1f1b", False)):
-        timed = stage_actions.seconds(task, 2, 2, schedule, 4, warmup=1, timed=2)
+    for schedule, split, together in (("zb-h1", True, 2), ("1f1b", False, 1)):
+        timed = stage_actions.seconds(task, 2, 2, schedule, 4, warmup=1, timed=2, together=together)
         assert len(timed.ranks) == 2 and all(r.F > 0 and r.B > 0 for r in timed.ranks), schedule
         assert all((r.W > 0) == split for r in timed.ranks), schedule
         assert float(timed) == pytest.approx(4 * max(r.total for r in timed.ranks))
         assert timed.scaled(2.0).mean_step_s == pytest.approx(2 * timed.mean_step_s)
+
+
+def test_a_rank_that_fails_while_the_ranks_are_timed_is_reported_at_once(monkeypatch, capfd):
+    """A forked rank that raises ends the timing with an error naming the exit codes,
+    without waiting out the timeout for the rank left waiting for it at the barrier."""
+    from paratrain.simulate import stage_actions
+
+    def rank_steps(pipe, optimizer, x, y, steps, turn, done, out):
+        if pipe == "bad":
+            raise ValueError("a stage that cannot step")
+        turn.acquire()
+        done.wait()
+
+    monkeypatch.setattr(stage_actions, "_rank_steps", rank_steps)
+    monkeypatch.setattr(stage_actions, "RANK_TIMEOUT_S", 60)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exit codes"):
+        stage_actions._run_in_turns([("good", None, None, None), ("bad", None, None, None)], 3, 2)
+    assert time.monotonic() - t0 < 30
+    assert "a stage that cannot step" in capfd.readouterr().err
 
 
 def test_plan_without_a_calibration_says_what_to_run(tmp_path, capsys):

@@ -417,6 +417,35 @@ def test_parts_timed_within_standing_share_their_neighbours_and_paces(monkeypatc
         timing.forget_timings()
 
 
+def test_a_timing_that_computes_in_processes_of_its_own_pauses_as_many_neighbours():
+    """Inside timing.in_place_of_neighbours(1) a process computing beside the timing takes
+    no CPU time; after it, it computes again. (A pipeline's ranks, forked to compute at
+    once, stand in for the job's other workers.)"""
+    import time
+
+    from paratrain.simulate import timing
+
+    def cpu_ticks(pid):
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])   # utime + stime
+
+    def ticks_over(pid, seconds):
+        before = cpu_ticks(pid)
+        time.sleep(seconds)
+        return cpu_ticks(pid) - before
+
+    with timing.neighbours("mlp", 64, 1):
+        (beside,) = timing._BESIDE.processes
+        with timing.in_place_of_neighbours(1):
+            paused = ticks_over(beside.pid, 0.5)
+        running = ticks_over(beside.pid, 0.5)
+    with timing.in_place_of_neighbours(1):   # none beside: nothing to pause
+        pass
+    assert paused <= 1 < running, (paused, running)
+    assert not beside.is_alive()
+
+
 def test_a_part_is_the_median_of_its_timings_each_at_the_pace_around_it(monkeypatch):
     """timing.once times a part PART_TIMINGS times, each between two paces (the one after a
     timing is the one before the next), brings each to the first pace and keeps the median:

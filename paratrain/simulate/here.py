@@ -23,8 +23,8 @@ import time
 
 from .calibrate import CROWDED
 from .collectives import Link
-from .crowding import Crowding
 from .compute_only import ComputeOnlyGroup, cut_copy
+from .crowding import Crowding
 from .system import Cluster, Workload
 from .timing import batches, kept, once, task_of, time_step, timed_of
 
@@ -120,12 +120,14 @@ def pipeline_actions(model, microbatch, stages, schedule, microbatches, tp=1, se
     """The StageActions of built-in ``model`` in a ``stages``-rank pipeline under
     ``schedule`` with ``microbatches`` micro-batches of ``microbatch`` samples, each stage
     cut across ``tp`` ranks: every rank's F, B and W as the engine runs them
-    (stage_actions.py), here on one thread."""
+    (stage_actions.py), each rank on one thread of a process of its own, as many at once
+    as compute at once here (in place of those ``alongside``)."""
     from . import stage_actions
     task = task_of(model, seed)
     return once((model, microbatch, "pipeline", stages, schedule, microbatches, tp, alongside), model,
                 microbatch * microbatches, seed, alongside,
-                lambda: stage_actions.seconds(task, microbatch, stages, schedule, microbatches, tp))
+                lambda: stage_actions.seconds(task, microbatch, stages, schedule, microbatches, tp,
+                                              together=alongside + 1))
 
 
 def encode_seconds(model, spec, replicas, tp=1, seed=0, alongside=0):

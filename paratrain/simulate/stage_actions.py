@@ -1,4 +1,4 @@
-"""A pipeline's stages timed as the engine runs them, one process standing in for every rank.
+"""A pipeline's stages timed as the engine runs them, each rank's neighbours stood in for.
 
 A stage's F, B and W cost what they cost inside the engine's step, in its
 schedule's order: which micro-batches' activations are still held, whether
@@ -15,14 +15,16 @@ tensor group first with ``tp`` > 1) and run by the engine itself
 and whose receives hand over, at once, the activations the stage before
 would send (computed once, beforehand) and gradients of their shapes. What
 the engine records of each action (its timeline) is then its compute alone.
-The ranks take turns a step at a time, so that the host's pace falls on all
-of them alike, each followed by its optimizer step (untimed), as in a run.
-What the stand-ins leave out is the messages themselves (pipeline.py adds a
-send timed between two real stages). And taking turns in one process, the
-ranks leave each other's caches cold, unlike a run's ranks, each computing
-on its own core: under ZB-H1 gpt's last stage reads 11-15% dearer than its
-first here, 2-4% in a run, and 4% (a median) with each rank in a process of
-its own, both computing at once.
+Each rank runs in a process of its own, forked with what it was built from,
+as many ranks at once as compute at once here in a run (the others beside
+the timing pause meanwhile), each step begun together, each followed by its
+optimizer step (untimed), as in a run; more ranks than that take turns a
+step at a time, so that the host's pace falls on all of them alike. Taking turns in one process instead,
+the ranks left each other's caches cold, unlike a run's ranks, each
+computing on its own core: under ZB-H1 gpt's last stage read 11-15% dearer
+than its first that way, 2-4% in a run, and 4% (a median) in processes of
+their own computing at once. What the stand-ins leave out is the messages
+themselves (pipeline.py adds a send timed between two real stages).
 """
 import collections
 import copy
@@ -166,31 +168,95 @@ def stand_in_pipelines(task, microbatch, stages, schedule, microbatches, tp=1):
                   for r, stage in enumerate(built)]
 
 
-def seconds(task, microbatch, stages, schedule, microbatches, tp=1, warmup=2, timed=7):
+RANK_TIMEOUT_S = 300   # seconds a forked rank may take for all its steps
+
+
+def _rank_steps(pipe, optimizer, x, y, steps, turn, done, out):
+    """In a forked process: ``steps`` steps of rank ``pipe``'s stand-in pipeline, each once
+    its group has the ``turn`` (the ranks of a group begin together), its optimizer's step
+    after it (untimed), then the group's barrier ``done``, which hands the turn on; each
+    step's seconds and its F, B and W seconds into ``out`` (4 a step)."""
+    import torch
+    torch.set_num_threads(1)
+    for i in range(steps):
+        if not turn.acquire(timeout=RANK_TIMEOUT_S):
+            raise RuntimeError(f"the ranks timed before this one did not finish their step in {RANK_TIMEOUT_S} s")
+        t0 = time.perf_counter()
+        pipe.step(x if pipe.stage.is_first else None, y if pipe.stage.is_last else None)
+        took = time.perf_counter() - t0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        spans = collections.Counter()
+        for kind, _mb, _c, began, ended in pipe.timeline:
+            spans[kind] += ended - began
+        out[4 * i:4 * i + 4] = [took] + [spans[kind] / sum(spans.values()) * took for kind in "FBW"]
+        done.wait()
+
+
+def _hand_over(turn, ranks):
+    for _ in range(ranks):
+        turn.release()
+
+
+def _run_in_turns(ranks, steps, together):
+    """Each of ``ranks`` ((pipe, optimizer, x, y)) in a forked process of its own, ``together``
+    of them computing at once: the ranks in groups of ``together``, the groups taking turns
+    a step at a time (so the host's pace falls on all alike), a group's ranks beginning
+    each step together; [[(seconds, F, B, W) a step] a rank]. Nothing is pickled: the
+    processes inherit the pipelines and write their timings into shared memory."""
+    import functools
+    import multiprocessing
+    import multiprocessing.connection
+    fork = multiprocessing.get_context("fork")
+    groups = [list(range(first, min(first + together, len(ranks)))) for first in range(0, len(ranks), together)]
+    turns = [fork.Semaphore(0) for _ in groups]
+    dones = [fork.Barrier(len(group), timeout=RANK_TIMEOUT_S,
+                          action=functools.partial(_hand_over, turns[(g + 1) % len(groups)],
+                                                   len(groups[(g + 1) % len(groups)])))
+             for g, group in enumerate(groups)]
+    outs = [fork.Array("d", 4 * steps, lock=False) for _ in ranks]
+    procs = [fork.Process(target=_rank_steps, args=(*ranks[r], steps, turns[g], dones[g], outs[r]), daemon=True)
+             for g, group in enumerate(groups) for r in group]
+    for p in procs:
+        p.start()
+    _hand_over(turns[0], len(groups[0]))
+    deadline, running = time.monotonic() + RANK_TIMEOUT_S, list(procs)
+    while running and time.monotonic() < deadline and all(p.exitcode in (None, 0) for p in procs):
+        ended = multiprocessing.connection.wait([p.sentinel for p in running], deadline - time.monotonic())
+        for p in running:
+            if p.sentinel in ended:
+                p.join()   # its sentinel closes a moment before its exit code can be read
+        running = [p for p in running if p.sentinel not in ended]
+    for p in running:   # one failed (the others would wait for it) or time ran out
+        p.kill()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a process timing a pipeline's ranks failed or did not finish {steps} steps in "
+                           f"{RANK_TIMEOUT_S} s (exit codes {[p.exitcode for p in procs]}; a negative one is "
+                           f"the signal that ended it); its traceback, if it raised, is above")
+    return [[tuple(out[4 * i:4 * i + 4]) for i in range(steps)] for out in outs]
+
+
+def seconds(task, microbatch, stages, schedule, microbatches, tp=1, warmup=2, timed=7, together=1):
     """StageActions of ``task``'s model in a ``stages``-rank pipeline under ``schedule`` with
     ``microbatches`` micro-batches of ``microbatch`` samples (each stage cut across ``tp``
-    ranks, as paratrain train --pp --tp runs it), on this thread: ``timed`` steps of
-    every rank's stand_in_pipelines after ``warmup``, a rank's actions each step scaled
-    to the step's whole time (what the engine does between them is the rank's too)."""
+    ranks, as paratrain train --pp --tp runs it): ``timed`` steps of every rank's
+    stand_in_pipelines after ``warmup``, a rank's actions each step scaled to the step's
+    whole time (what the engine does between them is the rank's too). Each rank runs in
+    a process of its own, ``together`` of them at once (as many as compute at once on
+    this host in a run) in place of as many of the processes computing beside the
+    timing (timing.in_place_of_neighbours), in turns with the others if more."""
     from ..train.optimizer import make_optimizer
     x, y, pipes = stand_in_pipelines(task, microbatch, stages, schedule, microbatches, tp)
-    optimizers = [make_optimizer(task.defaults["optimizer"], pipe.stage.parameters(), task.defaults["lr"])
-                  for pipe in pipes]
-    steps = [[] for _ in pipes]
-    for _ in range(warmup + timed):
-        for r, (pipe, optimizer) in enumerate(zip(pipes, optimizers)):
-            t0 = time.perf_counter()
-            pipe.step(x if pipe.stage.is_first else None, y if pipe.stage.is_last else None)
-            took = time.perf_counter() - t0
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            spans = collections.Counter()
-            for kind, _mb, _c, began, ended in pipe.timeline:
-                spans[kind] += ended - began
-            steps[r].append((took, {kind: span / sum(spans.values()) * took for kind, span in spans.items()}))
-    ranks = []
+    ranks = [(pipe, make_optimizer(task.defaults["optimizer"], pipe.stage.parameters(), task.defaults["lr"]), x, y)
+             for pipe in pipes]
+    together = max(1, min(together, stages))
+    with timing.in_place_of_neighbours(together - 1):
+        steps = _run_in_turns(ranks, warmup + timed, together)
+    out = []
     for kept in (s[warmup:] for s in steps):
-        per_kind = {kind: statistics.median(parts.get(kind, 0.0) for _, parts in kept) / microbatches
-                    for kind in "FBW"}
-        ranks.append(RankActions(**per_kind, jitter=timing.Timed([took for took, _ in kept]).jitter))
-    return StageActions.of_ranks(ranks, microbatches)
+        per_kind = {kind: statistics.median(step[1 + i] for step in kept) / microbatches
+                    for i, kind in enumerate("FBW")}
+        out.append(RankActions(**per_kind, jitter=timing.Timed([step[0] for step in kept]).jitter))
+    return StageActions.of_ranks(out, microbatches)

@@ -129,43 +129,90 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def _compute_until(task, batch, stop, started):
+def _compute_until(task, batch, stop, started, go, idle):
+    """Training steps until ``stop``; while ``go`` is clear, none (``idle`` released once)."""
     import torch
     torch.set_num_threads(1)
     for i, _ in enumerate(training_steps(task, batch)):
         if i == 0:
             started.release()
+        if not go.is_set():
+            idle.release()
+            go.wait()
         if stop.is_set():
             return
 
 
+class _Neighbours:
+    """Processes computing a step beside a timing (``processes``), each until ``stop``; the
+    ones whose ``go`` event is cleared pause after their step, each releasing ``idle``."""
+
+    def __init__(self, processes, stop, go, idle):
+        self.processes, self.stop, self.go, self.idle = processes, stop, go, idle
+
+    @contextlib.contextmanager
+    def paused(self, count):
+        """Within: ``count`` of them compute nothing (each is back once the body ends)."""
+        held = self.go[:max(0, count)]
+        for go in held:
+            go.clear()
+        try:
+            for _ in held:
+                if not self.idle.acquire(timeout=NEIGHBOUR_START_S):
+                    raise RuntimeError(f"a process computing beside the timing did not pause within "
+                                       f"{NEIGHBOUR_START_S} s")
+            yield
+        finally:
+            for go in held:
+                go.set()
+
+    def close(self):
+        self.stop.set()
+        for go in self.go:
+            go.set()
+        for p in self.processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 def _start_neighbours(model, batch, count, seed):
     """``count`` forked processes computing built-in ``model``'s step of ``batch`` samples,
-    returned once each has finished a step; (processes, their stop event)."""
+    returned (a _Neighbours) once each has finished a step."""
     import multiprocessing
     fork = multiprocessing.get_context("fork")
-    stop, started = fork.Event(), fork.Semaphore(0)
-    others = [fork.Process(target=_compute_until, args=(task_of(model, seed), batch, stop, started), daemon=True)
-              for _ in range(count)]
-    for p in others:
+    stop, started, idle = fork.Event(), fork.Semaphore(0), fork.Semaphore(0)
+    go = [fork.Event() for _ in range(count)]
+    for event in go:
+        event.set()
+    others = _Neighbours([fork.Process(target=_compute_until, args=(task_of(model, seed), batch, stop, started,
+                                                                    event, idle), daemon=True)
+                          for event in go], stop, go, idle)
+    for p in others.processes:
         p.start()
     try:
-        for _ in others:
+        for _ in others.processes:
             if not started.acquire(timeout=NEIGHBOUR_START_S):
                 raise RuntimeError(f"a process computing beside the timing did not finish a step of {model} "
                                    f"in {NEIGHBOUR_START_S} s")
     except BaseException:
-        _stop_neighbours(others, stop)
+        others.close()
         raise
-    return others, stop
+    return others
 
 
-def _stop_neighbours(others, stop):
-    stop.set()
-    for p in others:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+_BESIDE = None   # the _Neighbours computing beside the timing in progress, if any
+
+
+@contextlib.contextmanager
+def in_place_of_neighbours(count):
+    """Within: ``count`` of the processes computing beside the timing in progress pause (a
+    timing that runs processes of its own, which compute in their place)."""
+    if _BESIDE is None:
+        yield
+        return
+    with _BESIDE.paused(count):
+        yield
 
 
 class _Standing:
@@ -173,19 +220,20 @@ class _Standing:
     that asks for the same ones, and the pace last taken beside them."""
 
     def __init__(self):
-        self.spec, self.others, self.stop, self.pace = None, [], None, None
+        self.spec, self.others, self.pace = None, None, None
 
     def neighbours(self, spec):
-        """Start the neighbours ``spec`` (model, batch, count, seed) asks for, unless they run."""
+        """The neighbours ``spec`` (model, batch, count, seed) asks for, started unless they run."""
         if spec != self.spec:
             self.close()
-            self.others, self.stop = _start_neighbours(*spec)
+            self.others = _start_neighbours(*spec)
             self.spec = spec
+        return self.others
 
     def close(self):
-        if self.stop is not None:
-            _stop_neighbours(self.others, self.stop)
-        self.spec, self.others, self.stop, self.pace = None, [], None, None
+        if self.others is not None:
+            self.others.close()
+        self.spec, self.others, self.pace = None, None, None
 
 
 _STANDING = None   # a _Standing while inside standing()
@@ -218,20 +266,23 @@ def neighbours(model, batch, count, seed=0):
     starts once each has finished a step: a short timing (a pipeline stage's layers, a
     few hundred milliseconds) would otherwise be over before they compute at all. Inside
     ``standing()`` they go on computing after the body, for the next timing."""
+    global _BESIDE
     if count <= 0:
         if _STANDING is not None and _STANDING.spec is not None:
             _STANDING.close()   # none beside this timing
         yield
         return
     if _STANDING is not None:
-        _STANDING.neighbours((model, batch, count, seed))
-        yield
-        return
-    others, stop = _start_neighbours(model, batch, count, seed)
+        others = _STANDING.neighbours((model, batch, count, seed))
+    else:
+        others = _start_neighbours(model, batch, count, seed)
+    _BESIDE = others
     try:
         yield
     finally:
-        _stop_neighbours(others, stop)
+        _BESIDE = None
+        if _STANDING is None:
+            others.close()
 
 
 PACE_STEPS = 4   # whole steps timed, after one warm-up, for the host's pace around each timing
