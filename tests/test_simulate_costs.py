@@ -216,6 +216,25 @@ def test_calibration_recovers_a_cache_size_and_the_rate_beyond_it():
     assert np.abs(calibrate.relative_errors(one_rate, samples)).max() > 0.1
 
 
+def test_a_cliff_link_charges_every_byte_once_the_buffer_is_past_its_cache_and_calibration_finds_it():
+    """Past a cliff link's cache every byte is charged ``beyond`` more, not only those
+    past it (a ramp); the fit tells the two shapes apart and recovers the cliff, which a
+    ramp misfits."""
+    cliff = Link(alpha=20e-6, beta=0.2e-9, gamma=0.1e-9, cache_bytes=MB, beyond=0.3e-9, cliff=True)
+    assert all_reduce("ring", 2, MB).seconds(cliff) == pytest.approx(all_reduce("ring", 2, MB).seconds(
+        Link(20e-6, 0.2e-9, 0.1e-9)))
+    # 4 MB: 4 MB sent and 2 MB reduced, all of it from beyond the cache
+    assert all_reduce("ring", 2, 4 * MB).seconds(cliff) == pytest.approx(20e-6 * 2 + 4 * MB * 0.2e-9
+                                                                         + 2 * MB * 0.1e-9 + 6 * MB * 0.3e-9)
+    assert cliff.slowed(2).cliff
+    samples = [(a, P, n, all_reduce(a, P, n).seconds(cliff)) for a in ("ring", "tree") for P in (2, 4)
+               for n in (64 << 10, 256 << 10, MB, 2 * MB, 4 * MB, 16 * MB)]
+    got, _ = calibrate.fit(samples)
+    assert got.cliff and got.cache_bytes == MB and got.beyond == pytest.approx(cliff.beyond, rel=0.01)
+    assert np.abs(calibrate.relative_errors(got, samples)).max() < 1e-6
+    assert calibrate._fit_constants(samples, None, 1.0, MB, cliff=False)[1] > 1e-3   # a ramp cannot
+
+
 def test_ranks_sharing_cores_go_at_the_pace_of_the_most_crowded_core():
     assert calibrate.oversubscribed(2, 2, 2.0) == 1.0 and calibrate.oversubscribed(4, None, 2.0) == 1.0
     assert calibrate.oversubscribed(3, 2, 1.0) == 2.0            # two ranks on one core: twice the time

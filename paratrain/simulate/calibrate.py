@@ -40,7 +40,13 @@ things make it a careful one:
   DRAM, so one beta is too slow for 256 KiB and too fast for 16 MiB. The fit
   also tries a cache size from CACHES, charging the share of the bytes past
   it a fourth constant, ``beyond`` (collectives.Link), and keeps it when it
-  fits better; with it, the same enumeration is over four unknowns.
+  fits better; with it, the same enumeration is over four unknowns. The
+  share past it takes two shapes, and the fit keeps the better: a ramp (the
+  bytes beyond the cache's size) or a cliff (every byte, once the buffer is
+  past it: an in-order sweep through a least-recently-used cache misses on
+  every line). Ranks with a core each fit the ramp; ranks sharing cores,
+  evicting each other's lines, the cliff (all_reduce at 3 and 4 ranks on 2
+  cores: 1 MiB at 0.8 ns a byte, 2 to 16 MiB at 1.0-1.1).
 """
 import itertools
 import math
@@ -74,10 +80,10 @@ def time_shared(P, cores):
     return max(1.0, P / cores) if cores else 1.0
 
 
-def terms_matrix(samples, cores=None, contention=1.0, cache_bytes=0):
+def terms_matrix(samples, cores=None, contention=1.0, cache_bytes=0, cliff=False):
     """(rows of [steps, sent, reduced, bytes past the cache], measured seconds) for samples
     (algorithm, P, n, seconds)."""
-    probe = Link(0.0, 0.0, 0.0, cache_bytes)
+    probe = Link(0.0, 0.0, 0.0, cache_bytes, cliff=cliff)
     rows, times = [], []
     for algorithm, P, n, seconds in samples:
         t = all_reduce(algorithm, P, n)
@@ -118,15 +124,16 @@ def fit(samples, cores=None, caches=CACHES):
     ``caches``: the cache sizes tried (see above; (0,) fits one rate)."""
     if len(samples) < 2 or not all(s[-1] > 0 for s in samples):
         raise ValueError("calibration needs at least two measurements, each of a positive time")
-    tried = [(_fit_constants(samples, cores, k, c), k) for k in (CONTENTION if cores else (1.0,)) for c in caches]
+    tried = [(_fit_constants(samples, cores, k, c, cliff), k) for k in (CONTENTION if cores else (1.0,))
+             for c in caches for cliff in ((False, True) if c else (False,))]
     (link, _), k = min(tried, key=lambda r: r[0][1])
     return link, k
 
 
-def _fit_constants(samples, cores, contention, cache_bytes=0):
-    """(Link, squared relative error) of the best non-negative constants for one exponent
-    and one cache size."""
-    A, t = terms_matrix(samples, cores, contention, cache_bytes)
+def _fit_constants(samples, cores, contention, cache_bytes=0, cliff=False):
+    """(Link, squared relative error) of the best non-negative constants for one exponent,
+    one cache size and one shape of the bytes past it."""
+    A, t = terms_matrix(samples, cores, contention, cache_bytes, cliff)
     A, b = A / t[:, None], np.ones_like(t)   # relative error: (prediction - t) / t
     unknowns = 4 if cache_bytes else 3
     best, best_error = np.zeros(4), np.inf
@@ -141,12 +148,12 @@ def _fit_constants(samples, cores, contention, cache_bytes=0):
             if error < best_error - 1e-12:
                 best, best_error = full, error
     alpha, beta, gamma, beyond = map(float, best)
-    return Link(alpha, beta, gamma, cache_bytes if beyond else 0.0, beyond), best_error
+    return Link(alpha, beta, gamma, cache_bytes if beyond else 0.0, beyond, bool(beyond) and cliff), best_error
 
 
 def relative_errors(link, samples, cores=None, contention=1.0):
     """(prediction - measured) / measured, per sample."""
-    A, t = terms_matrix(samples, cores, contention, link.cache_bytes)
+    A, t = terms_matrix(samples, cores, contention, link.cache_bytes, link.cliff)
     return (A @ np.array([link.alpha, link.beta, link.gamma, link.beyond]) - t) / t
 
 

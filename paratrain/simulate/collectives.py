@@ -25,18 +25,22 @@ class Link:
     reductions over a working set that fits a core's cache run at beta and gamma, and
     the share of the bytes beyond ``cache_bytes`` costs ``beyond`` seconds a byte more,
     streamed from the shared cache or DRAM. ``cache_bytes`` 0: one rate for all sizes
-    (a network link, whose wire is slower than either)."""
+    (a network link, whose wire is slower than either). With ``cliff``, a working set
+    past the cache streams every byte from beyond it: a buffer swept in order through a
+    least-recently-used cache smaller than it misses on every line, each evicted before
+    it is used again (ranks sharing a core evict each other's lines between sweeps)."""
     alpha: float
     beta: float
     gamma: float = 0.0
     cache_bytes: float = 0.0
     beyond: float = 0.0
+    cliff: bool = False
 
     def far_share(self, footprint):
         """The share of a ``footprint``-byte working set's traffic past the cache."""
         if not self.cache_bytes or footprint <= self.cache_bytes:
             return 0.0
-        return 1.0 - self.cache_bytes / footprint
+        return 1.0 if self.cliff else 1.0 - self.cache_bytes / footprint
 
     @classmethod
     def from_rates(cls, gbps, latency_us, reduce_gbps=None):
@@ -47,7 +51,7 @@ class Link:
     def slowed(self, k):
         """This link when each rank has 1/k of a core (k ranks to a core): every term k times."""
         return self if k == 1 else Link(self.alpha * k, self.beta * k, self.gamma * k, self.cache_bytes,
-                                        self.beyond * k)
+                                        self.beyond * k, self.cliff)
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ def calibrate_here(path, rates=None):
     for name, (link, contention) in links.items():
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
         far = (f"; past {link.cache_bytes / 1024:.0f} KiB, {link.beyond * 1e9:.4f} ns/byte more"
-               if link.cache_bytes else "")
+               + (" for every byte" if link.cliff else " for the bytes past it") if link.cache_bytes else "")
         shared = any(P > cores for _, P, _, _ in samples.get(name, ()))
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
               f"gamma {link.gamma * 1e9:.4f} ns/byte{far}"
