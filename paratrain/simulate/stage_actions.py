@@ -19,12 +19,13 @@ Each rank runs in a process of its own, forked with what it was built from,
 as many ranks at once as compute at once here in a run (the others beside
 the timing pause meanwhile), each step begun together, each followed by its
 optimizer step (untimed), as in a run; more ranks than that take turns a
-step at a time, so that the host's pace falls on all of them alike. Taking turns in one process instead,
-the ranks left each other's caches cold, unlike a run's ranks, each
-computing on its own core: under ZB-H1 gpt's last stage read 11-15% dearer
-than its first that way, 2-4% in a run, and 4% (a median) in processes of
-their own computing at once. What the stand-ins leave out is the messages
-themselves (pipeline.py adds a send timed between two real stages).
+step at a time, so that the host's pace falls on all of them alike. Taking
+turns in one process instead, the ranks left each other's caches cold,
+unlike a run's ranks, each computing on its own core: under ZB-H1 gpt's
+last stage read 11-15% dearer than its first that way, 2-4% in a run, and
+4% (a median) in processes of their own computing at once. What the
+stand-ins leave out is the messages themselves (pipeline.py adds a send
+timed between two real stages).
 """
 import collections
 import copy
