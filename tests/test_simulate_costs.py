@@ -145,13 +145,32 @@ def test_a_pretend_link_is_measured_in_a_limited_namespace_and_carries_to_the_hi
     assert all(cmd[:2] == [link.tool("unshare"), "-n"] and "1gbit" in cmd and "--interleave-sizes" in cmd
                for cmd in commands)
     assert [("--hierarchical" in c, c[c.index("-n", 2) + 1]) for c in commands] == [(False, "2"), (True, "4")]
-    fitted, _ = calibrate.fit(got["net"], caches=(0,))
+    fitted = calibrate.fit_network(got["net"])
     errors = calibrate.link_errors(got, fitted, intra, 2, 2.0)
     assert np.abs(errors["net"]).max() < 1e-6 and len(errors["hierarchical"]) == 4
     assert np.abs(errors["hierarchical"]).max() < 1e-6
     # the shm phases count: with every rank on the memory link for free, 16 MiB is under-predicted
     free = Link(0.0, 0.0)
     assert calibrate.link_errors(got, fitted, free, 2, 2.0)["hierarchical"][-1] < -0.01
+
+
+def test_a_network_link_fit_finds_the_floor_a_rate_limited_link_puts_under_small_calls():
+    """A token bucket lets a small call through at the pace of the path under it and a large
+    one at its rate: a call takes the slower of the two. fit_network recovers the floor and
+    the line above it, which one line misfits by more than 10%; without a floor in the
+    samples it fits a line, as fit does."""
+    limited = Link(alpha=100e-6, beta=1.6e-9, floor=2e-3)
+    sizes = [(64 << 10) << i for i in range(9)]
+    samples = [("ring", 2, n, all_reduce("ring", 2, n).seconds(limited)) for n in sizes]
+    assert samples[0][-1] == pytest.approx(2e-3) and samples[-1][-1] > 2e-3
+    got = calibrate.fit_network(samples)
+    assert got.floor == pytest.approx(2e-3, rel=1e-6) and got.beta == pytest.approx(1.6e-9, rel=1e-6)
+    assert np.abs(calibrate.relative_errors(got, samples)).max() < 1e-6
+    line, _ = calibrate.fit(samples, caches=(0,))
+    assert np.abs(calibrate.relative_errors(line, samples)).max() > 0.1
+    plain = [("ring", 2, n, all_reduce("ring", 2, n).seconds(Link(100e-6, 1.6e-9))) for n in sizes]
+    assert calibrate.fit_network(plain).floor == 0.0
+    assert all_reduce("ring", 1, MB).seconds(limited) == 0.0   # no call, no floor
 
 
 def test_a_size_held_out_is_predicted_from_the_others():

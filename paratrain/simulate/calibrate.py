@@ -48,6 +48,7 @@ things make it a careful one:
   evicting each other's lines, the cliff (all_reduce at 3 and 4 ranks on 2
   cores: 1 MiB at 0.8 ns a byte, 2 to 16 MiB at 1.0-1.1).
 """
+import dataclasses
 import itertools
 import math
 import json
@@ -154,7 +155,30 @@ def _fit_constants(samples, cores, contention, cache_bytes=0, cliff=False):
 def relative_errors(link, samples, cores=None, contention=1.0):
     """(prediction - measured) / measured, per sample."""
     A, t = terms_matrix(samples, cores, contention, link.cache_bytes, link.cliff)
-    return (A @ np.array([link.alpha, link.beta, link.gamma, link.beyond]) - t) / t
+    floors = np.array([link.floor * oversubscribed(busy_ranks(a, P), cores, contention) for a, P, _, _ in samples])
+    return (np.maximum(A @ np.array([link.alpha, link.beta, link.gamma, link.beyond]), floors) - t) / t
+
+
+def fit_network(samples):
+    """The Link of a network between pretend hosts (one rate, no cache): alpha, beta and
+    gamma as ``fit`` finds them, or, where it fits better, those of the larger sizes over
+    a ``floor`` the smaller ones take (a rate-limited link's burst: collectives.Link). Each
+    split of the sizes is tried: the floor closest in relative terms to the times below
+    it, the constants fitted to those above, the error taken over all."""
+    best, _ = fit(samples, caches=(0,))
+    best_error = float(np.sum(relative_errors(best, samples) ** 2))
+    ordered = sorted(samples, key=lambda s: s[2])
+    for k in range(1, len(ordered)):
+        below, above = ordered[:k], ordered[k:]
+        if len({s[2] for s in above}) < 2:
+            break
+        inverse = np.array([1.0 / s[-1] for s in below])
+        line, _ = fit(above, caches=(0,))
+        link = dataclasses.replace(line, floor=float(inverse.sum() / (inverse ** 2).sum()))
+        error = float(np.sum(relative_errors(link, samples) ** 2))
+        if error < best_error - 1e-12:
+            best, best_error = link, error
+    return best
 
 
 # ---- this machine: `paratrain bench collectives`, fitted ----------------------------------

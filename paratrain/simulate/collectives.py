@@ -28,13 +28,20 @@ class Link:
     (a network link, whose wire is slower than either). With ``cliff``, a working set
     past the cache streams every byte from beyond it: a buffer swept in order through a
     least-recently-used cache smaller than it misses on every line, each evicted before
-    it is used again (ranks sharing a core evict each other's lines between sweeps)."""
+    it is used again (ranks sharing a core evict each other's lines between sweeps).
+
+    ``floor``: seconds a collective over the link takes at least. A rate-limited link (a
+    token bucket, as a pretend host's loopback is limited) lets a burst through at once:
+    a small message goes at the pace of the path under the bucket (here Gloo and the
+    kernel's TCP, about 2 ms a call on 2 cores), a large one at the bucket's rate, and a
+    call takes the slower of the two, not their sum."""
     alpha: float
     beta: float
     gamma: float = 0.0
     cache_bytes: float = 0.0
     beyond: float = 0.0
     cliff: bool = False
+    floor: float = 0.0
 
     def far_share(self, footprint):
         """The share of a ``footprint``-byte working set's traffic past the cache."""
@@ -51,7 +58,7 @@ class Link:
     def slowed(self, k):
         """This link when each rank has 1/k of a core (k ranks to a core): every term k times."""
         return self if k == 1 else Link(self.alpha * k, self.beta * k, self.gamma * k, self.cache_bytes,
-                                        self.beyond * k, self.cliff)
+                                        self.beyond * k, self.cliff, self.floor * k)
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,9 @@ class Terms:
     footprint: float = field(default=0.0, compare=False)
 
     def seconds(self, link):
-        return (self.steps * link.alpha + self.sent * link.beta + self.reduced * link.gamma
+        cost = (self.steps * link.alpha + self.sent * link.beta + self.reduced * link.gamma
                 + self.far_bytes(link) * link.beyond)
+        return max(link.floor, cost) if self.steps else cost   # (no steps: no call over the link)
 
     def far_bytes(self, link):
         """Bytes moved (sent or reduced) from beyond ``link``'s cache."""

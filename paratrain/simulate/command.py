@@ -140,7 +140,7 @@ def calibrate_here(path, rates=None):
         print(f"paratrain simulate: measuring two pretend hosts joined by {rate} (Gloo between them; "
               "the hierarchical backend at 2 x 2 ranks)...", flush=True)
         got = calibrate.measure_link(rate)
-        net, _ = calibrate.fit(got["net"], caches=(0,))
+        net = calibrate.fit_network(got["net"])
         links[f"net_{rate}"] = (net, 1.0)
         errors = calibrate.link_errors(got, net, intra, cores, intra_k)
         rows += _rows(f"net_{rate}", got["net"], errors["net"])
@@ -169,6 +169,7 @@ def calibrate_here(path, rates=None):
         rate = 8 / link.beta / 1e9 if link.beta else float("inf")
         far = (f"; past {link.cache_bytes / 1024:.0f} KiB, {link.beyond * 1e9:.4f} ns/byte more"
                + (" for every byte" if link.cliff else " for the bytes past it") if link.cache_bytes else "")
+        far += f"; a call takes at least {link.floor * 1e3:.2f} ms" if link.floor else ""
         shared = any(P > cores for _, P, _, _ in samples.get(name, ()))
         print(f"{name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta * 1e9:.4f} ns/byte ({rate:.1f} Gbit/s), "
               f"gamma {link.gamma * 1e9:.4f} ns/byte{far}"
