@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from . import forked
 from .calibrate import time_shared
 
 WORKS_S = (0.001, 0.003, 0.008)   # a rank's work between two synchronizations, in the measurement
@@ -92,10 +93,7 @@ def _iteration_seconds(ranks, passes, iterations, synchronize):
     try:
         return max(out.get(timeout=120) for _ in procs) / iterations
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        forked.end(procs, 10)
 
 
 def measure(cores, works_s=WORKS_S, seconds=1.5):

@@ -13,6 +13,8 @@ import contextlib
 import os
 import time
 
+from . import forked
+
 
 def _serve(address, timeout):
     """The timing's server, its heap kept as ps/server.py's main keeps a job's (its
@@ -51,9 +53,7 @@ def beside_a_server(task, consistency, timeout=30.0):
         if client is not None:
             client.close()
         server.terminate()   # (its segment and doorbells were unlinked once the worker had them)
-        server.join(timeout=10)
-        if server.is_alive():
-            server.kill()
+        forked.end([server], 10)
 
 
 def step_times(task, worker, client, batches):

@@ -33,7 +33,7 @@ import dataclasses
 import statistics
 import time
 
-from . import timing
+from . import forked, timing
 from .compute_only import ComputeOnlyGroup, Done, cut_copy
 
 
@@ -228,10 +228,7 @@ def _run_in_turns(ranks, steps, together):
             if p.sentinel in ended:
                 p.join()   # its sentinel closes a moment before its exit code can be read
         running = [p for p in running if p.sentinel not in ended]
-    for p in running:   # one failed (the others would wait for it) or time ran out
-        p.kill()
-    for p in procs:
-        p.join()
+    forked.end(procs, 0)   # any still running: one failed (the others would wait for it) or time ran out
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"a process timing a pipeline's ranks failed or did not finish {steps} steps in "
                            f"{RANK_TIMEOUT_S} s (exit codes {[p.exitcode for p in procs]}; a negative one is "

@@ -29,6 +29,8 @@ import os
 import statistics
 import time
 
+from . import forked
+
 WARMUP, TIMED = 50, 200
 
 
@@ -51,10 +53,7 @@ def seconds(nbytes, timeout=30.0):
             raise RuntimeError(f"timing a pipeline's send failed: {got}")
         return got
     finally:
-        for p in stages:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        forked.end(stages, 10)
 
 
 def exchange_times(group, values, n, between=lambda: None):

@@ -13,7 +13,7 @@ import functools
 import statistics
 import time
 
-from . import waits
+from . import forked, waits
 
 # A gpt step here varies by 10-15% from step to step and its median over 25 steps by 5%
 # from one stretch of seconds to the next: 20 steps after 5 put the timing's median
@@ -170,10 +170,7 @@ class _Neighbours:
         self.stop.set()
         for go in self.go:
             go.set()
-        for p in self.processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        forked.end(self.processes, 30)
 
 
 def _start_neighbours(model, batch, count, seed):
