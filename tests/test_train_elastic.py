@@ -111,12 +111,17 @@ def test_lost_ranks_and_a_joiner_end_with_the_parameters_of_a_run_that_lost_noth
     res, summary = check_run(runs, "lost_and_joined")
     events = summary["elastic_events"]
     lost = [e for e in events if e["kind"] == "lost"]
-    assert lost[0]["ranks"] == [0] and lost[0]["world_size"] == WORKERS - 1 and lost[0]["step"] == 11, events
+    # the replacement may start in time to join the very reform that lets rank 0 go (a
+    # slow host's loss takes longer to notice): then that world already holds it
+    joined_with_it = sum(len(e["ranks"]) for e in events if e["kind"] == "joined" and e["step"] == 11
+                         and e["world_size"] == lost[0]["world_size"] == WORKERS)   # (one reform: one world)
+    resumed_on = WORKERS - 1 + joined_with_it
+    assert lost[0]["ranks"] == [0] and lost[0]["world_size"] == resumed_on and lost[0]["step"] == 11, events
     assert any(e["kind"] == "joined" for e in events), events
     # died in the commit at step 30: the others had not agreed on it, and went back to the one before
     assert any(e["workers"] == [3] and e["step"] == 30 and e["commit_step"] == 30 - COMMIT_EVERY
                for e in lost), events
-    assert "rank 0 lost at step 11; resumed on 3 workers" in res.stdout
+    assert f"rank 0 lost at step 11; resumed on {resumed_on} workers" in res.stdout
     assert summary["workers_at_start"] == WORKERS
     # traced: each worker's file is named by its id (ranks move); the killed one's was left empty
     trace = json.loads((runs["lost_and_joined"][1] / "trace.json").read_text())
