@@ -352,8 +352,15 @@ def rank(model, workers, cluster, memory_gb=None, batch_size=None, common=None):
                                         f"over --memory-gb {memory_gb:g}"))
             else:
                 ranked.append((layout, step, held))
-    ranked.sort(key=lambda r: -r[1].samples_per_s)   # step times of different batches do not compare
-    return ranked, dropped
+    return best_first(ranked), dropped
+
+
+def best_first(ranked):
+    """[(Layout, Step, bytes held)] by predicted samples per second (step times of different
+    batches do not compare), and of two equally fast, the one that holds less first: a
+    layout's memory is its headroom for a larger batch or model (ZeRO-1 and 2 move the same
+    bytes when the gradients fit one bucket, and 2 holds less)."""
+    return sorted(ranked, key=lambda r: (-r[1].samples_per_s, r[2]))
 
 
 def command_line(model, workers, layout):
