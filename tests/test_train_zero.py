@@ -36,12 +36,17 @@ def test_zero_stages_train_as_allreduce_and_resume_across_stages_and_strategies(
     dp_on, res = side_by_side(
         (tmp_path / "dp-on", *common, "--steps", "6", "--workers", "3", "--resume", str(dp_run / "checkpoint.pt")),
         (tmp_path / "z-on", *common, "--steps", "6", "--workers", "3", "--strategy", "zero", "--stage", "1",
-         "--resume", str(z3_run / "checkpoint.pt")))
+         "--resume", str(z3_run / "checkpoint.pt"), "--straggler", "1:3"))
     ok(dp_on)
     ok(res)
     assert "starts afresh" not in res.stdout
     z1_run, z1 = _run(tmp_path / "z-on")
     _same(_run(tmp_path / "dp-on")[1], z1)
+    # rank 1 computes 3x slower (it sleeps, which changes no number): the others wait for it in
+    # stage 1's reduce-scatters, inside the engine's step, and report that as waiting
+    workers = {w["rank"]: w for w in json.loads((z1_run / "summary.json").read_text())["per_worker"]}
+    assert workers[1]["slowdown_s"] > 0 and workers[0]["slowdown_s"] == 0
+    assert workers[0]["comm_wait_s"] > 0.5 * workers[1]["slowdown_s"], workers
     # the bytes each rank handed to collectives: stage 1 reduce-scatters and gathers n a step (2
     # steps here, n padded to a multiple of 3 a unit); stage 3 gathers twice more (and to evaluate)
     n = sum(p.numel() * 4 for p in _digits_params())

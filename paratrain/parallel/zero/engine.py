@@ -145,9 +145,10 @@ class ZeRO:
         return self._moved + (self.gathering.gathered_bytes if self.gathering else 0)
 
     def blocked_seconds(self):
-        """Seconds this rank has waited in its reduce-scatters and stage 3's gathers (a
-        prefetched one: only what was left when its unit needed it), so far: a training
-        step counts them as waiting for the others, not as compute."""
+        """Seconds this rank has waited in its reduce-scatters, stages 1 and 2's all-gathers
+        after the step and stage 3's gathers (a prefetched one: only what was left when its
+        unit needed it), so far: a training step counts them as waiting for the others, not
+        as compute."""
         return self._blocked + (self.gathering.blocked_seconds if self.gathering else 0.0)
 
     @property
@@ -262,8 +263,10 @@ class ZeRO:
         self.optimizer.step()
         if self.stage < 3:   # every rank's updated chunks back into every rank's parameters
             for u in self.units:
+                t0 = time.perf_counter()
                 with trace.label(u.name):
                     self.group.all_gather(u.flat, u.shard.detach().clone())
+                self._blocked += time.perf_counter() - t0
                 self._moved += u.flat.nbytes
 
     def zero_grad(self):

@@ -100,8 +100,12 @@ class ZeroStep(GroupStep):
         return loss
 
     def after_backward(self):
+        """The engine's step: stage 1's reduce-scatters (which wait for the slowest rank, as
+        stage 2's do in backward) and stages 1 and 2's all-gathers counted as waiting too."""
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
+        blocked = self.engine.blocked_seconds()
         self.engine.step()
+        self.stats.blocked(max(0.0, self.engine.blocked_seconds() - blocked))
         self.engine.zero_grad()
         moved = self.engine.bytes_moved()   # (counted from 0 again when an elastic world re-lays it out)
         self.stats.bytes += moved - self._moved if moved >= self._moved else moved
