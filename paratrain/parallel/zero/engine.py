@@ -45,6 +45,7 @@ The memory this holds is measured by ``memory()`` (the storages actually
 allocated), to set beside the paper's formulas: DP (4+4+8)P, stage 1
 (4+4)P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
 """
+import contextlib
 import math
 import time
 
@@ -106,7 +107,7 @@ class ZeRO:
         self.gathering = (Gathering(self.units, self.group, prefetch, self._backward_started) if stage == 3
                           else None)
         self._moved = 0   # bytes of the buffers this rank reduce-scattered and gathered after a step
-        self._blocked = 0.0   # seconds this rank's reduce-scatters blocked it (blocked_seconds)
+        self._blocked = 0.0   # seconds this rank's reduce-scatters and all-gathers blocked it (blocked_seconds)
 
     def regroup(self, group):
         """Go on over ``group``, a world of another size that pt.elastic formed: this engine
@@ -150,6 +151,15 @@ class ZeRO:
         unit needed it), so far: a training step counts them as waiting for the others, not
         as compute."""
         return self._blocked + (self.gathering.blocked_seconds if self.gathering else 0.0)
+
+    @contextlib.contextmanager
+    def _blocking(self, u):
+        """A collective of unit ``u``'s, labelled with it in the trace, its time added to
+        blocked_seconds."""
+        t0 = time.perf_counter()
+        with trace.label(u.name):
+            yield
+        self._blocked += time.perf_counter() - t0
 
     @property
     def prefetched(self):
@@ -216,10 +226,8 @@ class ZeRO:
         full gradients dropped (stage 3: and the gathered parameters)."""
         flat = u.flat_of([p.grad for _, p in u.params])
         mine = torch.empty(u.chunk, dtype=flat.dtype)
-        t0 = time.perf_counter()
-        with trace.label(u.name):
+        with self._blocking(u):
             self.group.reduce_scatter(mine, flat, op="avg")
-        self._blocked += time.perf_counter() - t0
         self._moved += flat.nbytes
         if u.shard.grad is None:
             u.shard.grad = mine
@@ -263,10 +271,8 @@ class ZeRO:
         self.optimizer.step()
         if self.stage < 3:   # every rank's updated chunks back into every rank's parameters
             for u in self.units:
-                t0 = time.perf_counter()
-                with trace.label(u.name):
+                with self._blocking(u):
                     self.group.all_gather(u.flat, u.shard.detach().clone())
-                self._blocked += time.perf_counter() - t0
                 self._moved += u.flat.nbytes
 
     def zero_grad(self):

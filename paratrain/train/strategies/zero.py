@@ -21,6 +21,7 @@ Checkpoints (``--checkpoint-format``):
 
 A resume reads whichever the run directory holds.
 """
+import contextlib
 import os
 
 import torch
@@ -94,18 +95,22 @@ class ZeroStep(GroupStep):
         """The step's forward and backward; the time they were blocked in the engine's
         collectives (stage 2's and 3's reduce-scatters, stage 3's gathers) counted as
         waiting, so the trainer's compute is the compute's alone, as with data parallelism."""
+        with self._counting_blocked():
+            return super().forward_backward(task, batch)
+
+    @contextlib.contextmanager
+    def _counting_blocked(self):
+        """What the engine's collectives blocked this rank inside the block, counted as waiting."""
         blocked = self.engine.blocked_seconds()
-        loss = super().forward_backward(task, batch)
+        yield
         self.stats.blocked(max(0.0, self.engine.blocked_seconds() - blocked))   # (an elastic re-layout starts at 0)
-        return loss
 
     def after_backward(self):
         """The engine's step: stage 1's reduce-scatters (which wait for the slowest rank, as
         stage 2's do in backward) and stages 1 and 2's all-gathers counted as waiting too."""
         self.held = self.engine.memory()   # the most a step holds outside a stage-3 layer's gather
-        blocked = self.engine.blocked_seconds()
-        self.engine.step()
-        self.stats.blocked(max(0.0, self.engine.blocked_seconds() - blocked))
+        with self._counting_blocked():
+            self.engine.step()
         self.engine.zero_grad()
         moved = self.engine.bytes_moved()   # (counted from 0 again when an elastic world re-lays it out)
         self.stats.bytes += moved - self._moved if moved >= self._moved else moved
