@@ -359,8 +359,9 @@ def best_first(ranked):
     """[(Layout, Step, bytes held)] by predicted samples per second (step times of different
     batches do not compare), and of two equally fast, the one that holds less first: a
     layout's memory is its headroom for a larger batch or model (ZeRO-1 and 2 move the same
-    bytes when the gradients fit one bucket, and 2 holds less)."""
-    return sorted(ranked, key=lambda r: (-r[1].samples_per_s, r[2]))
+    bytes when the gradients fit one bucket, and 2 holds less). Equal to nine digits: the
+    two stages' sums, added in another order, differ in their last bits."""
+    return sorted(ranked, key=lambda r: (-float(f"{r[1].samples_per_s:.9g}"), r[2]))
 
 
 def command_line(model, workers, layout):
