@@ -488,3 +488,46 @@ def test_each_part_of_a_prediction_is_brought_to_the_pace_of_the_first(monkeypat
         assert timing.once(("paced", 2), "mlp", 8, 0, 0, lambda: 1 / 0) == slow   # once per key
     finally:
         timing.forget_timings()
+
+
+def test_a_part_run_step_by_step_is_timed_by_turns_with_whole_steps_at_their_pace(monkeypatch):
+    """timing.paired times each of a part's steps just after a whole step and keeps the
+    median of their ratios at the first pace: a host whose speed doubles and halves from
+    one pair to the next, which a part timed apart from its paces would catch at one
+    speed, moves nothing. Its jitter is the part's own spread at that pace; the part's
+    generator is closed after (a server or an engine it holds let go); once per key;
+    inside standing() the pace after it is the next part's pace before."""
+    import itertools
+    import statistics
+
+    from paratrain.simulate import timing
+    speeds = [1.0, 2.0, 1.0, 3.0, 1.0, 2.0]   # the host, pair after pair (a pair out of step: 0.05)
+    monkeypatch.setattr(timing, "whole_steps",
+                        lambda model, seed=0: (0.1 * s for s in itertools.cycle(speeds)))
+    closed = []
+
+    def part():
+        try:
+            for s in itertools.cycle(speeds):
+                yield 0.04 * s
+        finally:
+            closed.append(True)
+    timing.forget_timings()
+    try:
+        with timing.standing():
+            timing._TIMED[("pace", "mlp", 0)] = 0.2   # the first pace taken: the host half as fast
+            timed = timing.paired(("pairs", 1), "mlp", 8, 0, 0, part)
+            assert timed == pytest.approx(0.08) and closed == [True]
+            timed_speeds = list(itertools.islice(itertools.cycle(speeds), timing.WARMUP, timing.WARMUP + timing.PAIRS))
+            spread = timing.waits.step_to_step_spread([0.04 * s for s in timed_speeds])
+            pace = 0.1 * statistics.median(timed_speeds)
+            assert timed.jitter == pytest.approx(spread * 0.2 / pace)   # the part's spread, at the pace of 0.2
+            assert timing.paired(("pairs", 1), "mlp", 8, 0, 0, lambda: 1 / 0) is timed   # once per key
+            # the last whole steps' median is the next part's pace before; only its pace after is taken
+            last = 0.1 * statistics.median(timed_speeds[-timing.PACE_STEPS:])
+            paces = iter([0.3])
+            monkeypatch.setattr(timing, "pace_seconds", lambda model, seed=0: next(paces))
+            monkeypatch.setattr(timing, "PART_TIMINGS", 1)
+            assert timing.once(("pairs", 2), "mlp", 8, 0, 0, lambda: 0.05) == pytest.approx(0.05 * 0.2 / ((last + 0.3) / 2))
+    finally:
+        timing.forget_timings()

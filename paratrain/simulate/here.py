@@ -26,7 +26,7 @@ from .collectives import Link
 from .compute_only import ComputeOnlyGroup, cut_copy
 from .crowding import Crowding
 from .system import Cluster, Workload
-from .timing import batches, kept, once, task_of, time_step, timed_of
+from .timing import batches, kept, once, paired, task_of, time_step, timed_of, training_steps
 
 
 def _shape(task):
@@ -75,16 +75,16 @@ def step_seconds(model, batch, seed=0, alongside=0):
 
 
 def cut_step_seconds(model, batch, tp, seed=0, alongside=0):
-    """A training step (time_step) on ``batch`` samples of built-in ``model`` cut across ``tp``
-    workers by its tensor plan (as paratrain train --tp cuts it), one worker's share, on one
-    thread; its collectives left out (ComputeOnlyGroup)."""
+    """A training step (training_steps) on ``batch`` samples of built-in ``model`` cut across
+    ``tp`` workers by its tensor plan (as paratrain train --tp cuts it), one worker's share,
+    on one thread; its collectives left out (ComputeOnlyGroup); each step timed just after
+    a whole step (timing.paired)."""
     task = task_of(model, seed)
     if task.tensor_plan is None:
         raise ValueError(f"{model} has no tensor plan: paratrain train --tp does not cut it")
 
-    def measure():
-        return time_step(task, batch, model=cut_copy(task, tp))
-    return once((model, batch, "tp", tp, alongside), model, batch, seed, alongside, measure)
+    return paired((model, batch, "tp", tp, alongside), model, batch, seed, alongside,
+                  lambda: training_steps(task, batch, model=cut_copy(task, tp)))
 
 
 def zero3_compute_seconds(model, batch, workers, seed=0, alongside=0):
@@ -112,8 +112,7 @@ def zero3_compute_seconds(model, batch, workers, seed=0, alongside=0):
             engine.step()
             engine.zero_grad()
             yield computed
-    return once((model, batch, "zero3", workers, alongside), model, batch, seed, alongside,
-                lambda: timed_of(steps()))
+    return paired((model, batch, "zero3", workers, alongside), model, batch, seed, alongside, steps)
 
 
 def pipeline_actions(model, microbatch, stages, schedule, microbatches, tp=1, seed=0, alongside=0):
@@ -225,11 +224,11 @@ def ps_step_seconds(model, consistency="asp", seed=0, alongside=0):
     from . import ps_step
     task = task_of(model, seed)
 
-    def measure():
+    def steps():
         with ps_step.beside_a_server(task, consistency) as (worker, client):
-            return timed_of(ps_step.step_times(task, worker, client, batches(task, task.defaults["batch_size"])))
-    return once((model, "ps step", consistency, alongside), model, task.defaults["batch_size"], seed, alongside,
-                 measure)
+            yield from ps_step.step_times(task, worker, client, batches(task, task.defaults["batch_size"]))
+    return paired((model, "ps step", consistency, alongside), model, task.defaults["batch_size"], seed, alongside,
+                  steps)
 
 
 def stage_send_seconds(nbytes):

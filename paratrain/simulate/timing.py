@@ -5,8 +5,11 @@ here.py times the parts a prediction needs (a whole step, a pipeline's stages, a
 model's step, a compressor, the optimizer); this file is how each is timed: ``once``
 runs a ``measure()`` under ``one_thread`` and ``neighbours`` and keeps it per key until
 ``forget_timings``, the median of a few timings each brought to the pace of the first
-part timed (``pace_seconds``); a step's seconds come back as a ``Timed`` (the median,
-and its spread from one step to the next, which waits.py charges).
+part timed (``pace_seconds``); ``paired`` times a part that runs step after step (a cut
+model's, ZeRO-3's, a parameter-server worker's) each step just after a whole step
+instead, and keeps the median of their ratios at that pace. A step's seconds come back
+as a ``Timed`` (the median, and its spread from one step to the next, which waits.py
+charges).
 """
 import contextlib
 import functools
@@ -294,8 +297,7 @@ PART_TIMINGS = 3
 def pace_seconds(model, seed=0):
     """The median of a few training steps of built-in ``model``'s default batch: how fast
     this host computes just now."""
-    task = task_of(model, seed)
-    return float(time_step(task, task.defaults["batch_size"], warmup=1, timed=PACE_STEPS))
+    return float(timed_of(whole_steps(model, seed), warmup=1, timed=PACE_STEPS))
 
 
 PACE_FRESH_S = 1.0   # a pace taken this long before a timing still stands for the moment it starts
@@ -347,3 +349,53 @@ def once(key, model, batch, seed, alongside, measure, paced=True):
                 _STANDING.pace = ((model, seed, alongside), after, time.monotonic())
         _TIMED[key] = statistics.median_low(paced_values)   # one of them, a Timed with its jitter
     return _TIMED[key]
+
+
+PAIRS = 25   # a part's steps each timed just after a whole step, after WARMUP of each
+
+
+def whole_steps(model, seed=0):
+    """Seconds of each training step of built-in ``model``'s default batch, forever (the
+    steps ``pace_seconds`` takes the median of)."""
+    task = task_of(model, seed)
+    return training_steps(task, task.defaults["batch_size"])
+
+
+def interleaved(whole, part, warmup=WARMUP, pairs=PAIRS):
+    """([whole step seconds], [part step seconds]) of ``pairs`` steps of each generator taken
+    by turns, whole then part, after ``warmup`` of each taken the same way."""
+    wholes, parts = [], []
+    for _ in range(warmup + pairs):
+        wholes.append(next(whole))
+        parts.append(next(part))
+    return wholes[warmup:], parts[warmup:]
+
+
+def paired(key, model, batch, seed, alongside, part_steps):
+    """A part's step (``part_steps()``: a generator of its seconds, one step after another)
+    of built-in ``model`` on one thread with ``alongside`` processes computing its step of
+    ``batch`` samples beside it, at one pace; once per ``key`` until forget_timings.
+
+    ``once`` paces a part by whole steps timed before and after it, seconds apart; the
+    host's speed moves within those seconds (a gpt step here took 74-92 ms at one moment
+    and 201 ms minutes later), and a part timed at a fast moment put ZeRO-3 first in a
+    plan where it ran 11% behind. Here each of the part's steps is timed just after a
+    whole step of the model's default batch, a tenth of a second apart: the two see the
+    same host, and the median of their ratios, times the first pace since forget_timings,
+    is the part at that pace (a Timed: its jitter the part's own step-to-step spread)."""
+    if key not in _TIMED:
+        with one_thread(), neighbours(model, batch, alongside, seed):
+            steps = part_steps()
+            try:
+                wholes, parts = interleaved(whole_steps(model, seed), steps)
+            finally:
+                steps.close()   # (a part's generator may hold a server or an engine)
+            pace = statistics.median(wholes)
+            base = _TIMED.setdefault(("pace", model, alongside), pace)
+            ratio = statistics.median(p / w for w, p in zip(wholes, parts))
+            if _STANDING is not None:
+                _STANDING.pace = ((model, seed, alongside), statistics.median(wholes[-PACE_STEPS:]),
+                                  time.monotonic())
+        _TIMED[key] = Timed.of(ratio * base, waits.step_to_step_spread(parts) * base / pace)
+    return _TIMED[key]
+
